@@ -1,0 +1,86 @@
+"""Decode-step timings of a model preset (random weights): model.step alone, then
+sampling + commit, then the codec decode of one packet, at several batch sizes.
+
+    python -m loadtest.bench_step --preset tiny --threads 1 --batch 1 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from models.config import FRAME_RATE
+from models.loading import load_bundle
+
+
+def bench(fn, n: int) -> float:
+    for _ in range(max(3, n // 10)):
+        fn()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--codec", default="small")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from server.runner import ModelRunner
+    from models.guidance import GuidanceState
+    from models import graphemes
+    import numpy as np
+
+    bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
+    out = {"preset": args.preset, "threads": args.threads, "device": args.device, "rows": []}
+    for b in args.batch:
+        runner = ModelRunner(bundle, b)
+        voice = runner.make_voice("v", np.random.randn(24000).astype(np.float32) * 0.1, 24000)
+        slots = list(range(b))
+        for s in slots:
+            runner.admit(s, voice, seed=s)
+            runner.add_chunk(s, list(range(100, 112)), 0, 0)
+        st = runner.state
+        with torch.inference_mode():
+            def model_only():
+                view = st.view(slots)
+                mask = st.window_mask(view, [0] * b, [0] * b)
+                bundle.model.step(view.inputs, view.step, view, mask)
+            t_model = bench(model_only, args.steps)
+            guides = [GuidanceState() for _ in slots]
+            for g in guides:
+                g.extend_transcript(graphemes.text_to_ids("hello world this is a test"))
+            def full_step():
+                runner.step(slots, [(0, 0)] * b, guides, [1.0] * b, [20] * b, [False] * b)
+            t_full = bench(full_step, args.steps)
+            pf = 6
+            frames = [[[1] * bundle.model.cfg.n_acoustic_codebooks] * pf] * b
+            t_codec = bench(lambda: runner.decode(slots, frames), max(10, args.steps // 5))
+        row = {
+            "batch": b, "model_step_ms": t_model * 1e3, "full_step_ms": t_full * 1e3,
+            "codec_6_frames_ms": t_codec * 1e3,
+            "per_frame_ms": (t_full + t_codec / pf) * 1e3,
+            "realtime_sessions_bound": b * (1000 / FRAME_RATE) / ((t_full + t_codec / pf) * 1e3),
+        }
+        out["rows"].append(row)
+        print(json.dumps(row))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""Cross-attention over [enrollment ; text window] with rotary text positions (Eq. 1).
+
+The query at frame t is rotated by t, text keys by their assigned speech-timeline
+positions tau_i, tau_i + 1, ...; enrollment keys are not rotated. Keys and values are
+projected once (per voice / per chunk) and cached unrotated; rotation happens at
+attention time so the server can re-place future chunks without re-projecting.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape positions.shape + (head_dim // 2,)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    ang = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of the last dim; cos/sin broadcast over heads."""
+    if x.dtype != cos.dtype:
+        return apply_rope(x.to(cos.dtype), cos, sin).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, rope_base: float = 10_000.0):
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.rope_base = rope_base
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        self.kv_proj = nn.Linear(d_model, 2 * d_model, bias=False)
+        self.out_proj = nn.Linear(d_model, d_model, bias=False)
+
+    def project_memory(self, mem: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, L, D] -> unrotated K, V of shape [B, H, L, hd] (the cached form)."""
+        b, l, _ = mem.shape
+        kv = self.kv_proj(mem).view(b, l, 2, self.n_heads, self.head_dim)
+        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+
+    def attend(
+        self,
+        x: torch.Tensor,  # [B, T, D] queries
+        query_pos: torch.Tensor,  # [B, T] frame index t
+        enr_k: torch.Tensor, enr_v: torch.Tensor,  # [B, H, N, hd], unrotated
+        txt_k: torch.Tensor, txt_v: torch.Tensor,  # [B, H, L, hd], unrotated
+        txt_pos: torch.Tensor,  # [B, L] assigned positions
+        txt_mask: torch.Tensor,  # [B, L] or [B, T, L] bool: key visible
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        qc, qs = rope_angles(query_pos, self.head_dim, self.rope_base)
+        kc, ks = rope_angles(txt_pos, self.head_dim, self.rope_base)
+        q_rot = apply_rope(q, qc.unsqueeze(1), qs.unsqueeze(1))
+        k_rot = apply_rope(txt_k, kc.unsqueeze(1), ks.unsqueeze(1))
+        scale = 1.0 / math.sqrt(self.head_dim)
+        # Eq. 1: one softmax over [unrotated enrollment scores ; rotated text scores]
+        s_enr = torch.matmul(q, enr_k.transpose(-1, -2)) * scale
+        s_txt = torch.matmul(q_rot, k_rot.transpose(-1, -2)) * scale
+        mask = txt_mask if txt_mask.dim() == 3 else txt_mask.unsqueeze(1)
+        s_txt = s_txt.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        w = torch.softmax(torch.cat((s_enr, s_txt), dim=-1), dim=-1)
+        n = enr_k.shape[2]
+        out = torch.matmul(w[..., :n], enr_v) + torch.matmul(w[..., n:], txt_v)
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def attend_step(self, x: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
+                    mem_k: torch.Tensor, mem_v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Eq. 1 for one query per session, in one fused attention call.
+
+        x [B, D]; q_cos/q_sin [B, 1, hd/2] (the query's frame); mem_k [B, H, N+L, 2*hd]
+        holds enrollment keys in the first half of the last dim and *rotated* text keys
+        in the second half (zeros elsewhere), so [q ; RoPE(q, t)] . k gives the
+        unrotated enrollment scores and the rotated text scores at once; mem_v
+        [B, H, N+L, hd]; bias [B, 1, 1, N+L] (0 or -inf: the np/nf window).
+        """
+        b = x.shape[0]
+        q = self.q_proj(x).view(b, self.n_heads, 1, self.head_dim)
+        q2 = torch.cat((q, apply_rope(q, q_cos, q_sin)), dim=-1)
+        out = F.scaled_dot_product_attention(q2, mem_k, mem_v, attn_mask=bias, scale=1.0 / math.sqrt(self.head_dim))
+        return self.out_proj(out.view(b, -1))
+
+
+def window_chunk_range(c: int, n_past: Optional[int], n_future: int, n_chunks: int) -> tuple[int, int]:
+    """Chunks visible at a frame whose current chunk is c: c-np .. c+nf, clipped to the
+    chunks that exist (n_past None = unbounded, the paper's offline mode np=inf)."""
+    lo = 0 if n_past is None else max(0, c - n_past)
+    hi = min(n_chunks - 1, c + n_future)
+    return lo, hi
+
+
+def current_chunk(t: int, taus: list[int]) -> int:
+    """c(t): index of the last chunk whose start tau_i <= t (0 before the first)."""
+    c = 0
+    for i, tau in enumerate(taus):
+        if tau <= t:
+            c = i
+        else:
+            break
+    return c
+
+
+def streaming_dropout_mask(
+    query_pos: torch.Tensor,  # [B, T]
+    key_pos: torch.Tensor,  # [B, L]
+    key_valid: torch.Tensor,  # [B, L] bool
+    r1: int, r2: int,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Appendix A.5, Algorithm 2: per query a visible text window around the closest
+    key, with randomly extended start/end, so training sees streaming-like context."""
+    b, t = query_pos.shape
+    l = key_pos.shape[1]
+    kv_len = key_valid.sum(-1, keepdim=True)  # [B, 1]
+    dist = (query_pos.unsqueeze(-1).float() - key_pos.unsqueeze(1).float()).abs()
+    dist = dist.masked_fill(~key_valid.unsqueeze(1), float("inf"))
+    closest = dist.argmin(-1)  # [B, T]
+    u1 = torch.rand(b, t, generator=generator, device=query_pos.device)
+    u2 = torch.rand(b, t, generator=generator, device=query_pos.device)
+    start = torch.floor(u1 * (closest - r1).float()).clamp(min=0).long()
+    end = closest + r2 + torch.floor(u2 * (kv_len - closest - r2).float().clamp(min=0)).long()
+    end = torch.minimum(end, kv_len - 1)
+    idx = torch.arange(l, device=query_pos.device)
+    mask = (idx >= start.unsqueeze(-1)) & (idx <= end.unsqueeze(-1))
+    return mask & key_valid.unsqueeze(1)

@@ -1,0 +1,221 @@
+"""Caller-owned decoding state for batched, continuous inference.
+
+`DecodeState` holds, for a fixed number of slots (one per session), everything a
+decode step reads or writes: the Mamba conv/SSM states per layer, the cached unrotated
+K/V of the enrollment and of the text chunks in memory, the text positions and chunk
+ids (for the np/nf window), the next step's input tokens, and a small ring of frames
+for undoing the delay pattern. Sessions join and leave between steps by slot; a step
+runs on a `view` of any subset of slots (a plain slice when the slots are contiguous).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+import torch
+
+from . import graphemes
+from .attention import apply_rope, rope_angles
+from .livespeech import LiveSpeech2
+
+NO_EOS = 1 << 40
+
+
+@dataclass
+class DecodeStateView:
+    """The tensors one decode step reads or writes, batch = the sessions stepped."""
+    conv: torch.Tensor  # [layers, B, d_inner, d_conv]
+    ssm: torch.Tensor  # [layers, B, d_inner, d_state]
+    # cross-attention memory [enrollment ; text]: keys [layers, B, H, N+L, 2*hd] with the
+    # enrollment keys in the first half of the last dim and the *rotated* text keys in
+    # the second (see CrossAttention.attend_step); values [layers, B, H, N+L, hd]
+    mem_k: torch.Tensor
+    mem_v: torch.Tensor
+    txt_chunk: torch.Tensor  # [B, L] long, chunk id of each cached text token, -1 = empty
+    inputs: torch.Tensor  # [B, K] next step's input tokens
+    step: torch.Tensor  # [B] decode step (= query position)
+    eos_frame: torch.Tensor  # [B] frame of the grapheme EOS, NO_EOS until sampled
+    ring: torch.Tensor  # [B, R, K] sampled tokens by frame % R
+
+    # which fields a step writes (scattered back after a gathered step)
+    MUTABLE = ("conv", "ssm", "inputs", "step", "eos_frame", "ring")
+    # tensors whose batch dim is 1 (the others: 0)
+    LAYERED = ("conv", "ssm", "mem_k", "mem_v")
+
+
+@dataclass
+class StepResult:
+    frames: torch.Tensor  # [B, K] codes of frame `frame_index` (grapheme first)
+    frame_index: torch.Tensor  # [B] frame completed this step (-1: none yet)
+    has_frame: torch.Tensor  # [B] bool: frames[b] is a real, complete frame
+    done: torch.Tensor  # [B] bool: every frame before EOS has been emitted
+
+
+class DecodeState(DecodeStateView):
+    """All slots; also the unrotated text keys and the text positions, which only
+    change when a chunk is added, evicted or re-placed (never inside a step)."""
+
+    @classmethod
+    def allocate(cls, model: LiveSpeech2, capacity: int, device=None, dtype=torch.float32) -> "DecodeState":
+        cfg = model.cfg
+        n_layers = model.n_layers
+        d_inner = cfg.expand * cfg.d_model
+        hd = cfg.d_model // cfg.n_heads
+        m = cfg.n_enroll + cfg.max_text_tokens
+        z = lambda *shape, dt=dtype: torch.zeros(*shape, device=device, dtype=dt)  # noqa: E731
+        st = cls(
+            conv=z(n_layers, capacity, d_inner, cfg.d_conv),
+            ssm=z(n_layers, capacity, d_inner, cfg.d_state),
+            mem_k=z(n_layers, capacity, cfg.n_heads, m, 2 * hd),
+            mem_v=z(n_layers, capacity, cfg.n_heads, m, hd),
+            txt_chunk=torch.full((capacity, cfg.max_text_tokens), -1, dtype=torch.long, device=device),
+            inputs=torch.tensor(model.none_ids(), device=device).repeat(capacity, 1),
+            step=torch.zeros(capacity, dtype=torch.long, device=device),
+            eos_frame=torch.full((capacity,), NO_EOS, dtype=torch.long, device=device),
+            ring=torch.zeros(capacity, cfg.max_delay + 1, cfg.n_codebooks, dtype=torch.long, device=device),
+        )
+        st.model = model
+        st.n_enroll = cfg.n_enroll
+        st.head_dim = hd
+        st.txt_k = z(n_layers, capacity, cfg.n_heads, cfg.max_text_tokens, hd)
+        st.txt_pos = z(capacity, cfg.max_text_tokens, dt=torch.float32)
+        st.delays = torch.tensor(cfg.delays, device=device)
+        st.none = torch.tensor(model.none_ids(), device=device)
+        st.txt_len = [0] * capacity
+        return st
+
+    @property
+    def capacity(self) -> int:
+        return self.step.shape[0]
+
+    # --- slots ------------------------------------------------------------------------
+    def reset_slot(self, slot: int, enrollment_kv: torch.Tensor) -> None:
+        """Start a session in `slot` with a voice's per-layer enrollment K/V
+        ([layers, 2, H, N, hd], from `enrollment_kv`)."""
+        n, hd = self.n_enroll, self.head_dim
+        self.conv[:, slot].zero_()
+        self.ssm[:, slot].zero_()
+        self.mem_k[:, slot].zero_()
+        self.mem_v[:, slot].zero_()
+        self.mem_k[:, slot, :, :n, :hd] = enrollment_kv[:, 0]
+        self.mem_v[:, slot, :, :n] = enrollment_kv[:, 1]
+        self.txt_chunk[slot] = -1
+        self.txt_pos[slot] = 0
+        self.txt_len[slot] = 0
+        self.inputs[slot] = self.none
+        self.step[slot] = 0
+        self.eos_frame[slot] = NO_EOS
+
+    def view(self, slots: Sequence[int]) -> DecodeStateView:
+        """The batch of `slots` (a slice, not a copy, when they are contiguous)."""
+        a, n = slots[0], len(slots)
+        if list(slots) == list(range(a, a + n)):
+            sel = slice(a, a + n)
+            pick = lambda name, t: t[:, sel] if name in DecodeStateView.LAYERED else t[sel]  # noqa: E731
+        else:
+            idx = torch.tensor(slots, device=self.step.device)
+            pick = lambda name, t: t.index_select(1 if name in DecodeStateView.LAYERED else 0, idx)  # noqa: E731
+        v = DecodeStateView(**{f.name: pick(f.name, getattr(self, f.name)) for f in fields(DecodeStateView)})
+        v.slots = list(slots)
+        return v
+
+    def write_back(self, view: DecodeStateView) -> None:
+        """Scatter a gathered view's mutable tensors back (no-op for slices)."""
+        slots = view.slots
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return
+        idx = torch.tensor(slots, device=self.step.device)
+        for name in DecodeStateView.MUTABLE:
+            dst = getattr(self, name)
+            dst.index_copy_(1 if name in DecodeStateView.LAYERED else 0, idx, getattr(view, name))
+
+    # --- text memory ----------------------------------------------------------------
+    def text_room(self, slot: int) -> int:
+        return self.txt_chunk.shape[1] - self.txt_len[slot]
+
+    def _rotate(self, slot: int, a: int, b: int) -> None:
+        """Refresh the rotated copies of text keys a..b-1 from their positions."""
+        n, hd = self.n_enroll, self.head_dim
+        cos, sin = rope_angles(self.txt_pos[slot, a:b], hd, self.model.cfg.rope_base)
+        self.mem_k[:, slot, :, n + a : n + b, hd:] = apply_rope(self.txt_k[:, slot, :, a:b], cos, sin)
+
+    @torch.no_grad()
+    def append_text(self, slot: int, token_ids: Sequence[int], positions: Sequence[float], chunk: int) -> None:
+        """Project a chunk's tokens once and cache them (caller makes room first)."""
+        n = len(token_ids)
+        if n == 0:
+            return
+        if n > self.text_room(slot):
+            raise ValueError("text memory full: evict past chunks first")
+        a, e = self.txt_len[slot], self.n_enroll
+        ids = torch.tensor([list(token_ids)], device=self.step.device)
+        for i, (k, v) in enumerate(self.model.project_text(ids)):
+            self.txt_k[i, slot, :, a : a + n] = k[0].to(self.txt_k.dtype)
+            self.mem_v[i, slot, :, e + a : e + a + n] = v[0].to(self.mem_v.dtype)
+        self.txt_pos[slot, a : a + n] = torch.tensor(list(positions), dtype=torch.float32)
+        self.txt_chunk[slot, a : a + n] = chunk
+        self.txt_len[slot] = a + n
+        self._rotate(slot, a, a + n)
+
+    def evict_chunks_before(self, slot: int, chunk: int) -> None:
+        """Drop cached tokens of chunks < `chunk` (they left the np window for good)."""
+        used = self.txt_len[slot]
+        keep = (self.txt_chunk[slot, :used] >= chunk).nonzero().flatten()
+        n, e = keep.numel(), self.n_enroll
+        if n == used:
+            return
+        self.txt_k[:, slot, :, :n] = self.txt_k[:, slot, :, keep].clone()
+        for t in (self.mem_k, self.mem_v):
+            t[:, slot, :, e : e + n] = t[:, slot, :, e + keep].clone()
+            t[:, slot, :, e + n :] = 0
+        for t, empty in ((self.txt_pos, 0.0), (self.txt_chunk, -1)):
+            t[slot, :n] = t[slot, keep].clone()
+            t[slot, n:] = empty
+        self.txt_len[slot] = n
+
+    def set_chunk_positions(self, slot: int, chunk: int, first_position: float) -> None:
+        """Re-place a cached chunk on the speech timeline: its keys are re-rotated from
+        the cached unrotated ones, nothing is re-projected."""
+        sel = (self.txt_chunk[slot] == chunk).nonzero().flatten()
+        if sel.numel():
+            a, b = int(sel[0]), int(sel[-1]) + 1
+            self.txt_pos[slot, a:b] = first_position + torch.arange(b - a, dtype=torch.float32)
+            self._rotate(slot, a, b)
+
+    def window_mask(self, view: DecodeStateView, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
+        """[B, L] keys of chunks lo[b]..hi[b] (the np/nf window)."""
+        dev = view.txt_chunk.device
+        lo_t = torch.tensor(list(lo), device=dev).unsqueeze(1)
+        hi_t = torch.tensor(list(hi), device=dev).unsqueeze(1)
+        c = view.txt_chunk
+        return (c >= 0) & (c >= lo_t) & (c <= hi_t)
+
+    # --- after sampling ---------------------------------------------------------------
+    def commit(self, view: DecodeStateView, sampled: torch.Tensor) -> StepResult:
+        """Record the tokens sampled at this step (sampled [B, K]); returns the frame that
+        became complete, if any. Tokens at positions the delay pattern leaves empty are
+        replaced by the none id, exactly as in training (models/delay.py)."""
+        step = view.step
+        new_eos = (sampled[:, 0] == graphemes.EOS) & (view.eos_frame == NO_EOS)
+        view.eos_frame.copy_(torch.where(new_eos, step, view.eos_frame))
+        last = torch.stack([view.eos_frame] + [view.eos_frame - 1] * (sampled.shape[1] - 1), dim=1)  # [B, K]
+        frame = step.unsqueeze(1) - self.delays.unsqueeze(0)  # [B, K]
+        valid = (frame >= 0) & (frame <= last)
+        tokens = torch.where(valid, sampled, self.none.unsqueeze(0))
+        r = view.ring.shape[1]
+        b_idx = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1)
+        k_idx = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        view.ring[b_idx, frame % r, k_idx] = torch.where(valid, tokens, view.ring[b_idx, frame % r, k_idx])
+        done_frame = step - int(self.delays[-1])
+        frames = view.ring[torch.arange(tokens.shape[0], device=tokens.device), done_frame % r]
+        has = (done_frame >= 0) & (done_frame <= view.eos_frame - 1)
+        done = done_frame >= view.eos_frame - 1
+        view.inputs.copy_(tokens)
+        view.step.add_(1)
+        return StepResult(frames=frames, frame_index=done_frame, has_frame=has, done=done)
+
+
+def enrollment_kv(model: LiveSpeech2, enroll: torch.Tensor) -> torch.Tensor:
+    """Per-layer enrollment K/V for one voice: [N, D] -> [layers, 2, H, N, hd]."""
+    kv = model.project_enrollment(enroll.unsqueeze(0))
+    return torch.stack([torch.stack((k[0], v[0])) for k, v in kv])

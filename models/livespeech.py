@@ -1,0 +1,195 @@
+"""LiveSpeech 2 decoder (paper Sec. 4, 5.2): Mamba layers each followed by
+cross-attention over [enrollment ; text window], grapheme + acoustic codebooks with a
+delay pattern, shared layers then one branch per codebook group.
+
+Two ways to run it, with the same weights:
+- `forward` (teacher forcing over whole sequences) for training;
+- `step` (one frame for a batch of sessions) for inference, over a caller-owned
+  `DecodeState` (models/inference.py), like mamba-ssm's `step` + inference cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import CrossAttention, apply_rope, rope_angles
+from .config import ModelConfig
+from .mamba import make_mamba
+from .speech_encoder import SpeechEncoder
+
+
+class DecoderLayer(nn.Module):
+    """h += Mamba(norm(h)); h += CrossAttn(norm(h), [enrollment ; text])."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.d_model)
+        self.mamba = make_mamba(cfg.d_model, d_state=cfg.d_state, d_conv=cfg.d_conv, expand=cfg.expand, layer_idx=layer_idx)
+        self.norm2 = nn.LayerNorm(cfg.d_model)
+        self.xattn = CrossAttention(cfg.d_model, cfg.n_heads, cfg.rope_base)
+
+    def forward(self, h, qpos, enr_kv, txt_kv, txt_pos, txt_mask):
+        h = h + self.mamba(self.norm1(h))
+        a = self.xattn.attend(self.norm2(h), qpos, *enr_kv, *txt_kv, txt_pos, txt_mask)
+        return h + a
+
+    def step(self, h, conv_state, ssm_state, q_cos, q_sin, mem_k, mem_v, bias):
+        """h [B, D]; Mamba states updated in place (mamba-ssm's step convention)."""
+        y, _, _ = self.mamba.step(self.norm1(h).unsqueeze(1), conv_state, ssm_state)
+        h = h + y.view(h.shape)
+        return h + self.xattn.attend_step(self.norm2(h), q_cos, q_sin, mem_k, mem_v, bias)
+
+
+@dataclass
+class StepLogits:
+    graphemes: torch.Tensor  # [B, n_graphemes]
+    acoustic: torch.Tensor  # [B, Q, codebook_size]
+
+
+class LiveSpeech2(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        # +1: the "none" input token for positions the delay pattern leaves empty
+        self.vocab_sizes = [cfg.n_graphemes] + [cfg.codebook_size] * cfg.n_acoustic_codebooks
+        self.code_emb = nn.ModuleList(nn.Embedding(v + 1, d) for v in self.vocab_sizes)
+        self.text_emb = nn.Embedding(cfg.text_vocab_size, d)
+        self.speech_encoder = SpeechEncoder(cfg)
+        n_layers = cfg.n_shared_layers + len(cfg.codebook_groups) * cfg.n_group_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(n_layers))
+        self.group_norms = nn.ModuleList(nn.LayerNorm(d) for _ in cfg.codebook_groups)
+        self.heads = nn.ModuleList(nn.Linear(d, v, bias=False) for v in self.vocab_sizes)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    # --- structure -------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def none_ids(self) -> list[int]:
+        return list(self.vocab_sizes)
+
+    def group_layer_ids(self, g: int) -> range:
+        start = self.cfg.n_shared_layers + g * self.cfg.n_group_layers
+        return range(start, start + self.cfg.n_group_layers)
+
+    # --- memory ----------------------------------------------------------------
+    def encode_enrollment(self, codes: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.speech_encoder(codes, lengths)
+
+    def project_enrollment(self, enroll: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer unrotated K/V of the enrollment vectors ([B, N, D] -> [B, H, N, hd] each)."""
+        return [layer.xattn.project_memory(enroll) for layer in self.layers]
+
+    def project_text(self, token_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer unrotated K/V of text tokens ([B, L] -> [B, H, L, hd] each), computed
+        once per chunk: a decode step never re-projects old text."""
+        emb = self.text_emb(token_ids)
+        return [layer.xattn.project_memory(emb) for layer in self.layers]
+
+    # --- training ----------------------------------------------------------------
+    def embed_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        """inputs [B, K, S] token ids (none id where empty) -> summed embeddings [B, S, D]."""
+        return sum(emb(inputs[:, k]) for k, emb in enumerate(self.code_emb))
+
+    def forward(
+        self,
+        inputs: torch.Tensor,  # [B, K, S] delayed input tokens (see delay.py)
+        enroll: torch.Tensor,  # [B, N, D]
+        text_ids: torch.Tensor,  # [B, L]
+        text_pos: torch.Tensor,  # [B, L]
+        text_mask: torch.Tensor,  # [B, L] or [B, S, L] bool
+    ) -> list[torch.Tensor]:
+        """Teacher-forced logits, one [B, S, V_k] tensor per codebook (grapheme first)."""
+        b, _, s = inputs.shape
+        h = self.embed_inputs(inputs)
+        qpos = torch.arange(s, device=inputs.device).unsqueeze(0).expand(b, s)
+        enr = self.project_enrollment(enroll)
+        txt = self.project_text(text_ids)
+
+        def run(h, ids):
+            for i in ids:
+                h = self.layers[i](h, qpos, enr[i], txt[i], text_pos, text_mask)
+            return h
+
+        shared = run(h, range(self.cfg.n_shared_layers))
+        logits: list[torch.Tensor] = []
+        for g, (a, z) in enumerate(self.cfg.group_slices()):
+            hg = self.group_norms[g](run(shared, self.group_layer_ids(g)))
+            logits.extend(self.heads[k](hg) for k in range(a, z))
+        return logits
+
+    # --- inference ---------------------------------------------------------------
+    def step(self, inputs: torch.Tensor, frame: torch.Tensor, state: "DecodeStateView",
+             text_mask: torch.Tensor) -> StepLogits:
+        """One decode step for a batch of sessions.
+
+        inputs [B, K] previous tokens (none id where empty); frame [B] query positions;
+        state: the batch's view of the caller-owned DecodeState (recurrent parts updated
+        in place); text_mask [B, L] the np/nf window.
+        """
+        h = sum(emb(inputs[:, k]) for k, emb in enumerate(self.code_emb))
+        cfg = self.cfg
+        q_cos, q_sin = rope_angles(frame, cfg.d_model // cfg.n_heads, cfg.rope_base)
+        q_cos, q_sin = q_cos[:, None, None, :], q_sin[:, None, None, :]
+        # additive window mask: enrollment always visible, text keys by the np/nf window
+        bias = torch.zeros(h.shape[0], 1, 1, cfg.n_enroll + text_mask.shape[1], dtype=h.dtype, device=h.device)
+        bias[:, 0, 0, cfg.n_enroll:].masked_fill_(~text_mask, float("-inf"))
+
+        def run(h, ids):
+            for i in ids:
+                h = self.layers[i].step(h, state.conv[i], state.ssm[i], q_cos, q_sin, state.mem_k[i], state.mem_v[i], bias)
+            return h
+
+        shared = run(h, range(self.cfg.n_shared_layers))
+        outs = []
+        for g, (a, z) in enumerate(self.cfg.group_slices()):
+            hg = self.group_norms[g](run(shared, self.group_layer_ids(g)))
+            outs.extend(self.heads[k](hg) for k in range(a, z))
+        return StepLogits(graphemes=outs[0], acoustic=torch.stack(outs[1:], dim=1))
+
+
+class CodebookLossWeights:
+    """Per-codebook loss weights from prediction performance (LiveSpeech's weighting,
+    lambda_cb = 0.1). Our reading, as the formula is not in the paper: a codebook's
+    weight grows with its running error rate, and lambda_cb is a floor so codebooks that
+    are already predicted well keep training: w_k ∝ (1 - acc_k) + lambda_cb, mean 1."""
+
+    def __init__(self, n_codebooks: int, lambda_cb: float = 0.1, momentum: float = 0.99):
+        self.lambda_cb = lambda_cb
+        self.momentum = momentum
+        self.acc = torch.zeros(n_codebooks)
+
+    def update(self, accuracies: torch.Tensor) -> None:
+        self.acc = self.momentum * self.acc + (1 - self.momentum) * accuracies.detach().cpu().float()
+
+    def weights(self) -> torch.Tensor:
+        w = (1.0 - self.acc) + self.lambda_cb
+        return w / w.mean()
+
+
+def codebook_losses(logits: list[torch.Tensor], targets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy and accuracy per codebook over valid positions.
+    targets/valid [B, K, S]. Returns (loss [K], acc [K])."""
+    losses, accs = [], []
+    for k, lg in enumerate(logits):
+        m = valid[:, k]
+        tgt = targets[:, k][m]
+        lk = lg[m]
+        if tgt.numel() == 0:
+            losses.append(lg.sum() * 0.0)
+            accs.append(torch.tensor(0.0))
+            continue
+        losses.append(F.cross_entropy(lk.float(), tgt))
+        accs.append((lk.argmax(-1) == tgt).float().mean())
+    return torch.stack(losses), torch.stack(accs)

@@ -1,0 +1,374 @@
+"""The decode engine: one thread, one step loop, all ready sessions in one batch.
+
+Each iteration: apply queued session commands (text, end, cancel, close), release
+timed-out text chunks, ask the scheduler which sessions run, run one batched decode
+step through the model runner, then batch the codec decode of sessions with a packet's
+worth of frames and hand encoded packets to each session's sink. Sessions join and
+leave between steps (continuous batching). The asyncio loop never runs tensor work.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from models.config import FRAME_RATE, SAMPLE_RATE
+from models.loading import ModelBundle
+
+from .metrics import Metrics
+from .runner import ModelRunner, Voice
+from .scheduler import Scheduler
+from .session import EngineSession, Phase, frames_to_s
+from .session_api import (AudioPacket, CapacityError, ConfigError, Failed, Finished, SessionConfig,
+                          Sink, Summary, WordTiming)
+
+log = logging.getLogger("livespeech.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_sessions: int = 16
+    # a session this far ahead of its playback is skipped for a step (others go first)
+    max_lead_s: float = 2.0
+    # runaway guard: speech may run this long past the expected end of its text
+    max_overrun_s: float = 3.0
+    max_session_s: float = 600.0
+    max_text_piece_chars: int = 4096
+    max_session_text_chars: int = 100_000
+    idle_poll_s: float = 0.01
+
+    def validate(self) -> "EngineConfig":
+        if not 1 <= self.max_sessions <= 4096:
+            raise ConfigError("max_sessions must be in [1, 4096]")
+        if self.max_lead_s <= 0 or self.max_overrun_s <= 0 or self.max_session_s <= 0:
+            raise ConfigError("engine time limits must be positive")
+        return self
+
+
+class Engine:
+    def __init__(self, bundle: ModelBundle, config: EngineConfig = EngineConfig(), metrics: Optional[Metrics] = None):
+        self.config = config.validate()
+        self.bundle = bundle
+        self.metrics = metrics or Metrics()
+        self.runner = ModelRunner(bundle, config.max_sessions)
+        self.scheduler = Scheduler(config.max_lead_s)
+        self._free_slots = list(range(config.max_sessions))
+        self._sessions: dict[int, EngineSession] = {}  # slot -> session
+        self._commands: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._admit_lock = threading.Lock()
+        self._n_active = 0
+
+    # --- EngineAPI ---------------------------------------------------------------------------
+    @property
+    def active_sessions(self) -> int:
+        return self._n_active
+
+    @property
+    def capacity(self) -> int:
+        return self.config.max_sessions
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="livespeech-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def make_voice(self, voice_id: str, audio, sample_rate: int) -> Voice:
+        samples = np.frombuffer(audio, dtype="<i2").astype(np.float32) / 32768.0 if isinstance(audio, (bytes, bytearray)) \
+            else np.asarray(audio, dtype=np.float32)
+        return self.runner.make_voice(voice_id, samples, sample_rate)
+
+    def open_session(self, config: SessionConfig, voice: Voice, sink: Sink) -> EngineSession:
+        config.validate()
+        with self._admit_lock:
+            if self._n_active >= self.config.max_sessions:
+                self.metrics.sessions_total.labels(outcome="rejected").inc()
+                raise CapacityError(f"all {self.config.max_sessions} session slots are busy")
+            self._n_active += 1
+        session = EngineSession(self, uuid.uuid4().hex[:16], config, voice, sink)
+        self.metrics.active_sessions.inc()
+        self.submit(session, ("open",))
+        return session
+
+    def submit(self, session: EngineSession, command: tuple) -> None:
+        self._commands.append((session, command))
+        self._wake.set()
+
+    # --- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._apply_commands()
+                now = time.monotonic()
+                for s in list(self._sessions.values()):
+                    self._release_chunks(s, s.chunker.poll(now))
+                batch = self.scheduler.select(list(self._sessions.values()), now)
+                if batch:
+                    self._step(batch)
+                else:
+                    self._wake.wait(self._idle_timeout(now))
+                    self._wake.clear()
+            except Exception:  # never let one bad iteration kill the engine
+                log.exception("engine iteration failed")
+                for s in list(self._sessions.values()):
+                    self._fail(s, "INTERNAL", "engine error")
+        for s in list(self._sessions.values()):
+            self._fail(s, "UNAVAILABLE", "server is shutting down")
+        # sessions whose open command never ran
+        while self._commands:
+            s, cmd = self._commands.popleft()
+            if cmd[0] == "open":
+                self._end(s, "failed")
+
+    def _idle_timeout(self, now: float) -> float:
+        deadlines = [d for s in self._sessions.values() if (d := s.chunker.next_deadline()) is not None]
+        wait = self.config.idle_poll_s * 10
+        if deadlines:
+            wait = min(wait, max(0.0, min(deadlines) - now))
+        if any(s.phase is not Phase.ENDED and s.first_packet_at is not None for s in self._sessions.values()):
+            wait = min(wait, self.config.idle_poll_s)  # sessions paused by their lead resume soon
+        return wait
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            s, cmd = self._commands.popleft()
+            kind = cmd[0]
+            try:
+                if kind == "open":
+                    self._admit(s)
+                elif s.phase is Phase.ENDED or s.slot is None:
+                    continue
+                elif kind == "text":
+                    _, text, ts, flush, at = cmd
+                    self._release_chunks(s, s.on_text(text, ts, flush, at))
+                elif kind == "end":
+                    self._release_chunks(s, s.on_end(cmd[1]))
+                    self._maybe_add_eos(s)
+                    if not s.chunks:  # nothing to say
+                        self._finish(s, cancelled=False)
+                elif kind == "cancel":
+                    self._finish(s, cancelled=True)
+                elif kind == "close":
+                    s.closed = True
+                    self._end(s, "disconnected")
+            except Exception as exc:
+                log.exception("session %s: command %s failed", s.session_id, kind)
+                self._fail(s, "INTERNAL", f"{type(exc).__name__} while handling {kind}")
+
+    def _admit(self, s: EngineSession) -> None:
+        slot = self._free_slots.pop(0)
+        s.slot = slot
+        self._sessions[slot] = s
+        self.runner.admit(slot, s.voice, s.config.seed)
+
+    # --- text ----------------------------------------------------------------------------------
+    def _release_chunks(self, s: EngineSession, chunks) -> None:
+        tok = self.bundle.tokenizer
+        for tc in chunks:
+            first = not s.chunks
+            ids = tok.encode_words(tc.words, first_in_text=first)[: self.bundle.model.cfg.max_text_tokens - 1]
+            ch = s.register_chunk(tc, ids)
+            self.metrics.text_tokens_total.inc(len(ids))
+            s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s)
+        self._fill_memory(s)
+
+    def _maybe_add_eos(self, s: EngineSession) -> None:
+        if s.text_complete and not s.eos_added and s.chunks:
+            from .chunker import TextChunk
+            eos = s.register_chunk(TextChunk(len(s.chunks), [], time.monotonic()), [self.bundle.tokenizer.eos_id])
+            s.eos_tau = s.timeline.add(eos.n_chars, s.step_count)
+            s.guidance.input_complete = True
+            s.eos_added = True
+            self._fill_memory(s)
+
+    def _fill_memory(self, s: EngineSession) -> None:
+        """Move chunks into the model's text memory, oldest first, evicting chunks that
+        left the np window for good when memory is full."""
+        for ch in s.chunks:
+            if ch.in_memory:
+                continue
+            if self.runner.text_room(s.slot) < len(ch.token_ids):
+                _, lo, _ = s.window(sum(c.in_memory for c in s.chunks))
+                self.runner.evict_chunks_before(s.slot, lo)
+                if self.runner.text_room(s.slot) < len(ch.token_ids):
+                    # keep at least the current chunk: drop older ones beyond np
+                    cur = s.timeline.current_chunk(s.step_count)
+                    self.runner.evict_chunks_before(s.slot, cur)
+                if self.runner.text_room(s.slot) < len(ch.token_ids):
+                    return  # wait until the speech moves on
+            self.runner.add_chunk(s.slot, ch.token_ids, s.timeline.chunks[ch.index].tau, ch.index)
+            ch.in_memory = True
+
+    # --- decoding --------------------------------------------------------------------------------
+    def _step(self, batch: list[EngineSession]) -> None:
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        windows, force = [], []
+        n_mem = {}
+        for s in batch:
+            if s.phase is Phase.WAITING:
+                s.phase = Phase.RUNNING
+                if s.started_at is None:
+                    s.started_at = now
+                    self.metrics.lookahead_wait_seconds.observe(now - (s.first_text_at or now))
+            n = sum(c.in_memory for c in s.chunks)
+            n_mem[s.slot] = n
+            _, lo, hi = s.window(n)
+            windows.append((lo, hi))
+            overrun = s.eos_tau is not None and s.step_count > s.eos_tau + self.config.max_overrun_s * FRAME_RATE
+            force.append(overrun or s.step_count >= self.config.max_session_s * FRAME_RATE)
+        results = self.runner.step(
+            [s.slot for s in batch], windows, [s.guidance for s in batch],
+            [s.config.guidance_lambda for s in batch], [s.config.top_k for s in batch], force,
+        )
+        step_s = time.perf_counter() - t0
+        self.metrics.step_seconds.observe(step_s)
+        self.metrics.batch_size.observe(len(batch))
+        to_decode = []
+        for s, r in zip(batch, results):
+            s.compute_s += step_s / len(batch)
+            if r.failed:
+                self._fail(s, "INTERNAL", "numerical error in the decoder (non-finite logits)")
+                continue
+            s.guidance.observe(r.grapheme)
+            frame = s.step_count
+            s.step_count += 1
+            for w in s.track_words(frame):
+                pass  # words are sent once their audio is sent (see _emit_words)
+            for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count):
+                if s.chunks[chunk].in_memory:
+                    self.runner.place_chunk(s.slot, chunk, tau)
+            if r.frame is not None:
+                s.pending_frames.append(r.frame)
+            if r.done:
+                s.done_decoding = True
+            need = self._packet_frames(s) if s.frames_done else max(self._packet_frames(s), self.runner.min_first_frames)
+            if s.pending_frames and (s.done_decoding or len(s.pending_frames) >= need):
+                to_decode.append(s)
+            elif s.done_decoding:
+                self._finish(s, cancelled=False)
+            elif not s.lookahead_ready():
+                s.phase = Phase.WAITING  # text ran dry: wait for more
+            self._evict_past(s)
+        self._decode(to_decode)
+
+    def _packet_frames(self, s: EngineSession) -> int:
+        return max(1, math.ceil(s.config.packet_ms * FRAME_RATE / 1000))
+
+    def _evict_past(self, s: EngineSession) -> None:
+        if s.phase is Phase.ENDED or s.config.n_past_chunks < 0:
+            return
+        _, lo, _ = s.window(sum(c.in_memory for c in s.chunks))
+        if lo > 0:
+            self.runner.evict_chunks_before(s.slot, lo)
+        self._fill_memory(s)
+
+    def _decode(self, sessions: list[EngineSession]) -> None:
+        # one batched codec call per distinct frame count (usually one)
+        by_len: dict[int, list[EngineSession]] = collections.defaultdict(list)
+        for s in sessions:
+            by_len[len(s.pending_frames)].append(s)
+        for n, group in by_len.items():
+            t0 = time.perf_counter()
+            wavs = self.runner.decode([s.slot for s in group], [s.pending_frames for s in group])
+            dt = time.perf_counter() - t0
+            self.metrics.codec_decode_seconds.observe(dt)
+            for s, wav in zip(group, wavs):
+                s.compute_s += dt / len(group)
+                s.frames_done += n
+                s.pending_frames = []
+                self._emit_audio(s, s.encoder.push(wav), frames=n)
+                if s.done_decoding:
+                    self._emit_audio(s, s.encoder.flush(), frames=0)
+                    self._finish(s, cancelled=False)
+
+    def _emit_audio(self, s: EngineSession, packets, frames: int) -> None:
+        now = time.monotonic()
+        for p in packets:
+            if s.first_packet_at is None:
+                s.first_packet_at = now
+                if s.first_text_at is not None:
+                    self.metrics.ttfa_seconds.observe(now - s.first_text_at)
+                if s.started_at is not None:
+                    self.metrics.compute_fpl_seconds.observe(now - s.started_at)
+            else:
+                late = now - (s.first_packet_at + p.start_s)
+                if late > 0:
+                    s.underruns += 1
+                    s.underrun_s += late
+                    self.metrics.underruns_total.inc()
+            s.sink(AudioPacket(s.packet_seq, p.data, p.start_s, p.duration_s))
+            s.packet_seq += 1
+            s.audio_sent_s = p.start_s + p.duration_s
+        s.frames_sent += frames
+        self._emit_words(s, final=False)
+
+    def _emit_words(self, s: EngineSession, final: bool) -> None:
+        for w in s.words:
+            if w.sent or w.start_frame is None:
+                continue
+            end = w.end_frame if w.end_frame is not None else (s.frames_done if final else None)
+            if end is None or end > s.frames_sent:
+                break
+            w.sent = True
+            s.sink(WordTiming(w.text, frames_to_s(w.start_frame), frames_to_s(end)))
+
+    # --- endings -------------------------------------------------------------------------------
+    def _finish(self, s: EngineSession, cancelled: bool) -> None:
+        if s.phase is Phase.ENDED:
+            return
+        if not cancelled:
+            self._emit_words(s, final=True)
+        now = time.monotonic()
+        audio_s = s.audio_sent_s
+        summary = Summary(
+            frames=s.frames_done,
+            audio_s=audio_s,
+            ttfa_s=None if s.first_packet_at is None or s.first_text_at is None else s.first_packet_at - s.first_text_at,
+            lookahead_wait_s=None if s.started_at is None or s.first_text_at is None else s.started_at - s.first_text_at,
+            compute_fpl_s=None if s.first_packet_at is None or s.started_at is None else s.first_packet_at - s.started_at,
+            cancelled=cancelled,
+            spoken_text=s.spoken_text(),
+        )
+        if audio_s > 0:
+            self.metrics.rtf.observe(s.compute_s / audio_s)
+            self.metrics.audio_seconds_total.inc(audio_s)
+        s.sink(Finished(summary))
+        self._end(s, "cancelled" if cancelled else "completed")
+
+    def _fail(self, s: EngineSession, code: str, message: str) -> None:
+        if s.phase is Phase.ENDED:
+            return
+        s.sink(Failed(code, message))
+        self.metrics.errors_total.labels(code=code).inc()
+        self._end(s, "failed")
+
+    def _end(self, s: EngineSession, outcome: str) -> None:
+        if s.phase is Phase.ENDED:
+            return
+        s.phase = Phase.ENDED
+        if s.slot is not None and self._sessions.get(s.slot) is s:
+            del self._sessions[s.slot]
+            self._free_slots.append(s.slot)
+            self._free_slots.sort()
+        self.metrics.sessions_total.labels(outcome=outcome).inc()
+        self.metrics.active_sessions.dec()
+        with self._admit_lock:
+            self._n_active -= 1

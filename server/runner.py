@@ -1,0 +1,132 @@
+"""Model runner: every tensor the engine needs, behind plain-Python calls.
+
+The engine decides which sessions run (scheduler) and what their windows are; the
+runner owns the model, the per-slot `DecodeState`, the streaming codec state, and
+sampling (semantic guidance for graphemes, top-k for acoustic codes). Nothing here
+knows about gRPC, timers or text chunking.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from models import graphemes
+from models.guidance import GuidanceState, sample_graphemes, sample_top_k
+from models.inference import DecodeState, enrollment_kv
+from models.loading import ModelBundle
+
+
+@dataclass
+class SlotStep:
+    """What one session got from one decode step."""
+    grapheme: int  # sampled at this step (frame = step)
+    frame: Optional[list[int]]  # acoustic codes of a completed frame, if one completed
+    frame_index: int
+    done: bool  # all frames before EOS emitted
+    failed: bool = False  # non-finite logits: the session must end, the others go on
+
+
+@dataclass
+class Voice:
+    voice_id: str
+    enrollment: torch.Tensor  # [N, D] speech-encoder output
+    kv: torch.Tensor  # per-layer enrollment K/V, computed once per voice
+
+
+class ModelRunner:
+    def __init__(self, bundle: ModelBundle, capacity: int):
+        self.bundle = bundle
+        self.model = bundle.model
+        self.codec = bundle.codec
+        self.device = bundle.device
+        self.capacity = capacity
+        self.state = DecodeState.allocate(self.model, capacity, device=self.device)
+        self.codec_state = self.codec.streaming_state(capacity)
+        self.generators: list[torch.Generator] = [torch.Generator() for _ in range(capacity)]
+        self._voice_lock = threading.Lock()
+
+    # --- voices (called from executor threads, not the engine loop) ---------------------
+    @torch.no_grad()
+    def make_voice(self, voice_id: str, audio: np.ndarray, sample_rate: int) -> Voice:
+        codes = self.bundle.encode_audio(audio, sample_rate)  # [Q, T]
+        with self._voice_lock:
+            enroll = self.model.encode_enrollment(codes.unsqueeze(0).to(self.device))[0]
+            return Voice(voice_id, enroll, enrollment_kv(self.model, enroll))
+
+    # --- session slots --------------------------------------------------------------------
+    def admit(self, slot: int, voice: Voice, seed: Optional[int]) -> None:
+        self.state.reset_slot(slot, voice.kv)
+        self.codec_state.update([slot], self.codec.streaming_state(1))
+        self.generators[slot].manual_seed(seed if seed is not None else int(torch.seed() % (2**63)))
+
+    def add_chunk(self, slot: int, token_ids: Sequence[int], tau: int, chunk: int) -> None:
+        self.state.append_text(slot, token_ids, [tau + i for i in range(len(token_ids))], chunk)
+
+    def place_chunk(self, slot: int, chunk: int, tau: int) -> None:
+        self.state.set_chunk_positions(slot, chunk, float(tau))
+
+    def evict_chunks_before(self, slot: int, chunk: int) -> None:
+        self.state.evict_chunks_before(slot, chunk)
+
+    def text_room(self, slot: int) -> int:
+        return self.state.text_room(slot)
+
+    # --- one decode step for a batch of sessions ------------------------------------------
+    @torch.inference_mode()
+    def step(
+        self,
+        slots: Sequence[int],
+        windows: Sequence[tuple[int, int]],
+        guidance: Sequence[GuidanceState],
+        lambdas: Sequence[float],
+        top_ks: Sequence[int],
+        force_eos: Sequence[bool],
+    ) -> list[SlotStep]:
+        view = self.state.view(slots)
+        mask = self.state.window_mask(view, [w[0] for w in windows], [w[1] for w in windows])
+        logits = self.model.step(view.inputs, view.step, view, mask)
+        g_logits, a_logits = logits.graphemes.float(), logits.acoustic.float()
+        # a row with non-finite logits fails alone; sample it from zeros so the batch goes on
+        bad = ~(torch.isfinite(g_logits).all(-1) & torch.isfinite(a_logits).flatten(1).all(-1))
+        if bool(bad.any()):
+            g_logits = g_logits.masked_fill(bad[:, None], 0.0)
+            a_logits = a_logits.masked_fill(bad[:, None, None], 0.0)
+        # the speech may not end while more text can still arrive
+        open_text = torch.tensor([not st.input_complete for st in guidance])
+        g_logits[:, graphemes.EOS] = g_logits[:, graphemes.EOS].masked_fill(open_text, -math.inf)
+        gens = [self.generators[s] for s in slots]
+        g = sample_graphemes(g_logits, list(guidance), list(lambdas), list(top_ks), gens)
+        if any(force_eos):
+            g = torch.where(torch.tensor(force_eos), torch.full_like(g, graphemes.EOS), g)
+        a = sample_top_k(a_logits, list(top_ks), gens)
+        res = self.state.commit(view, torch.cat((g.unsqueeze(1), a), dim=1))
+        self.state.write_back(view)
+        g_list = g.tolist()
+        has = res.has_frame.tolist()
+        frames = res.frames[:, 1:].tolist()
+        idx = res.frame_index.tolist()
+        done = res.done.tolist()
+        failed = bad.tolist()
+        return [
+            SlotStep(g_list[i], frames[i] if has[i] else None, idx[i], done[i], failed[i]) for i in range(len(slots))
+        ]
+
+    # --- codec ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], frames: Sequence[Sequence[Sequence[int]]]) -> list[np.ndarray]:
+        """Streaming-decode each slot's new frames (same count for every slot) into 24 kHz
+        float32 samples; the codec state carries over so packets join seamlessly."""
+        codes = torch.tensor([list(zip(*f)) for f in frames], dtype=torch.long, device=self.device)  # [B, Q, F]
+        sub = self.codec_state.select(list(slots))
+        wav = self.codec.decode_step(codes, sub)  # [B, 1, F * hop]
+        self.codec_state.update(list(slots), sub)
+        return list(wav[:, 0].float().cpu().numpy())
+
+    @property
+    def min_first_frames(self) -> int:
+        return self.codec.min_first_frames

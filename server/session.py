@@ -1,0 +1,221 @@
+"""One synthesis session inside the engine: its lifecycle and its text-side state.
+
+Lifecycle (like a request in an LLM server):
+    WAITING  admitted, holds a slot, waiting for text / lookahead (also after the text
+             ran dry mid-utterance)
+    RUNNING  decoding frames
+    ENDED    finished, cancelled, failed or disconnected; the slot is freed
+
+The handle methods (`push_text`, `end_input`, `cancel`, `close`) run on the service's
+event loop: they validate synchronously (so the service can answer with a status) and
+queue the work for the engine thread, which alone touches everything else here.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from models import graphemes
+from models.config import FRAME_RATE
+from models.guidance import GuidanceState
+
+from .audio import AudioEncoder
+from .chunker import Chunker, TextChunk
+from .session_api import ConfigError, SessionConfig, Sink, StateError
+from .timeline import SpeechTimeline
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    ENDED = "ended"
+
+
+@dataclass
+class Word:
+    text: str
+    char_start: int  # in the collapsed transcript
+    char_end: int
+    start_frame: Optional[int] = None
+    end_frame: Optional[int] = None
+    sent: bool = False
+
+
+@dataclass
+class Chunk:
+    index: int
+    token_ids: list[int]
+    n_chars: int
+    words: list[Word]
+    arrival_frame: int
+    client_time_s: Optional[float]
+    in_memory: bool = False
+
+
+class EngineSession:
+    """Engine-side state of one session; also the service's `SessionHandle`."""
+
+    def __init__(self, engine: "Engine", session_id: str, config: SessionConfig, voice, sink: Sink):
+        self.engine = engine
+        self.session_id = session_id
+        self.config = config
+        self.voice = voice
+        self.sink = sink
+        self.phase = Phase.WAITING
+        self.slot: Optional[int] = None
+        # handle-side bookkeeping (event loop thread)
+        self._lock = threading.Lock()
+        self._input_ended = False
+        self._last_client_ts = -math.inf
+        self._text_chars = 0
+        # engine-side state
+        self.chunker = Chunker(config.chunking)
+        self.timeline = SpeechTimeline(client_speech_time=config.timestamps_are_speech_time)
+        self.guidance = GuidanceState()
+        self.chunks: list[Chunk] = []
+        self.words: list[Word] = []
+        self.n_chars = 0  # collapsed transcript length so far
+        self.input_ended = False  # engine's view (after the queued command ran)
+        self.eos_added = False
+        self.eos_tau: Optional[int] = None
+        self.step_count = 0
+        self.frames_done = 0
+        self.pending_frames: list[list[int]] = []
+        self.encoder = AudioEncoder(config.sample_rate, config.encoding, config.packet_ms)
+        self.packet_seq = 0
+        self.audio_sent_s = 0.0
+        self.frames_sent = 0  # frames whose audio has been sent
+        self.cancel_requested = False
+        self.closed = False
+        self.done_decoding = False
+        # latency bookkeeping (monotonic seconds)
+        self.first_text_at: Optional[float] = None
+        self.started_at: Optional[float] = None
+        self.first_packet_at: Optional[float] = None
+        self.compute_s = 0.0
+        self.underruns = 0
+        self.underrun_s = 0.0
+
+    # --- SessionHandle (event loop thread) -------------------------------------------------
+    def push_text(self, text: str, client_time_s: Optional[float] = None, flush: bool = False) -> None:
+        limits = self.engine.config
+        with self._lock:
+            if self._input_ended:
+                raise StateError("text after end_of_input")
+            if len(text) > limits.max_text_piece_chars:
+                raise ConfigError(f"text piece of {len(text)} characters exceeds the limit of {limits.max_text_piece_chars}")
+            if self._text_chars + len(text) > limits.max_session_text_chars:
+                raise ConfigError(f"session text exceeds the limit of {limits.max_session_text_chars} characters")
+            if client_time_s is not None:
+                if not math.isfinite(client_time_s) or client_time_s < 0:
+                    raise ConfigError("client timestamp must be a finite, non-negative number of seconds")
+                if client_time_s < self._last_client_ts:
+                    raise ConfigError(
+                        f"non-monotonic client timestamp {client_time_s} < previous {self._last_client_ts}")
+                self._last_client_ts = client_time_s
+            self._text_chars += len(text)
+        self.engine.submit(self, ("text", text, client_time_s, flush, time.monotonic()))
+
+    def end_input(self) -> None:
+        with self._lock:
+            if self._input_ended:
+                raise StateError("end_of_input sent twice")
+            self._input_ended = True
+        self.engine.submit(self, ("end", time.monotonic()))
+
+    def cancel(self) -> None:
+        self.engine.submit(self, ("cancel",))
+
+    def close(self) -> None:
+        self.engine.submit(self, ("close",))
+
+    # --- engine thread ---------------------------------------------------------------------
+    def on_text(self, text: str, client_time_s: Optional[float], flush: bool, now: float) -> list[TextChunk]:
+        if self.first_text_at is None and text:
+            self.first_text_at = now
+        return self.chunker.push(text, now, client_time_s, flush)
+
+    def on_end(self, now: float) -> list[TextChunk]:
+        self.input_ended = True
+        if self.first_text_at is None:
+            self.first_text_at = now
+        return self.chunker.flush(now)
+
+    def register_chunk(self, tc: TextChunk, token_ids: list[int]) -> Chunk:
+        """Account a released text chunk in the transcript (graphemes, words)."""
+        words = []
+        ids: list[int] = []
+        for w in tc.words:
+            g = graphemes.collapse_repeats(graphemes.word_graphemes(w))
+            if not g:
+                continue
+            if self.n_chars + len(ids) > 0:
+                ids.append(graphemes.SPACE)
+            start = self.n_chars + len(ids)
+            ids.extend(g)
+            words.append(Word(w, start, self.n_chars + len(ids)))
+        chunk = Chunk(tc.index, token_ids, len(ids), words, self.step_count, tc.client_time_s)
+        self.guidance.extend_transcript(ids)
+        self.n_chars += len(ids)
+        self.chunks.append(chunk)
+        self.words.extend(words)
+        return chunk
+
+    @property
+    def text_complete(self) -> bool:
+        return self.input_ended and self.chunker.pending_words == 0
+
+    def window(self, n_memory_chunks: int) -> tuple[int, int, int]:
+        """(current chunk, first, last) chunk of the np/nf window at this step."""
+        c = self.timeline.current_chunk(self.step_count)
+        n_past = None if self.config.n_past_chunks < 0 else self.config.n_past_chunks
+        lo = 0 if n_past is None else max(0, c - n_past)
+        hi = min(n_memory_chunks - 1, c + self.config.n_future_chunks)
+        return c, lo, hi
+
+    def lookahead_ready(self) -> bool:
+        """Generation of the current chunk waits for nf chunks after it, or the end of text."""
+        n = sum(1 for ch in self.chunks if ch.in_memory)
+        if n == 0:
+            return False
+        if self.eos_added:
+            return True
+        c = self.timeline.current_chunk(self.step_count)
+        return n - 1 >= c + self.config.n_future_chunks
+
+    def track_words(self, frame: int) -> list[Word]:
+        """Update word start/end frames from the guidance progress; returns words that ended."""
+        progress = self.guidance.progress
+        ended = []
+        for w in self.words:
+            if w.end_frame is not None:
+                continue
+            if w.start_frame is None and progress > w.char_start:
+                w.start_frame = frame
+            if w.start_frame is not None and progress >= w.char_end + 1:
+                w.end_frame = frame
+                ended.append(w)
+            if w.start_frame is None:
+                break
+        return ended
+
+    def spoken_text(self) -> str:
+        spoken = [w.text for w in self.words if w.start_frame is not None and w.start_frame < self.frames_sent]
+        return " ".join(spoken)
+
+    def audio_ahead_s(self, now: float) -> float:
+        """Seconds of audio the client has buffered (sent minus played)."""
+        if self.first_packet_at is None:
+            return 0.0
+        return self.audio_sent_s - (now - self.first_packet_at)
+
+
+def frames_to_s(frames: int) -> float:
+    return frames / FRAME_RATE

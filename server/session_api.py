@@ -1,0 +1,167 @@
+"""The boundary between the gRPC layer (service.py) and the decode engine (engine.py).
+
+The service validates client messages into a `SessionConfig`, opens a session on the
+engine and forwards text to it; the engine thread calls the session's `sink` with
+`SessionEvent`s. The sink is called from the engine thread: the service hands events to
+its event loop with `loop.call_soon_threadsafe`. No tensors cross this boundary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Union
+
+SAMPLE_RATES = (8000, 16000, 24000, 48000)
+
+
+class Encoding(enum.Enum):
+    PCM16 = "pcm16"  # signed 16-bit little-endian
+    MULAW = "mulaw"  # G.711 mu-law, 8 bit
+
+
+class ConfigError(ValueError):
+    """A session or server setting is invalid; the message is safe to show a client."""
+
+
+class CapacityError(RuntimeError):
+    """The engine has no free session slot (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(frozen=True)
+class ChunkingConfig:
+    min_words: int = 2
+    max_words: int = 4
+    # a pending partial chunk is released this long after its last word arrived
+    timer_ms: int = 300
+    flush_on_punctuation: bool = True
+
+    def validate(self) -> None:
+        if not 1 <= self.min_words <= self.max_words <= 16:
+            raise ConfigError("chunking: need 1 <= min_words <= max_words <= 16")
+        if not 0 <= self.timer_ms <= 10_000:
+            raise ConfigError("chunking: timer_ms must be in [0, 10000]")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    voice_id: str = ""
+    sample_rate: int = 24000
+    encoding: Encoding = Encoding.PCM16
+    packet_ms: int = 80
+    n_past_chunks: int = 4  # np; -1 means unbounded (offline mode)
+    n_future_chunks: int = 2  # nf
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+    guidance_lambda: float = 1.0  # math.inf = hard guidance
+    top_k: int = 20
+    seed: Optional[int] = None
+    # client timestamps are positions on the speech timeline, not arrival times
+    timestamps_are_speech_time: bool = False
+
+    def validate(self) -> "SessionConfig":
+        if self.sample_rate not in SAMPLE_RATES:
+            raise ConfigError(f"sample_rate must be one of {SAMPLE_RATES}, got {self.sample_rate}")
+        if not isinstance(self.encoding, Encoding):
+            raise ConfigError(f"unknown encoding {self.encoding!r}")
+        if not 20 <= self.packet_ms <= 1000:
+            raise ConfigError("packet_ms must be in [20, 1000]")
+        if not (self.n_past_chunks == -1 or 0 <= self.n_past_chunks <= 64):
+            raise ConfigError("n_past_chunks must be -1 (unbounded) or in [0, 64]")
+        if not 0 <= self.n_future_chunks <= 8:
+            raise ConfigError("n_future_chunks must be in [0, 8]")
+        if not self.guidance_lambda >= 0.0:
+            raise ConfigError("guidance_lambda must be >= 0 (inf for hard guidance)")
+        if not 1 <= self.top_k <= 1024:
+            raise ConfigError("top_k must be in [1, 1024]")
+        self.chunking.validate()
+        return self
+
+    def replace(self, **kw) -> "SessionConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class AudioPacket:
+    seq: int
+    data: bytes  # encoded in the session's encoding and sample rate
+    start_s: float  # offset of the packet's first sample on the session's audio timeline
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class WordTiming:
+    word: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Summary:
+    frames: int
+    audio_s: float
+    ttfa_s: Optional[float]  # first text received -> first packet sent
+    lookahead_wait_s: Optional[float]
+    compute_fpl_s: Optional[float]
+    cancelled: bool
+    spoken_text: str  # words spoken up to the last audio sent
+
+
+@dataclass(frozen=True)
+class Finished:
+    summary: Summary
+
+
+@dataclass(frozen=True)
+class Failed:
+    code: str  # a grpc.StatusCode name, e.g. "INTERNAL"
+    message: str
+
+
+SessionEvent = Union[AudioPacket, WordTiming, Finished, Failed]
+Sink = Callable[[SessionEvent], None]
+
+
+class SessionHandle(Protocol):
+    """What the service holds for one open session; every method is thread-safe."""
+
+    session_id: str
+
+    def push_text(self, text: str, client_time_s: Optional[float] = None, flush: bool = False) -> None:
+        """Append a piece of text (any granularity). Raises ConfigError on bad input
+        (e.g. non-monotonic timestamps, text after end of input, oversize text)."""
+
+    def end_input(self) -> None: ...
+
+    def cancel(self) -> None:
+        """Stop generating; the engine sends Finished(cancelled=True) with what was spoken."""
+
+    def close(self) -> None:
+        """The client went away: free the slot at the next step, send nothing more."""
+
+
+class Voice(Protocol):
+    voice_id: str
+
+
+class EngineAPI(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    @property
+    def active_sessions(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    def open_session(self, config: SessionConfig, voice: "Voice", sink: Sink) -> SessionHandle:
+        """Admit a session (raises CapacityError when full)."""
+
+    def make_voice(self, voice_id: str, audio: "list[float] | bytes", sample_rate: int) -> "Voice":
+        """Encode reference audio (float32 mono samples) into an enrollment; blocking,
+        call it from an executor."""
+
+
+class StateError(RuntimeError):
+    """A message arrived in a state that does not accept it (FAILED_PRECONDITION),
+    e.g. text after end of input."""

@@ -1,0 +1,48 @@
+"""Token pieces -> whole words -> chunks."""
+from server.chunker import Chunker
+from server.session_api import ChunkingConfig
+
+
+def words(chunks):
+    return [c.words for c in chunks]
+
+
+def test_partial_words_wait_for_whitespace():
+    ch = Chunker(ChunkingConfig(min_words=2, max_words=3))
+    assert ch.push("Hel", 0.0) == []
+    assert ch.push("lo wor", 0.1) == []
+    assert ch.pending_words == 1
+    out = ch.push("ld how ", 0.2)
+    assert words(out) == [["Hello", "world", "how"]]
+
+
+def test_punctuation_flushes_and_indices_increase():
+    ch = Chunker(ChunkingConfig(min_words=2, max_words=4))
+    out = ch.push("Yes, I think so. Maybe ", 0.0)
+    assert words(out) == [["Yes,"], ["I", "think", "so."]]
+    assert [c.index for c in out] == [0, 1]
+    assert words(ch.flush(1.0)) == [["Maybe"]]
+    assert ch.flush(1.0) == []
+
+
+def test_punctuation_flush_can_be_disabled():
+    ch = Chunker(ChunkingConfig(min_words=1, max_words=3, flush_on_punctuation=False))
+    assert words(ch.push("a, b. c d ", 0.0)) == [["a,", "b.", "c"]]
+
+
+def test_timer_releases_pending_words():
+    ch = Chunker(ChunkingConfig(min_words=2, max_words=4, timer_ms=300))
+    ch.push("one two ", 0.0)
+    assert ch.poll(0.2) == []
+    assert ch.next_deadline() == 0.3
+    assert words(ch.poll(0.31)) == [["one", "two"]]
+    # a single word waits twice as long
+    ch.push("three ", 1.0)
+    assert ch.poll(1.4) == []
+    assert words(ch.poll(1.61)) == [["three"]]
+
+
+def test_client_flush_and_timestamps():
+    ch = Chunker(ChunkingConfig(min_words=2, max_words=4))
+    out = ch.push("hi there", 0.0, client_time_s=1.5, flush=True)
+    assert words(out) == [["hi", "there"]] and out[0].client_time_s == 1.5

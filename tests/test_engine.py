@@ -1,0 +1,162 @@
+"""The decode engine without gRPC: lifecycle, batching, isolation, limits."""
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from models.loading import load_bundle
+from server.engine import Engine, EngineConfig
+from server.runner import Voice
+from server.session_api import (AudioPacket, CapacityError, ConfigError, Encoding, Failed, Finished,
+                                SessionConfig, StateError, WordTiming)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(1)
+    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def voice(engine):
+    rng = np.random.default_rng(0)
+    return engine.make_voice("test", (rng.standard_normal(24000) * 0.1).astype(np.float32), 24000)
+
+
+class Collector:
+    def __init__(self):
+        self.events = []
+        self.done = threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if isinstance(ev, (Finished, Failed)):
+            self.done.set()
+
+    def of(self, cls):
+        return [e for e in self.events if isinstance(e, cls)]
+
+
+HARD = dict(guidance_lambda=math.inf, seed=1)  # an untrained model follows the text only when forced
+
+
+def say(engine, voice, text, **cfg):
+    c = Collector()
+    h = engine.open_session(SessionConfig(**{**HARD, **cfg}), voice, c)
+    for piece in text.split(" "):
+        h.push_text(piece + " ")
+    h.end_input()
+    assert c.done.wait(60), "session did not finish"
+    return c
+
+
+def test_session_streams_contiguous_packets_and_words(engine, voice):
+    text = "Hello there, this is a short test."
+    c = say(engine, voice, text, sample_rate=16000, packet_ms=40)
+    packets = c.of(AudioPacket)
+    assert packets and [p.seq for p in packets] == list(range(len(packets)))
+    t = 0.0
+    for p in packets[:-1]:
+        assert p.start_s == pytest.approx(t)
+        assert p.duration_s == pytest.approx(0.04)
+        assert len(p.data) == 2 * 640  # 40 ms of 16 kHz PCM16
+        t += p.duration_s
+    summary = c.of(Finished)[0].summary
+    assert summary.audio_s == pytest.approx(sum(p.duration_s for p in packets))
+    assert summary.frames > 0 and not summary.cancelled
+    assert summary.ttfa_s is not None and summary.ttfa_s >= summary.compute_fpl_s >= 0
+    words = c.of(WordTiming)
+    assert [w.word for w in words] == text.split(" ")
+    assert all(a.start_s <= a.end_s <= b.start_s + 1e-9 for a, b in zip(words, words[1:]))
+    assert engine.active_sessions == 0
+
+
+def test_mulaw_packets_are_one_byte_per_sample(engine, voice):
+    c = say(engine, voice, "Short one.", sample_rate=8000, encoding=Encoding.MULAW, packet_ms=100)
+    packets = c.of(AudioPacket)
+    assert all(len(p.data) == 800 for p in packets[:-1])
+
+
+def test_same_seed_same_audio(engine, voice):
+    a = say(engine, voice, "Repeat after me.", seed=7)
+    b = say(engine, voice, "Repeat after me.", seed=7)
+    assert b"".join(p.data for p in a.of(AudioPacket)) == b"".join(p.data for p in b.of(AudioPacket))
+
+
+def test_concurrent_sessions_are_isolated(engine, voice):
+    texts = ["one two three four.", "alpha beta gamma.", "red green blue yellow purple."]
+    cs, hs = [], []
+    for t in texts:
+        c = Collector()
+        hs.append(engine.open_session(SessionConfig(**HARD), voice, c))
+        cs.append(c)
+    for h, t in zip(hs, texts):
+        h.push_text(t)
+        h.end_input()
+    for c, t in zip(cs, texts):
+        assert c.done.wait(60)
+        assert [w.word for w in c.of(WordTiming)] == t.split(" ")
+    assert engine.active_sessions == 0
+
+
+def test_capacity_cancel_and_close_free_slots(engine, voice):
+    cs = [Collector() for _ in range(3)]
+    hs = [engine.open_session(SessionConfig(**HARD), voice, c) for c in cs]
+    with pytest.raises(CapacityError):
+        engine.open_session(SessionConfig(**HARD), voice, Collector())
+    hs[0].push_text("this text keeps going for a while and then some more words ")
+    hs[0].cancel()
+    assert cs[0].done.wait(10)
+    assert cs[0].of(Finished)[0].summary.cancelled
+    hs[1].close()
+    hs[2].push_text("bye")
+    hs[2].end_input()
+    assert cs[2].done.wait(60)
+    for _ in range(100):
+        if engine.active_sessions == 0:
+            break
+        threading.Event().wait(0.05)
+    assert engine.active_sessions == 0
+    assert not cs[1].of(Finished)  # a closed session gets nothing more
+
+
+def test_bad_input_is_rejected_synchronously(engine, voice):
+    c = Collector()
+    h = engine.open_session(SessionConfig(**HARD), voice, c)
+    h.push_text("a ", client_time_s=1.0)
+    with pytest.raises(ConfigError):
+        h.push_text("b ", client_time_s=0.5)
+    with pytest.raises(ConfigError):
+        h.push_text("x" * (engine.config.max_text_piece_chars + 1))
+    h.end_input()
+    with pytest.raises(StateError):
+        h.push_text("late")
+    assert c.done.wait(60)
+    with pytest.raises(ConfigError):
+        SessionConfig(sample_rate=44100).validate()
+
+
+def test_numerical_failure_ends_only_that_session(engine, voice):
+    bad = Voice("nan", voice.enrollment, torch.full_like(voice.kv, float("nan")))
+    c_bad, c_ok = Collector(), Collector()
+    h_bad = engine.open_session(SessionConfig(**HARD), bad, c_bad)
+    h_ok = engine.open_session(SessionConfig(**HARD), voice, c_ok)
+    for h in (h_bad, h_ok):
+        h.push_text("still speaking fine.")
+        h.end_input()
+    assert c_bad.done.wait(60) and c_ok.done.wait(60)
+    assert c_bad.of(Failed)[0].code == "INTERNAL"
+    assert c_ok.of(Finished) and not c_ok.of(Failed)
+
+
+def test_empty_input_finishes_immediately(engine, voice):
+    c = Collector()
+    h = engine.open_session(SessionConfig(**HARD), voice, c)
+    h.end_input()
+    assert c.done.wait(10)
+    assert c.of(Finished)[0].summary.frames == 0

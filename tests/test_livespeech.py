@@ -1,0 +1,235 @@
+"""The LiveSpeech 2 decoder: teacher-forced forward == recurrent step, Eq. 1's RoPE
+cross-attention, the np/nf window, the delay pattern and the batched decode state."""
+import math
+
+import pytest
+import torch
+
+from models import graphemes
+from models.attention import (CrossAttention, apply_rope, current_chunk, rope_angles,
+                              streaming_dropout_mask, window_chunk_range)
+from models.config import ModelConfig, preset
+from models.delay import build_delayed, undelay
+from models.inference import DecodeState, enrollment_kv
+from models.livespeech import CodebookLossWeights, LiveSpeech2, codebook_losses
+
+
+def small_cfg(**kw):
+    base = dict(d_model=64, n_shared_layers=2, n_group_layers=1, codebook_groups=(3, 2),
+                n_acoustic_codebooks=4, codebook_size=32, n_heads=4, n_enroll=4,
+                enc_d_model=32, enc_layers=1, enc_heads=2, max_text_tokens=12)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return LiveSpeech2(small_cfg()).eval()
+
+
+def random_example(cfg, t=20, l=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    acoustic = torch.randint(0, cfg.codebook_size, (1, cfg.n_acoustic_codebooks, t), generator=g)
+    graph = torch.randint(graphemes.SPACE, cfg.n_graphemes, (1, 1, t + 1), generator=g)
+    graph[0, 0, t] = graphemes.EOS
+    codes = torch.cat((graph, torch.cat((acoustic, acoustic[:, :, -1:]), 2)), 1)
+    last = torch.tensor([[t] + [t - 1] * cfg.n_acoustic_codebooks])
+    text = torch.randint(0, 1000, (1, l), generator=g)
+    pos = torch.tensor([[0.0, 1, 2, 7, 8, 15]])[:, :l]
+    return codes, last, text, pos
+
+
+def test_presets_validate():
+    paper = preset("paper")
+    assert paper.n_codebooks == 17 and paper.codebook_groups == (4, 4, 4, 5)
+    assert paper.memory_size == 64 + 75 and paper.text_vocab_size == 51_867
+    with pytest.raises(ValueError):
+        ModelConfig(codebook_groups=(4, 4))
+    with pytest.raises(ValueError):
+        preset("nope")
+
+
+def test_forward_equals_recurrent_step(model):
+    cfg = model.cfg
+    codes, last, text, pos = random_example(cfg)
+    inputs, targets, valid = build_delayed(codes, last, cfg.delays, model.none_ids())
+    enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (1, cfg.n_acoustic_codebooks, 30)))
+    mask = torch.ones(1, text.shape[1], dtype=torch.bool)
+    with torch.no_grad():
+        full = model(inputs, enroll, text, pos, mask)
+        state = DecodeState.allocate(model, capacity=3)
+        slot = 1
+        state.reset_slot(slot, enrollment_kv(model, enroll[0]))
+        state.append_text(slot, text[0].tolist(), pos[0].tolist(), chunk=0)
+        for s in range(inputs.shape[2]):
+            view = state.view([slot])
+            view.inputs.copy_(inputs[:, :, s])
+            m = state.window_mask(view, [0], [0])
+            out = model.step(view.inputs, view.step, view, m)
+            state.commit(view, targets[:, :, s])
+            assert torch.allclose(out.graphemes, full[0][:, s], atol=1e-4)
+            for k in range(cfg.n_acoustic_codebooks):
+                assert torch.allclose(out.acoustic[:, k], full[k + 1][:, s], atol=1e-4)
+
+
+def test_gathered_view_equals_slice(model):
+    cfg = model.cfg
+    enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (2, cfg.n_acoustic_codebooks, 10)))
+    st = DecodeState.allocate(model, capacity=4)
+    for slot, e in zip((0, 2), enroll):
+        st.reset_slot(slot, enrollment_kv(model, e))
+        st.append_text(slot, [5, 6, 7], [0, 1, 2], chunk=0)
+    ref = DecodeState.allocate(model, capacity=2)
+    for slot, e in zip((0, 1), enroll):
+        ref.reset_slot(slot, enrollment_kv(model, e))
+        ref.append_text(slot, [5, 6, 7], [0, 1, 2], chunk=0)
+    with torch.no_grad():
+        for _ in range(5):
+            v1, v2 = st.view([0, 2]), ref.view([0, 1])
+            o1 = model.step(v1.inputs, v1.step, v1, st.window_mask(v1, [0, 0], [0, 0]))
+            o2 = model.step(v2.inputs, v2.step, v2, ref.window_mask(v2, [0, 0], [0, 0]))
+            assert torch.allclose(o1.acoustic, o2.acoustic, atol=1e-5)
+            tok = torch.cat((o2.graphemes.argmax(-1, keepdim=True), o2.acoustic.argmax(-1)), 1)
+            st.commit(v1, tok)
+            ref.commit(v2, tok)
+            st.write_back(v1)
+    assert torch.equal(st.step[[0, 2]], ref.step) and st.step[1] == 0
+    assert torch.allclose(st.ssm[:, [0, 2]], ref.ssm, atol=1e-6)
+    assert torch.allclose(st.mem_k[:, [0, 2]], ref.mem_k)
+
+
+def test_rope_relative_shift_invariance():
+    torch.manual_seed(0)
+    att = CrossAttention(32, 4)
+    x = torch.randn(2, 5, 32)
+    enr = att.project_memory(torch.randn(2, 3, 32))
+    txt = att.project_memory(torch.randn(2, 7, 32))
+    qpos = torch.arange(5).repeat(2, 1).float() + 10
+    kpos = torch.tensor([[0, 1, 2, 9, 10, 11, 30]] * 2).float()
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    a = att.attend(x, qpos, *enr, *txt, kpos, mask)
+    b = att.attend(x, qpos + 123, *enr, *txt, kpos + 123, mask)
+    assert torch.allclose(a, b, atol=1e-4)
+    # not invariant to shifting the text alone: positions matter
+    c = att.attend(x, qpos, *enr, *txt, kpos + 40, mask)
+    assert not torch.allclose(a, c, atol=1e-3)
+
+
+def test_rope_is_a_rotation():
+    x = torch.randn(3, 8)
+    cos, sin = rope_angles(torch.tensor([0.0, 5.0, 100.0]), 8, 10_000.0)
+    y = apply_rope(x, cos, sin)
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+    assert torch.allclose(y[0], x[0])
+
+
+def test_enrollment_keys_are_not_rotated():
+    torch.manual_seed(0)
+    att = CrossAttention(16, 2)
+    x = torch.randn(1, 1, 16)
+    enr = att.project_memory(torch.randn(1, 3, 16))
+    txt = att.project_memory(torch.randn(1, 2, 16))
+    none = torch.zeros(1, 2, dtype=torch.bool)
+    # with all text masked only enrollment is attended: the query position is irrelevant
+    a = att.attend(x, torch.tensor([[0.0]]), *enr, *txt, torch.zeros(1, 2), none)
+    b = att.attend(x, torch.tensor([[57.0]]), *enr, *txt, torch.zeros(1, 2), none)
+    assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_window_worked_examples():
+    taus = [0, 20, 45, 70, 100]
+    assert current_chunk(0, taus) == 0
+    assert current_chunk(19, taus) == 0
+    assert current_chunk(20, taus) == 1
+    assert current_chunk(99, taus) == 3
+    assert current_chunk(500, taus) == 4
+    # np=4, nf=2 (online mode)
+    assert window_chunk_range(0, 4, 2, 5) == (0, 2)
+    assert window_chunk_range(3, 4, 2, 5) == (0, 4)
+    assert window_chunk_range(4, 1, 2, 5) == (3, 4)
+    # np=inf (offline)
+    assert window_chunk_range(4, None, 2, 9) == (0, 6)
+    assert window_chunk_range(6, 0, 0, 9) == (6, 6)
+
+
+def test_window_mask_selects_chunks(model):
+    st = DecodeState.allocate(model, capacity=1)
+    st.reset_slot(0, torch.zeros(model.n_layers, 2, 4, 4, 16))
+    for c, n in enumerate([2, 3, 1, 2]):
+        st.append_text(0, list(range(n)), [10.0 * c + i for i in range(n)], chunk=c)
+    v = st.view([0])
+    m = st.window_mask(v, [1], [2])[0]
+    assert m.tolist()[:8] == [False, False, True, True, True, True, False, False]
+    st.evict_chunks_before(0, 2)
+    assert st.txt_len[0] == 3 and st.txt_chunk[0, :3].tolist() == [2, 3, 3]
+    assert st.txt_pos[0, :3].tolist() == [20.0, 30.0, 31.0]
+    st.set_chunk_positions(0, 3, 40.0)
+    assert st.txt_pos[0, :3].tolist() == [20.0, 40.0, 41.0]
+
+
+def test_delay_pattern_round_trip():
+    codes = torch.arange(3 * 6).view(1, 3, 6)
+    last = torch.tensor([[5, 4, 4]])
+    inputs, targets, valid = build_delayed(codes, last, (0, 1, 2), (100, 101, 102))
+    assert targets.shape == (1, 3, 8)
+    assert targets[0, 0].tolist() == [0, 1, 2, 3, 4, 5, 100, 100]
+    assert targets[0, 1].tolist() == [101, 6, 7, 8, 9, 10, 101, 101]
+    assert targets[0, 2].tolist() == [102, 102, 12, 13, 14, 15, 16, 102]
+    assert inputs[0, :, 0].tolist() == [100, 101, 102]
+    assert torch.equal(inputs[0, :, 1:], targets[0, :, :-1])
+    assert torch.equal(undelay(targets[0], (0, 1, 2), 5), codes[0, :, :5])
+
+
+def test_commit_emits_frames_in_order_and_stops_after_eos(model):
+    cfg = model.cfg
+    st = DecodeState.allocate(model, capacity=1)
+    st.reset_slot(0, torch.zeros(model.n_layers, 2, 4, 4, 16))
+    t_eos = 6
+    got = []
+    for s in range(t_eos + cfg.max_delay + 3):
+        v = st.view([0])
+        g = graphemes.EOS if s == t_eos else graphemes.SPACE + 1
+        # acoustic token of codebook k at step s encodes its frame s - d_k
+        tok = torch.tensor([[g] + [(s - cfg.delays[k]) % cfg.codebook_size for k in range(1, cfg.n_codebooks)]])
+        r = st.commit(v, tok)
+        if r.has_frame[0]:
+            got.append((int(r.frame_index[0]), r.frames[0].tolist()))
+        if r.done[0]:
+            break
+    assert [f for f, _ in got] == list(range(t_eos))
+    for f, codes in got:
+        assert codes[1:] == [f] * cfg.n_acoustic_codebooks
+
+
+def test_streaming_dropout_mask_contains_closest_key():
+    g = torch.Generator().manual_seed(0)
+    qpos = torch.arange(30).unsqueeze(0).float()
+    kpos = torch.tensor([[0.0, 1, 2, 10, 11, 20, 21, 22]])
+    valid = torch.ones(1, 8, dtype=torch.bool)
+    valid[0, 7] = False
+    m = streaming_dropout_mask(qpos, kpos, valid, r1=1, r2=1, generator=g)
+    closest = (qpos[0].unsqueeze(1) - kpos[0, :7]).abs().argmin(1)
+    for t in range(30):
+        c = int(closest[t])
+        assert m[0, t, c] and not m[0, t, 7]
+        assert m[0, t, max(0, c - 1)] and m[0, t, min(6, c + 1)]
+        row = m[0, t, :7].int().tolist()
+        first, lastv = row.index(1), 6 - row[::-1].index(1)
+        assert all(row[first : lastv + 1])  # one contiguous window
+
+
+def test_losses_and_weights(model):
+    cfg = model.cfg
+    codes, last, text, pos = random_example(cfg)
+    inputs, targets, valid = build_delayed(codes, last, cfg.delays, model.none_ids())
+    enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (1, cfg.n_acoustic_codebooks, 12)))
+    logits = model(inputs, enroll, text, pos, torch.ones(1, 6, dtype=torch.bool))
+    loss, acc = codebook_losses(logits, targets, valid)
+    assert loss.shape == (cfg.n_codebooks,) and torch.isfinite(loss).all()
+    assert abs(float(loss[1]) - math.log(cfg.codebook_size)) < 1.5
+    w = CodebookLossWeights(cfg.n_codebooks, lambda_cb=0.1, momentum=0.0)
+    w.update(torch.tensor([0.9] + [0.1] * cfg.n_acoustic_codebooks))
+    ws = w.weights()
+    assert abs(float(ws.mean()) - 1) < 1e-6 and ws[0] < ws[1]
+    (loss * ws).sum().backward()
