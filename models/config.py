@@ -21,8 +21,8 @@ TEXT_EOS = WHISPER_VOCAB  # end-of-stream token appended after Whisper's ids
 class ModelConfig:
     # decoder
     d_model: int = 256
-    n_shared_layers: int = 4
-    n_group_layers: int = 2
+    n_shared_layers: int = 3
+    n_group_layers: int = 1
     # codebooks per group, the grapheme codebook counted in the first group
     codebook_groups: tuple[int, ...] = (5, 4)
     n_acoustic_codebooks: int = 8
@@ -119,4 +119,8 @@ PRESETS: dict[str, ModelConfig] = {
 def preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+    if not overrides:
+        return PRESETS[name]
+    if "n_acoustic_codebooks" in overrides and "delays" not in overrides:
+        overrides["delays"] = ()  # recomputed for the new codebook count
+    return dataclasses.replace(PRESETS[name], **overrides)

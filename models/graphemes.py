@@ -11,7 +11,7 @@ from __future__ import annotations
 import unicodedata
 from typing import Iterable, Sequence
 
-BLANK = 0  # silence before the first / after the last word
+BLANK = 0  # silence after the last word (leading silence takes the first character)
 EOS = 1  # end of speech: the decoder emits it once the transcript is spoken
 SPACE = 2
 _CHARS = " '" + "abcdefghijklmnopqrstuvwxyz" + "0123456789"
@@ -104,11 +104,6 @@ def align_words_to_frames(
         n = end - start
         for k in range(n):
             labels[start + k] = chars[min(len(chars) - 1, k * len(chars) // n)]
-        # a span shorter than the word keeps its last characters: make sure each
-        # character gets at least one frame when the span allows it
-        if n < len(chars):
-            for k in range(n):
-                labels[start + k] = chars[k * len(chars) // n]
     out = [BLANK] * n_frames
     nxt = BLANK
     for t in range(n_frames - 1, -1, -1):

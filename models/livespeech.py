@@ -25,10 +25,12 @@ from .speech_encoder import SpeechEncoder
 class DecoderLayer(nn.Module):
     """h += Mamba(norm(h)); h += CrossAttn(norm(h), [enrollment ; text])."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, device=None):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.d_model)
-        self.mamba = make_mamba(cfg.d_model, d_state=cfg.d_state, d_conv=cfg.d_conv, expand=cfg.expand, layer_idx=layer_idx)
+        # mamba-ssm's CUDA kernels when built on a CUDA device and installed, else ours
+        self.mamba = make_mamba(cfg.d_model, d_state=cfg.d_state, d_conv=cfg.d_conv, expand=cfg.expand,
+                                layer_idx=layer_idx, device=device)
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.xattn = CrossAttention(cfg.d_model, cfg.n_heads, cfg.rope_base)
 
@@ -51,7 +53,7 @@ class StepLogits:
 
 
 class LiveSpeech2(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
         self.cfg = cfg
         d = cfg.d_model
@@ -61,7 +63,7 @@ class LiveSpeech2(nn.Module):
         self.text_emb = nn.Embedding(cfg.text_vocab_size, d)
         self.speech_encoder = SpeechEncoder(cfg)
         n_layers = cfg.n_shared_layers + len(cfg.codebook_groups) * cfg.n_group_layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, device) for i in range(n_layers))
         self.group_norms = nn.ModuleList(nn.LayerNorm(d) for _ in cfg.codebook_groups)
         self.heads = nn.ModuleList(nn.Linear(d, v, bias=False) for v in self.vocab_sizes)
         self.apply(self._init)

@@ -75,7 +75,7 @@ class ModelBundle:
 
 def load_decoder(path: os.PathLike | str, device="cpu") -> LiveSpeech2:
     obj = torch.load(path, map_location=device, weights_only=True)
-    model = LiveSpeech2(ModelConfig.from_dict(obj["config"]))
+    model = LiveSpeech2(ModelConfig.from_dict(obj["config"]), device=device)
     model.load_state_dict({k: v.float() for k, v in obj["state_dict"].items()})
     return model.to(device).eval()
 
@@ -99,13 +99,19 @@ def load_bundle(
     codec_preset_name: str = "small",
     seed: int = 0,
 ) -> ModelBundle:
-    """Load a model directory (None: the embedded default). `random_init` builds an
-    untrained model of the given presets instead (tests, throughput benchmarks)."""
+    """Load a model directory (None: the embedded default). `random_init`, or a path of
+    the form `random:<model preset>[/<codec preset>]`, builds an untrained model instead
+    (wiring tests, throughput benchmarks)."""
     dev = torch.device(device)
     tok = get_tokenizer()
+    if path is not None and str(path).startswith("random:"):
+        random_init = True
+        spec = str(path)[len("random:"):].split("/")
+        model_preset = spec[0] or model_preset
+        codec_preset_name = spec[1] if len(spec) > 1 else codec_preset_name
     if random_init:
         torch.manual_seed(seed)
-        model = LiveSpeech2(preset(model_preset)).to(dev).eval()
+        model = LiveSpeech2(preset(model_preset), device=dev).to(dev).eval()
         codec = CodecModel(codec_preset(codec_preset_name, n_q=model.cfg.n_acoustic_codebooks)).to(dev).eval()
         _init_codebooks(codec)
         return ModelBundle(model, codec, tok, dev, source=f"random:{model_preset}/{codec_preset_name}")

@@ -1,0 +1,435 @@
+"""Semantic guidance (LiveSpeech 2, Sec. 4.2, Algorithm 1) and the top-k samplers.
+
+The decoder emits one grapheme per frame (ids of `models.graphemes`: BLANK=0, EOS=1,
+SPACE=2, then characters). Guidance compares the CTC-collapsed grapheme stream with the
+transcript and boosts the graphemes that keep the speech on the transcript.
+
+Per session (pure Python, no tensors)
+-------------------------------------
+``GuidanceState(transcript_ids=(), band=32, input_complete=False)``
+    ``.extend_transcript(ids)``  append grapheme ids (>= SPACE) as text chunks arrive;
+                                 repeats are collapsed, across the join too. The caller
+                                 puts the SPACE between chunks (server/session.py does).
+    ``.end_input()`` / ``.input_complete``  no more text will arrive.
+    ``.observe(g)``              after every sampled frame (any id, BLANK/EOS included).
+    ``.guiding_set() -> list[int]``  sorted guiding graphemes for the next frame.
+    ``.progress``                how many tokens of the collapsed transcript the speech
+                                 has covered: the smallest best prefix, capped by the
+                                 largest prefix of least edit distance (CER alone jumps
+                                 ahead on a wrong first grapheme: "w" vs "hello world"
+                                 has its best CER at "helo w"). Equals the stream length
+                                 while the stream follows the transcript (so it does not
+                                 decrease); after errors it can step back. Record
+                                 ``.transcript_length`` after each ``extend_transcript``
+                                 to map chunks onto it (DESIGN.md point 2).
+    ``.best_prefixes``, ``.distance``, ``.cer``, ``.stream_length``, ``.band_range``,
+    ``.cells`` (DP cells computed so far, a cost counter), ``.retained`` (memory held).
+
+Batched (tensors; only the guiding sets are per-session Python)
+---------------------------------------------------------------
+``sample_graphemes(logits[B, G], states, lambdas, top_ks, generators) -> LongTensor[B]``
+``sample_top_k(logits[B, V] or [B, K, V], top_ks, generators) -> LongTensor[B] / [B, K]``
+The engine calls ``state.observe(int(g))`` on each sampled grapheme itself.
+
+Rules
+-----
+* Transcript. Blanks inside speech are filled with the next non-blank in training data,
+  so a doubled letter ("ll") cannot show up as two symbols in the collapsed stream. The
+  stream is therefore matched against ``collapse_repeats(text_to_ids(transcript))`` (the
+  server builds the same thing word by word from ``word_graphemes``); the state
+  collapses whatever ids it is given. Stream: ``ctc_collapse`` of the frames (merge
+  repeats, drop BLANK/EOS), maintained incrementally.
+* Score. For prefix length i, CER_i = ED(stream, T[:i]) / i, compared exactly as
+  fractions; the best set is every i with the minimum (ties all count, as in the paper).
+  Empty prefix: CER_0 = 0 for an empty stream (so at the start the best prefix is 0 and
+  the guide is the first transcript token), +inf otherwise (never best unless the
+  transcript is empty).
+* Guiding set = union over best i of {T[i-1] (stay, if i >= 1), T[i] (move forward, if
+  i < N)}. At i = N ("transcript fully spoken"): while text may still arrive, nothing
+  beyond the stay token (never EOS, never BLANK); once ``input_complete``, {BLANK, EOS}
+  are added: BLANK because trailing silence is BLANK in the training targets, EOS so the
+  model can stop. Empty transcript: {} (plain top-k), or {BLANK, EOS} when complete.
+* Sampling is Algorithm 1 literally: p~ = p with guiding entries times (1 + lambda),
+  renormalised, then top-k sampling from p~. Its support lies in T_guiding u T_topk;
+  lambda = 0 is plain top-k sampling (same uniforms -> same tokens); lambda = inf
+  (hard guidance) samples only guiding tokens (the top-k of them by p), falling back to
+  plain top-k when the guiding set is empty or all its logits are -inf.
+* Randomness. Each sampled token consumes exactly one ``torch.rand`` float from its
+  session's generator (``torch.Generator().manual_seed(seed)``); ``sample_top_k`` on
+  [B, K, V] draws K floats per session, codebook order. A session's samples therefore do
+  not depend on which other sessions share the batch. ``generators=None`` uses the global
+  RNG (one ``torch.rand(B, n)``); a None entry uses the global CPU RNG for that row.
+  Sampling is inverse-CDF over the sorted top-k probabilities (float32).
+
+Band (cost O(band) per new stream symbol, O(1) per repeated frame)
+------------------------------------------------------------------
+Only the edit-distance row of the current stream length is kept, for transcript
+positions [lo, hi], hi = min(N, lo + band), plus, for the last ``band + 1`` stream rows,
+their symbol and their value at column hi. After each new symbol (and each transcript
+extension) lo moves to max(lo, a - band // 4), a = min(progress, smallest position of
+least edit distance); lo never moves back, so the far past (its DP cells and, amortised,
+its transcript tokens) is forgotten. Columns entering on the right (lo moved, or text
+arrived) are computed over the stored rows, so text that arrives after the speech that
+matches it is still matched. Cells outside this region count as +inf: the values are
+upper bounds of the full DP and equal to it whenever an optimal alignment stays inside
+(in the tests: whenever the true best prefix is inside [lo, hi], for random streams and
+for noisy copies of the transcript). Cost: band + 1 cells per new symbol plus band + 1
+per entering column; in steady speech one column enters per symbol (2 * band + 2 cells),
+a jump or a text chunk costs at most band * (band + 1).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+from .graphemes import BLANK, EOS, SPACE, VOCAB_SIZE
+
+__all__ = ["GuidanceState", "sample_graphemes", "sample_top_k"]
+
+_INF = float("inf")
+
+
+class GuidanceState:
+    """Incremental best-prefix matcher of one session (see the module docstring)."""
+
+    def __init__(self, transcript_ids: Iterable[int] = (), band: int = 32,
+                 input_complete: bool = False) -> None:
+        band = int(band)
+        if band < 4:
+            raise ValueError("band must be >= 4")
+        self.band = band
+        self._back = band // 4
+        self._toks: list[int] = []  # collapsed transcript, token k at _toks[k - _base]
+        self._base = 0
+        self._n = 0
+        self._lo = 0
+        self._row: list = [0]  # ED(stream, T[:i]) for i in [lo, lo + len(row) - 1]
+        self._m = 0  # collapsed stream length
+        self._last_frame: Optional[int] = None
+        # the last band + 1 stream rows: [symbol, ED at the band's right edge column]
+        self._hist: deque = deque([[None, 0]])
+        self._best: list[int] = [0]
+        self._best_ed = 0
+        self._anchor = 0
+        self._progress = 0
+        self._guide: Optional[list[int]] = None
+        self._complete = bool(input_complete)
+        self.cells = 0
+        self.extend_transcript(transcript_ids)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def input_complete(self) -> bool:
+        return self._complete
+
+    @input_complete.setter
+    def input_complete(self, value: bool) -> None:
+        self._complete = bool(value)
+        self._guide = None
+
+    def end_input(self) -> None:
+        self.input_complete = True
+
+    @property
+    def transcript_length(self) -> int:
+        """Length N of the collapsed transcript received so far."""
+        return self._n
+
+    @property
+    def stream_length(self) -> int:
+        """Length of the collapsed grapheme stream observed so far."""
+        return self._m
+
+    @property
+    def best_prefixes(self) -> tuple[int, ...]:
+        return tuple(self._best)
+
+    @property
+    def progress(self) -> int:
+        """min(smallest best prefix, largest prefix of least edit distance)."""
+        return self._progress
+
+    @property
+    def distance(self) -> int:
+        """Edit distance between the stream and the best prefixes (band values)."""
+        return self._best_ed
+
+    @property
+    def cer(self) -> float:
+        i = self._best[0]
+        if i == 0:
+            return 0.0 if self._best_ed == 0 else _INF
+        return self._best_ed / i
+
+    @property
+    def retained(self) -> int:
+        """Transcript tokens + DP values held: the unspoken text plus O(band), amortised."""
+        return len(self._toks) + len(self._row) + len(self._hist)
+
+    @property
+    def band_range(self) -> tuple[int, int]:
+        """Transcript positions [lo, hi] whose distances are kept."""
+        return self._lo, self._lo + len(self._row) - 1
+
+    def _tok(self, k: int) -> int:
+        return self._toks[k - self._base]
+
+    # ------------------------------------------------------------------ transcript
+    def extend_transcript(self, ids: Iterable[int]) -> None:
+        new: list[int] = []
+        last = self._toks[-1] if self._toks else None
+        for g in ids:
+            g = int(g)
+            if not SPACE <= g < VOCAB_SIZE:
+                raise ValueError(f"transcript grapheme id {g} out of range [{SPACE}, {VOCAB_SIZE})")
+            if g != last:
+                new.append(g)
+                last = g
+        if not new:
+            return
+        self._toks.extend(new)
+        self._n += len(new)
+        self._guide = None
+        self._recenter()
+
+    # ------------------------------------------------------------------ stream
+    def observe(self, g: int) -> None:
+        """Record one sampled frame (O(1) unless the collapsed stream grows)."""
+        g = int(g)
+        if g == self._last_frame:
+            return
+        self._last_frame = g
+        if g <= EOS:
+            return
+        self._advance(g)
+
+    def _advance(self, s: int) -> None:
+        row, toks = self._row, self._toks
+        off = self._lo - 1 - self._base  # toks[off + idx] is the token of column lo + idx
+        new = [row[0] + 1]
+        for idx in range(1, len(row)):
+            diag = row[idx - 1] + (toks[off + idx] != s)
+            v = row[idx] + 1
+            if diag < v:
+                v = diag
+            h = new[idx - 1] + 1
+            if h < v:
+                v = h
+            new.append(v)
+        self.cells += len(row)
+        self._row = new
+        self._m += 1
+        self._hist.append([s, new[-1]])
+        if len(self._hist) > self.band + 1:
+            self._hist.popleft()
+        self._guide = None
+        self._recenter()
+
+    # ------------------------------------------------------------------ band upkeep
+    def _grow_to_edge(self) -> bool:
+        """Add columns hi+1..min(N, lo + band), computed over the stored rows."""
+        top = min(self._n, self._lo + self.band)
+        if top < self._lo + len(self._row):
+            return False
+        hist = self._hist
+        for j in range(self._lo + len(self._row), top + 1):
+            t = self._tok(j - 1)
+            above = above_left = _INF  # row r-1 at columns j and j-1
+            for h in hist:
+                left = h[1]
+                v = left + 1
+                if above + 1 < v:
+                    v = above + 1
+                if above_left != _INF and above_left + (h[0] != t) < v:
+                    v = above_left + (h[0] != t)
+                above, above_left = v, left
+                h[1] = v
+            self.cells += len(hist)
+            self._row.append(above)
+        return True
+
+    def _find_best(self) -> None:
+        lo, best, be, bi = self._lo, [], _INF, 0  # best score be / bi
+        emin, first, last = _INF, lo, lo  # positions of least edit distance
+        for idx, e in enumerate(self._row):
+            i = lo + idx
+            if e < emin:
+                emin, first, last = e, i, i
+            elif e == emin:
+                last = i
+            if i == 0:
+                if e == 0:  # empty stream vs empty prefix: CER 0, nothing beats it
+                    best, be, bi = [0], 0, 1
+                elif self._n == 0:
+                    best, be, bi = [0], e, 1
+                continue
+            if not best:
+                best, be, bi = [i], e, i
+                continue
+            lhs, rhs = e * bi, be * i
+            if lhs < rhs:
+                best, be, bi = [i], e, i
+            elif lhs == rhs:
+                best.append(i)
+        self._best = best
+        self._best_ed = be
+        self._anchor = first
+        self._progress = min(best[0], last)
+
+    def _recenter(self) -> None:
+        self._grow_to_edge()
+        self._find_best()
+        # anchor on the least-CER prefix, but never beyond the least-edit-distance one:
+        # CER = ED / i favours long prefixes for a short or noisy stream (a wrong first
+        # grapheme "w" against "hello world" has CER 6/7 at "helo w" < 1/1 at "h"), and
+        # lo never moves back, so a spurious jump must not drag the band along.
+        lo = max(self._lo, min(self._best[0], self._anchor) - self._back)
+        if lo > self._lo:
+            del self._row[: lo - self._lo]
+            self._lo = lo
+            if self._grow_to_edge():
+                self._find_best()
+        # forget transcript tokens nothing refers to any more (only T[lo-1:] is used)
+        drop = self._lo - 1 - self._base
+        if drop > 256 and 2 * drop > len(self._toks):
+            del self._toks[:drop]
+            self._base += drop
+
+    # ------------------------------------------------------------------ guidance
+    def guiding_set(self) -> list[int]:
+        if self._guide is None:
+            out = set()
+            n = self._n
+            for i in self._best:
+                if i >= 1:
+                    out.add(self._tok(i - 1))
+                if i < n:
+                    out.add(self._tok(i))
+                elif self._complete:
+                    out.add(BLANK)
+                    out.add(EOS)
+            self._guide = sorted(out)
+        return list(self._guide)
+
+    def __repr__(self) -> str:
+        return (f"GuidanceState(N={self._n}, stream={self._m}, best={self._best}, "
+                f"ed={self._best_ed}, band=[{self._lo}, {self._lo + len(self._row) - 1}], "
+                f"complete={self._complete})")
+
+
+# ---------------------------------------------------------------------- sampling
+IntsLike = Union[int, Sequence[int], torch.Tensor]
+
+
+def _per_row_k(top_ks: IntsLike, n_rows: int, vocab: int, device) -> tuple[torch.Tensor, int]:
+    """Per-row k as a LongTensor on `device` (clamped to [1, vocab]) and its max."""
+    if isinstance(top_ks, torch.Tensor):
+        k = top_ks.to(device=device, dtype=torch.long).reshape(-1)
+        if k.numel() == 1:
+            k = k.expand(n_rows)
+        k = k.clamp(1, vocab)
+        return k, int(k.max())
+    if isinstance(top_ks, int):
+        kk = min(max(int(top_ks), 1), vocab)
+        return torch.full((n_rows,), kk, dtype=torch.long, device=device), kk
+    ks = [min(max(int(x), 1), vocab) for x in top_ks]
+    if len(ks) != n_rows:
+        raise ValueError(f"expected {n_rows} top_k values, got {len(ks)}")
+    return torch.tensor(ks, dtype=torch.long, device=device), max(ks)
+
+
+def _uniforms(generators: Optional[Sequence[Optional[torch.Generator]]], batch: int,
+              n: int, device) -> torch.Tensor:
+    """[batch, n] uniforms in [0, 1): n consecutive draws from each row's generator."""
+    if generators is None:
+        return torch.rand(batch, n, device=device)
+    if len(generators) != batch:
+        raise ValueError(f"expected {batch} generators, got {len(generators)}")
+    rows = [torch.rand(n) if g is None else torch.rand(n, generator=g, device=g.device)
+            for g in generators]
+    if all(r.device == rows[0].device for r in rows):
+        return torch.stack(rows).to(device)
+    return torch.stack([r.to(device) for r in rows])
+
+
+def _sample_rows(scores: torch.Tensor, k: torch.Tensor, kmax: int, u: torch.Tensor) -> torch.Tensor:
+    """Top-k inverse-CDF sampling. scores [N, V] float32 log-weights, k [N], u [N]."""
+    vals, idx = scores.topk(kmax, dim=-1)
+    pos = torch.arange(kmax, device=scores.device)
+    vals = vals.masked_fill(pos >= k[:, None], -math.inf)
+    # a row whose every score is -inf: take its first candidate rather than NaN
+    vals[:, 0] = torch.where(torch.isneginf(vals[:, 0]), torch.zeros_like(vals[:, 0]), vals[:, 0])
+    cdf = torch.softmax(vals, dim=-1).cumsum(-1)
+    x = u.to(cdf.dtype) * cdf[:, -1]
+    j = (cdf < x[:, None]).sum(-1)
+    j = torch.minimum(j, k - 1)
+    return idx.gather(-1, j[:, None]).squeeze(-1)
+
+
+def sample_top_k(logits: torch.Tensor, top_ks: IntsLike,
+                 generators: Optional[Sequence[Optional[torch.Generator]]] = None) -> torch.Tensor:
+    """Plain top-k sampling of [B, V] -> [B] or [B, K, V] -> [B, K] logits.
+
+    top_ks: an int, B ints (a session's k for all its codebooks), or a tensor [B] or
+    [B, K]. generators: B per-session generators (K draws each for [B, K, V]) or None.
+    """
+    if logits.dim() not in (2, 3):
+        raise ValueError("logits must be [B, V] or [B, K, V]")
+    b, v = logits.shape[0], logits.shape[-1]
+    kc = logits.shape[1] if logits.dim() == 3 else 1
+    device = logits.device
+    if isinstance(top_ks, torch.Tensor) and top_ks.dim() == 2:
+        k, kmax = _per_row_k(top_ks.reshape(-1), b * kc, v, device)
+    else:
+        k, kmax = _per_row_k(top_ks, b, v, device)
+        if kc > 1:
+            k = k.repeat_interleave(kc)
+    u = _uniforms(generators, b, kc, device).reshape(-1)
+    out = _sample_rows(logits.reshape(b * kc, v).float(), k, kmax, u)
+    return out.reshape(b, kc) if logits.dim() == 3 else out
+
+
+def sample_graphemes(logits: torch.Tensor, states: Sequence[Optional[GuidanceState]],
+                     lambdas: Union[float, Sequence[float]], top_ks: IntsLike,
+                     generators: Optional[Sequence[Optional[torch.Generator]]] = None) -> torch.Tensor:
+    """Algorithm 1 for B sessions: [B, G] grapheme logits -> LongTensor[B].
+
+    states[b] None (or lambdas[b] == 0) means no guidance for that row. lambdas: one
+    float or B floats in [0, inf]; inf is hard guidance. Does not call `observe`.
+    """
+    if logits.dim() != 2:
+        raise ValueError("grapheme logits must be [B, G]")
+    b, g = logits.shape
+    device = logits.device
+    if len(states) != b:
+        raise ValueError(f"expected {b} guidance states, got {len(states)}")
+    lam = [float(lambdas)] * b if isinstance(lambdas, (int, float)) else [float(x) for x in lambdas]
+    if len(lam) != b:
+        raise ValueError(f"expected {b} lambdas, got {len(lam)}")
+    if any(not x >= 0.0 for x in lam):
+        raise ValueError("guidance lambda must be >= 0 (inf for hard guidance)")
+    rows: list[int] = []
+    cols: list[int] = []
+    for r, st in enumerate(states):
+        if st is None or lam[r] == 0.0:
+            continue
+        gs = st.guiding_set()
+        rows.extend([r] * len(gs))
+        cols.extend(gs)
+    k, kmax = _per_row_k(top_ks, b, g, device)
+    u = _uniforms(generators, b, 1, device).reshape(-1)
+    scores = logits.float()
+    if rows:
+        mask = torch.zeros(b, g, dtype=torch.bool)
+        mask[rows, cols] = True
+        mask = mask.to(device)
+        lam_t = torch.tensor(lam, dtype=torch.float32).to(device)
+        finite = torch.isfinite(lam_t)
+        bonus = torch.where(finite, torch.log1p(torch.where(finite, lam_t, 0.0)), 0.0)
+        hard = ~finite & (mask & ~torch.isneginf(scores)).any(-1)
+        scores = torch.where(mask, scores + bonus[:, None],
+                             scores.masked_fill(hard[:, None], -math.inf))
+    return _sample_rows(scores, k, kmax, u)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs livespeech into a virtual environment (default .venv). Used as-is by the
+# README, CI (.ci/run) and the Dockerfile, so the tested install is the shipped one.
+#   VENV=path   where the environment goes (default .venv)
+#   EXTRAS=...  pip extras to install (default "dev"; "" for a runtime-only install)
+#   EDITABLE=0  install a regular (non-editable) copy, as the container does
+#   TORCH_SPEC  torch requirement (default torch==2.13.0, the CPU wheel these machines
+#               carry; pip would otherwise pull a multi-GB CUDA build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+EXTRAS=${EXTRAS-dev}
+EDITABLE=${EDITABLE:-1}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip
+$PIP install -q "$TORCH_SPEC"
+# Whisper's BPE ranks (the paper's tokenizer) ship in openai-whisper; its own
+# dependencies (numba, triton, ...) are not needed for the tokenizer.
+$PIP install -q --no-deps openai-whisper==20250625
+target="."
+[ -n "$EXTRAS" ] && target=".[$EXTRAS]"
+if [ "$EDITABLE" = 1 ]; then
+  $PIP install -q -e "$target"
+else
+  $PIP install -q "$target"
+fi
+echo "livespeech installed in $VENV ($($VENV/bin/python -c 'import torch; print("torch", torch.__version__)'))"

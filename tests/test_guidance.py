@@ -1,0 +1,468 @@
+"""Semantic guidance (Algorithm 1): guiding sets, the banded incremental DP against a
+from-scratch full DP, per-step cost, and the batched samplers."""
+import math
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+from models.graphemes import (BLANK, EOS, SPACE, VOCAB_SIZE, collapse_repeats, ctc_collapse,
+                              ids_to_text, text_to_ids)
+from models.guidance import GuidanceState, sample_graphemes, sample_top_k
+
+A, B, C = text_to_ids("abc")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only spin on a shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def ids(text):
+    return text_to_ids(text)
+
+
+def frames_of(text):
+    """Frame ids of a literal stream ('_' = BLANK); no normalisation (spaces kept)."""
+    return [BLANK if ch == "_" else (SPACE if ch == " " else text_to_ids(ch)[0]) for ch in text]
+
+
+def state_after(transcript, frames, complete=False, band=32):
+    st = GuidanceState(ids(transcript), band=band, input_complete=complete)
+    for g in frames_of(frames):
+        st.observe(g)
+    return st
+
+
+def gtext(st):
+    return "".join("<blank>" if g == BLANK else "<eos>" if g == EOS else ids_to_text([g])
+                   for g in st.guiding_set())
+
+
+# --------------------------------------------------------------------- reference
+def full_rows(stream, T):
+    """ED(stream, T[:i]) for every i: the textbook full DP, from scratch."""
+    prev = list(range(len(T) + 1))
+    for r, s in enumerate(stream, 1):
+        cur = [r]
+        for i in range(1, len(T) + 1):
+            cur.append(min(prev[i] + 1, cur[i - 1] + 1, prev[i - 1] + (s != T[i - 1])))
+        prev = cur
+    return prev
+
+
+def ref_best(row, m):
+    """Brute force over all prefixes: argmin of CER (exact fractions), module's i=0 rule."""
+    n = len(row) - 1
+    scores = {}
+    for i, e in enumerate(row):
+        if i == 0:
+            if m == 0 or n == 0:
+                scores[0] = Fraction(0) if m == 0 else Fraction(e)
+        else:
+            scores[i] = Fraction(e, i)
+    lo = min(scores.values())
+    return [i for i in sorted(scores) if scores[i] == lo]
+
+
+def ref_progress(row, best):
+    least = min(row)
+    return min(best[0], max(i for i, e in enumerate(row) if e == least))
+
+
+def ref_guide(best, T, complete):
+    out = set()
+    for i in best:
+        if i >= 1:
+            out.add(T[i - 1])
+        if i < len(T):
+            out.add(T[i])
+        elif complete:
+            out |= {BLANK, EOS}
+    return sorted(out)
+
+
+def test_reference_dp_matches_naive_levenshtein():
+    def lev(a, b):
+        if not a or not b:
+            return len(a) + len(b)
+        return min(lev(a[1:], b) + 1, lev(a, b[1:]) + 1, lev(a[1:], b[1:]) + (a[0] != b[0]))
+
+    rng = random.Random(0)
+    for _ in range(30):
+        s = [rng.choice("abc") for _ in range(rng.randint(0, 5))]
+        t = [rng.choice("abc") for _ in range(rng.randint(0, 5))]
+        assert full_rows(s, t) == [lev(s, t[:i]) for i in range(len(t) + 1)]
+
+
+# --------------------------------------------------------------------- worked examples
+def test_paper_stream_collapses_to_abc():
+    filled = "aaaaabbbbbbbbbbcc__"  # the paper's example after blank filling
+    raw = "aa___bbbb______cc__"  # ... and before
+    assert ctc_collapse(frames_of(filled)) == [A, B, C]
+    assert ctc_collapse(frames_of(raw)) == [A, B, C]
+    st = state_after("abc", filled)
+    assert (st.stream_length, st.best_prefixes, st.distance) == (3, (3,), 0)
+    assert st.guiding_set() == [C]  # fully spoken, more text may come: stay only
+    st.end_input()
+    assert st.guiding_set() == sorted([C, BLANK, EOS])
+
+
+@pytest.mark.parametrize("frames, best, guide", [
+    ("", (0,), "h"),  # empty stream: the empty prefix, move to the first token
+    ("h", (1,), "eh"),
+    ("hhheee", (2,), "el"),
+    ("helo w", (6,), "ow"),
+    ("hello w", (6,), "ow"),  # doubled letters collapse on both sides
+    ("hxlo", (4,), " o"),  # substitution: CER 1/4 at "helo" beats 2/3 and 2/5
+    ("hhhxxxlllooo", (4,), " o"),
+    ("he_e", (3,), "lo"),  # BLANK between equal graphemes: a 2nd e, read as l->e (1/3 < 1/2)
+    ("helo world", (10,), "d"),
+    ("helo wrld", (10,), "d"),  # fully spoken despite a deletion
+])
+def test_guiding_set_examples(frames, best, guide):
+    st = state_after("hello world", frames)
+    assert st.best_prefixes == best
+    assert gtext(st) == guide
+    assert st.progress == best[0]
+
+
+def test_eos_only_when_input_complete_and_fully_spoken():
+    st = state_after("hello world", "helo wor")
+    st.end_input()
+    assert EOS not in st.guiding_set()  # not fully spoken yet
+    for g in frames_of("ld"):
+        st.observe(g)
+    assert gtext(st) == "<blank><eos>d"
+    st = state_after("hello world", "helo world", complete=False)
+    assert EOS not in st.guiding_set() and BLANK not in st.guiding_set()
+
+
+def test_empty_transcript():
+    st = GuidanceState()
+    assert st.guiding_set() == []  # nothing to guide: plain top-k
+    st.observe(A)
+    assert st.best_prefixes == (0,) and st.guiding_set() == []
+    st.end_input()
+    assert st.guiding_set() == [BLANK, EOS]
+
+
+def test_transcript_is_collapsed_and_validated():
+    st = GuidanceState(ids("hello"))
+    assert st.transcript_length == 4  # "helo"
+    st.extend_transcript([ids("o")[0], SPACE] + ids("oops"))  # 'o' merges across the join
+    assert st.transcript_length == len(collapse_repeats(ids("hello oops")))
+    with pytest.raises(ValueError):
+        st.extend_transcript([BLANK])
+    with pytest.raises(ValueError):
+        st.extend_transcript([VOCAB_SIZE])
+    with pytest.raises(ValueError):
+        GuidanceState(band=2)
+
+
+def test_wrong_first_grapheme_does_not_drag_the_band_away():
+    text = "hello there my friend what a day"
+    st = GuidanceState(ids(text), band=32)  # lookback 8
+    st.observe(ids("w")[0])
+    assert st.best_prefixes[0] > 10  # the paper's CER jumps to the first 'w' ...
+    assert st.progress <= 1 and st.band_range[0] == 0  # ... progress and band do not
+    for g in frames_of("hello there"):
+        st.observe(g)
+    assert st.progress == st.best_prefixes[0] == len(collapse_repeats(ids("hello there")))
+    assert st.distance == 1
+
+
+def test_speech_ahead_of_text_is_matched_when_text_arrives():
+    st = state_after("hello", "hello world")  # the model ran ahead of the known text
+    assert st.best_prefixes == (4,) and st.distance == 6
+    st.extend_transcript([SPACE] + ids("world"))
+    assert st.best_prefixes == (10,) and st.distance == 0
+
+
+# --------------------------------------------------------------------- incremental == full DP
+def _check(st, stream, T, complete):
+    row = full_rows(stream, T)
+    best = ref_best(row, len(stream))
+    lo, hi = st.band_range
+    in_band = lo <= best[0] and best[-1] <= hi
+    if in_band:
+        assert list(st.best_prefixes) == best, (stream, T)
+        assert st.distance == row[best[0]]
+        assert st.guiding_set() == ref_guide(best, T, complete)
+        assert st.progress == ref_progress(row, best)  # (the band is the whole DP here)
+    return in_band
+
+
+def test_unbanded_equals_full_dp_on_random_streams():
+    """Band wider than everything: must equal the full DP exactly, for any stream,
+    with text chunks arriving before, during and after the speech they describe."""
+    rng = random.Random(1)
+    alphabet = [A, B, C, SPACE]
+    for trial in range(12):
+        full = collapse_repeats([rng.choice(alphabet) for _ in range(rng.randint(0, 45))])
+        st = GuidanceState(band=1000)
+        T, frames, known = [], [], 0
+        complete = False
+        while len(frames) < 120:
+            if rng.random() < 0.12 and known < len(full):
+                k = rng.randint(1, 8)
+                chunk = full[known:known + k]
+                known += len(chunk)
+                st.extend_transcript(chunk)
+                T = collapse_repeats(T + chunk)
+            elif known == len(full) and not complete and rng.random() < 0.05:
+                complete = True
+                st.end_input()
+            else:
+                g = rng.choice(alphabet + [BLANK, BLANK])
+                for _ in range(rng.randint(1, 3)):
+                    frames.append(g)
+                    st.observe(g)
+            assert _check(st, ctc_collapse(frames), T, complete)
+
+
+def _noisy_stream(rng, T, p_sub=0.05, p_del=0.04, p_ins=0.04):
+    alphabet = [A, B, C, SPACE] + ids("xyz")
+    out = []
+    for t in T:
+        r = rng.random()
+        if r < p_del:
+            continue
+        out.append(rng.choice(alphabet) if r < p_del + p_sub else t)
+        if rng.random() < p_ins:
+            out.append(rng.choice(alphabet))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["noisy", "random"])
+def test_banded_equals_full_dp_when_best_prefix_in_band(mode):
+    """Band of 16 over ~130-char transcripts revealed in chunks (sometimes after the
+    speech that matches them): equal to the full DP whenever the full DP's best
+    prefixes lie inside the band (always for noisy copies; often for random streams)."""
+    rng = random.Random(2)
+    band = 16
+    checks = in_band = 0
+    for trial in range(4):
+        full = collapse_repeats([rng.choice([A, B, C, SPACE] + ids("de")) for _ in range(160)])
+        if mode == "noisy":
+            syms = _noisy_stream(rng, full)
+        else:
+            syms = [rng.choice([A, B, C, SPACE] + ids("dexy")) for _ in range(130)]
+        st = GuidanceState(full[:5], band=band)
+        T, known = list(full[:5]), 5
+        frames, stream, row = [], [], full_rows([], full[:5])
+        for s in syms:
+            # text stays a little ahead of the speech, sometimes a few symbols behind
+            target = min(len(full), len(stream) + rng.randint(-3, 20))
+            if target > known:
+                chunk = full[known:target]
+                known = target
+                st.extend_transcript(chunk)
+                T = T + chunk
+                row = full_rows(stream, T)  # from scratch
+            for _ in range(rng.randint(1, 4)):
+                frames.append(s)
+                st.observe(s)
+            if rng.random() < 0.1:
+                frames.append(BLANK)
+                st.observe(BLANK)
+            new = ctc_collapse(frames)
+            if len(new) > len(stream):  # one more full-DP row (textbook recurrence)
+                s_new = new[-1]
+                cur = [row[0] + 1]
+                for i in range(1, len(T) + 1):
+                    cur.append(min(row[i] + 1, cur[i - 1] + 1, row[i - 1] + (s_new != T[i - 1])))
+                row, stream = cur, new
+            best = ref_best(row, len(stream))
+            lo, hi = st.band_range
+            checks += 1
+            if lo <= best[0] and best[-1] <= hi:
+                in_band += 1
+                assert list(st.best_prefixes) == best
+                assert st.distance == row[best[0]]
+                assert st.guiding_set() == ref_guide(best, T, False)
+                least = [i for i, e in enumerate(row) if e == min(row)]
+                if lo <= least[0] and least[-1] <= hi:
+                    assert st.progress == ref_progress(row, best)
+            # banded values are upper bounds of the full DP
+            assert st.distance >= min(row[i] for i in st.best_prefixes)
+        if mode == "noisy":
+            assert len(full) - st.progress < 20  # it tracked the speech to the end
+    assert in_band >= (0.95 if mode == "noisy" else 0.1) * checks
+
+
+def test_progress_monotone_under_clean_stream():
+    text = "the quick brown fox jumps over the lazy dog " * 6
+    T = collapse_repeats(ids(text))
+    st = GuidanceState(T[:12], band=16)
+    known, last = 12, 0
+    for n, s in enumerate(T, 1):
+        if known < len(T) and known - n < 6:
+            st.extend_transcript(T[known:known + 9])
+            known = min(len(T), known + 9)
+        for _ in range(3):
+            st.observe(s)
+            assert st.progress >= last
+            last = st.progress
+        assert st.progress == n and st.distance == 0
+        assert st.guiding_set() == sorted({s} | ({T[n]} if n < len(T) else set()))
+    st.end_input()
+    assert EOS in st.guiding_set()
+
+
+# --------------------------------------------------------------------- cost
+def _run_clean(n_chars, band=32, chunk=0):
+    rng = random.Random(3)
+    T = collapse_repeats([rng.choice(ids("abcdefgh ")) for _ in range(n_chars)])
+    st = GuidanceState(T if not chunk else T[:chunk], band=band)
+    known = len(T) if not chunk else chunk
+    per_step, per_extend = [], []
+    for n, s in enumerate(T[:400], 1):
+        if chunk and known < len(T) and known - n < chunk:
+            c0 = st.cells
+            st.extend_transcript(T[known:known + chunk])
+            known += chunk
+            per_extend.append(st.cells - c0)
+        c0 = st.cells
+        st.observe(s)
+        per_step.append(st.cells - c0)
+        c0 = st.cells
+        st.observe(s)  # a repeated frame
+        assert st.cells == c0
+        st.guiding_set()
+    return st, per_step, per_extend
+
+
+def test_per_step_cost_independent_of_transcript_length():
+    band = 32
+    _, short, _ = _run_clean(500, band)
+    st, long, _ = _run_clean(50_000, band)
+    assert max(short) <= 2 * (band + 1) and max(long) <= 2 * (band + 1)
+    assert sum(long) <= 1.05 * sum(short)
+    assert st.progress == 400
+
+
+def test_streaming_extension_cost_and_memory_bounded():
+    band = 32
+    st, per_step, per_extend = _run_clean(2_000, band, chunk=10)
+    assert max(per_step) <= 2 * (band + 1)
+    assert max(per_extend) <= (band + 1) * band + band
+    st2, _, ext2 = _run_clean(20_000, band, chunk=10)
+    assert max(ext2) <= (band + 1) * band + band
+    assert st.retained < 800 and st2.retained < 800  # the far past is forgotten
+
+
+# --------------------------------------------------------------------- sampling
+def _gens(seed, n):
+    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+
+
+def test_lambda_zero_equals_plain_top_k():
+    texts = ["hello world", "the cat sat", "abc"]
+    states = [GuidanceState(ids(t)) for t in texts]
+    top_ks = [1, 5, 40]
+    g1, g2 = _gens(10, 3), _gens(10, 3)
+    lg = torch.Generator().manual_seed(0)
+    for step in range(120):
+        logits = torch.randn(3, VOCAB_SIZE, generator=lg) * 3
+        a = sample_graphemes(logits, states, [0.0] * 3, top_ks, g1)
+        b = sample_top_k(logits, top_ks, g2)
+        assert torch.equal(a, b)
+        for st, g in zip(states, a.tolist()):
+            st.observe(g)
+    # and guidance does change something with the same draws
+    g1, g2 = _gens(10, 3), _gens(10, 3)
+    logits = torch.randn(3, VOCAB_SIZE, generator=lg)
+    diff = 0
+    for _ in range(50):
+        diff += int((sample_graphemes(logits, states, 1e6, 40, g1) != sample_top_k(logits, 40, g2)).any())
+    assert diff > 0
+
+
+def test_hard_guidance_never_leaves_guiding_set():
+    texts = ["hello world", "semantic guidance", "", "a b c"]
+    states = [GuidanceState(ids(t), band=8) for t in texts]
+    top_ks = [1, 3, 5, VOCAB_SIZE]
+    gens = _gens(20, 4)
+    lg = torch.Generator().manual_seed(1)
+    for step in range(200):
+        logits = torch.randn(4, VOCAB_SIZE, generator=lg) * 4
+        guides = [st.guiding_set() for st in states]
+        for r, gs in enumerate(guides):  # make the guiding tokens unlikely
+            logits[r, gs] -= 6.0
+        out = sample_graphemes(logits, states, math.inf, top_ks, gens).tolist()
+        for r, (g, gs) in enumerate(zip(out, guides)):
+            if gs:
+                assert g in gs
+                # top-k among the guiding tokens (the lambda -> inf limit)
+                ranked = sorted(gs, key=lambda x: -logits[r, x].item())
+                assert g in ranked[: top_ks[r]]
+            states[r].observe(g)
+        if step == 100:
+            states[1].end_input()
+
+
+def test_soft_guidance_distribution_matches_algorithm_1():
+    st = state_after("hello world", "hel")  # guiding {l, o}
+    guide = st.guiding_set()
+    n, k, lam = 20000, 4, 1.0
+    base = torch.randn(VOCAB_SIZE, generator=torch.Generator().manual_seed(5))
+    base[guide[0]] = base.max() + 0.5  # one guiding token in the top-k ...
+    base[guide[1]] = base.sort(descending=True).values[k] - 0.2  # ... one just outside
+    p = torch.softmax(base, -1)
+    pt = p.clone()
+    pt[guide] *= 1 + lam
+    pt /= pt.sum()
+    keep = pt.topk(k).indices
+    expect = torch.zeros_like(pt)
+    expect[keep] = pt[keep] / pt[keep].sum()
+    assert guide[1] in keep.tolist()  # upweighting pulled it into the top-k
+    torch.manual_seed(0)
+    out = sample_graphemes(base.expand(n, -1).clone(), [st] * n, lam, k, None)
+    freq = torch.bincount(out, minlength=VOCAB_SIZE).float() / n
+    assert set(out.unique().tolist()) <= set(keep.tolist())
+    assert (freq - expect).abs().max() < 0.015
+
+
+def test_sample_top_k_codebooks_per_row_k_and_batch_independence():
+    b, kc, v = 3, 4, 64
+    lg = torch.Generator().manual_seed(2)
+    logits = torch.randn(b, kc, v, generator=lg)
+    out = sample_top_k(logits, [1, 2, 10], _gens(30, b))
+    assert out.shape == (b, kc) and out.dtype == torch.long
+    assert torch.equal(out[0], logits[0].argmax(-1))
+    top2 = logits[1].topk(2).indices
+    assert all(out[1, j] in top2[j] for j in range(kc))
+    # a session's draws do not depend on who else is in the batch
+    alone = sample_top_k(logits[2:3], [10], _gens(32, 1))
+    assert torch.equal(alone[0], out[2])
+    # distribution of plain top-k, rows with different k in one batch
+    n = 20000
+    row = torch.randn(v, generator=lg)
+    torch.manual_seed(1)
+    s = sample_top_k(row.expand(2 * n, -1).clone(), [2, 6] * n)
+    for k, part in ((2, s[0::2]), (6, s[1::2])):
+        idx = row.topk(k).indices
+        expect = torch.zeros(v)
+        expect[idx] = torch.softmax(row[idx], -1)
+        freq = torch.bincount(part, minlength=v).float() / n
+        assert (freq - expect).abs().max() < 0.015
+
+
+def test_sampler_edge_cases():
+    st = state_after("hello", "he")
+    logits = torch.zeros(2, VOCAB_SIZE)
+    logits[0, st.guiding_set()] = -math.inf  # hard guidance cannot follow: plain top-k
+    out = sample_graphemes(logits, [st, None], [math.inf, 1.0], [3, 3], _gens(0, 2))
+    assert out.shape == (2,)
+    with pytest.raises(ValueError):
+        sample_graphemes(logits, [st, st], [-1.0, 0.0], 3)
+    with pytest.raises(ValueError):
+        sample_graphemes(logits, [st, st], [float("nan"), 0.0], 3)
+    allneg = torch.full((1, VOCAB_SIZE), -math.inf)
+    assert sample_top_k(allneg, 5).shape == (1,)
