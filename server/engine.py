@@ -32,6 +32,9 @@ from .session_api import (AudioPacket, CapacityError, ConfigError, Failed, Finis
 
 log = logging.getLogger("livespeech.engine")
 
+# a cached chunk is re-placed when its timeline position moved at least this far
+REPLACE_MIN_FRAMES = 3
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -213,7 +216,8 @@ class Engine:
                     self.runner.evict_chunks_before(s.slot, cur)
                 if self.runner.text_room(s.slot) < len(ch.token_ids):
                     return  # wait until the speech moves on
-            self.runner.add_chunk(s.slot, ch.token_ids, s.timeline.chunks[ch.index].tau, ch.index)
+            ch.placed_tau = s.timeline.chunks[ch.index].tau
+            self.runner.add_chunk(s.slot, ch.token_ids, ch.placed_tau, ch.index)
             ch.in_memory = True
 
     # --- decoding --------------------------------------------------------------------------------
@@ -253,8 +257,11 @@ class Engine:
             for w in s.track_words(frame):
                 pass  # words are sent once their audio is sent (see _emit_words)
             for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count):
-                if s.chunks[chunk].in_memory:
+                ch = s.chunks[chunk]
+                # re-rotating keys costs a call per layer: skip sub-frame-scale drift
+                if ch.in_memory and abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:
                     self.runner.place_chunk(s.slot, chunk, tau)
+                    ch.placed_tau = tau
             if r.frame is not None:
                 s.pending_frames.append(r.frame)
             if r.done:

@@ -57,6 +57,7 @@ class Chunk:
     arrival_frame: int
     client_time_s: Optional[float]
     in_memory: bool = False
+    placed_tau: int = 0  # position its cached keys are rotated to
 
 
 class EngineSession:

@@ -1,0 +1,123 @@
+"""CPU timings for models/mamba.py: training step of a Mamba stack, and decode `step`.
+
+    python -m loadtest.bench_mamba [--threads 1] [--chunks 16,32,64,128] [--naive]
+
+Training: n_layers residual MambaBlocks (pre-RMSNorm), fwd + bwd + AdamW on [B, T, d].
+`--naive` also times plain autograd through a per-step Python loop at a smaller size.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.mamba import MambaBlock
+
+
+class Stack(nn.Module):
+    def __init__(self, d_model: int, n_layers: int, **kw):
+        super().__init__()
+        self.layers = nn.ModuleList(MambaBlock(d_model, layer_idx=i, **kw) for i in range(n_layers))
+        self.norms = nn.ModuleList(nn.RMSNorm(d_model) for _ in range(n_layers))
+
+    def forward(self, x):
+        for norm, layer in zip(self.norms, self.layers):
+            x = x + layer(norm(x))
+        return x
+
+
+def naive_forward(m: MambaBlock, x: torch.Tensor) -> torch.Tensor:
+    """Same math as MambaBlock.forward, scan recorded step by step by autograd."""
+    T = x.shape[1]
+    xz = m.in_proj(x)
+    u, z = xz.chunk(2, -1)
+    u = F.silu(m.conv1d(u.transpose(1, 2))[..., :T]).transpose(1, 2)
+    dt, B, C = m.x_proj(u).split([m.dt_rank, m.d_state, m.d_state], -1)
+    delta = F.softplus(m.dt_proj(dt))
+    A = -torch.exp(m.A_log)
+    h = u.new_zeros(u.shape[0], m.d_inner, m.d_state)
+    ys = []
+    for t in range(T):
+        h = torch.exp(delta[:, t, :, None] * A) * h + (delta[:, t] * u[:, t])[:, :, None] * B[:, t, None, :]
+        ys.append((h * C[:, t, None, :]).sum(-1))
+    y = (torch.stack(ys, 1) + m.D * u) * F.silu(z)
+    return m.out_proj(y)
+
+
+def time_train(model, x, fwd, steps: int) -> tuple[float, float]:
+    """(median wall s, median CPU s) per fwd + bwd + AdamW step; CPU time is what other
+    processes on a shared machine inflate least."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    wall, cpu = [], []
+    for i in range(steps + 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = fwd(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i:  # the first step warms the allocator and AdamW state
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def time_step(m: MambaBlock, batch: int, iters: int) -> float:
+    """Best-of-5 mean CPU seconds of one `step` call."""
+    conv, ssm = m.allocate_inference_cache(batch)
+    x = torch.randn(batch, 1, m.d_model)
+    with torch.inference_mode():
+        for _ in range(20):
+            m.step(x, conv, ssm)
+        best = []
+        for _ in range(5):
+            c0 = time.process_time()
+            for _ in range(iters):
+                m.step(x, conv, ssm)
+            best.append((time.process_time() - c0) / iters)
+    return min(best)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--frames", type=int, default=375)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--chunks", default="64")
+    ap.add_argument("--naive", action="store_true")
+    ap.add_argument("--no-train", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {a.threads} thread(s)")
+
+    if not a.no_train:
+        x = torch.randn(a.batch, a.frames, a.d_model)
+        for cs in (int(c) for c in a.chunks.split(",")):
+            model = Stack(a.d_model, a.layers, chunk_size=cs)
+            w, c = time_train(model, x, model, a.steps)
+            print(f"train d{a.d_model} x{a.layers} B{a.batch} T{a.frames} chunk {cs}: "
+                  f"{w:.3f} s/step wall, {c:.3f} s/step cpu")
+        if a.naive:
+            # one layer at a quarter of the frames: the naive loop is too slow for more
+            b, T = a.batch, a.frames // 4
+            x = torch.randn(b, T, a.d_model)
+            m = MambaBlock(a.d_model)
+            _, fast = time_train(m, x, m, a.steps)
+            _, naive = time_train(m, x, lambda v: naive_forward(m, v), a.steps)
+            print(f"train 1 layer d{a.d_model} B{b} T{T} (cpu s/step): custom scan {fast:.3f}, "
+                  f"naive autograd loop {naive:.3f} ({naive / fast:.0f}x)")
+
+    m = MambaBlock(a.d_model)
+    for batch in (1, 16):
+        print(f"step d{a.d_model} batch {batch}: {time_step(m, batch, 500) * 1e6:.0f} us cpu per layer")
+
+
+if __name__ == "__main__":
+    main()

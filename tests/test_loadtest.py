@@ -1,0 +1,301 @@
+"""The load-test tooling (loadtest/): playback accounting, sweep selection, workload,
+Prometheus parsing, loopback refusal, and one tiny end-to-end run over real gRPC.
+
+No timing is asserted as a threshold: the machine may be shared.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from loadtest.playback import Packet, concat_timelines, describe, percentile, simulate_playback
+from loadtest.sweep import compare_modes, level_verdict, select_rated, should_stop
+from loadtest.workload import BUILTIN_SENTENCES, Pacing, load_sentences, make_turn, schedule, split_pieces
+
+
+def steady(n: int, dur: float = 0.08, t0: float = 100.0, lead: float = 0.0) -> list[Packet]:
+    """n packets of `dur` s, each arriving `lead` s before it plays (first at t0)."""
+    return [Packet(t0 + max(0.0, i * dur - lead) if i else t0, i * dur, dur) for i in range(n)]
+
+
+# ------------------------------------------------------------------ playback
+
+
+def test_on_time_packets_have_no_underrun():
+    pb = simulate_playback(steady(10))
+    assert pb.packets == 10 and pb.underruns == 0 and pb.starved_s == 0.0 and pb.late_fixed_clock == 0
+    assert pb.audio_s == pytest.approx(0.8)
+    # a burst (all at once) is fine too
+    burst = [Packet(5.0, i * 0.08, 0.08) for i in range(10)]
+    assert simulate_playback(burst).underruns == 0
+
+
+def test_one_late_packet_is_one_stall_and_the_player_resumes():
+    pk = steady(6)
+    # packet 3 plays at t0 + 0.24; it arrives 50 ms late, and the ones after it keep the same lateness
+    pk = pk[:3] + [Packet(p.arrival_s + 0.05, p.start_s, p.duration_s) for p in pk[3:]]
+    pb = simulate_playback(pk)
+    assert pb.underruns == 1
+    assert pb.starved_s == pytest.approx(0.05)
+    assert pb.max_stall_s == pytest.approx(0.05)
+    assert pb.stalls[0][0] == pytest.approx(0.24)
+    # the server's clock never re-bases: it counts every later packet as late
+    assert pb.late_fixed_clock == 3
+
+
+def test_two_stalls_accumulate():
+    pk = [Packet(0.0, 0.0, 0.1), Packet(0.2, 0.1, 0.1), Packet(0.5, 0.2, 0.1), Packet(0.55, 0.3, 0.1)]
+    pb = simulate_playback(pk)
+    # packet 1 due at 0.1 (arrives 0.2: +0.1); player re-based, packet 2 due 0.3 (arrives 0.5: +0.2);
+    # packet 3 due 0.6, arrives 0.55: on time
+    assert pb.underruns == 2
+    assert pb.starved_s == pytest.approx(0.3)
+    assert pb.late_fixed_clock == 3
+
+
+def test_prebuffer_absorbs_jitter():
+    pk = steady(6)
+    pk[4] = Packet(pk[4].arrival_s + 0.03, pk[4].start_s, pk[4].duration_s)
+    assert simulate_playback(pk).underruns == 1
+    assert simulate_playback(pk, prebuffer_s=0.05).underruns == 0
+
+
+def test_gaps_and_overlaps():
+    pb = simulate_playback([Packet(0.0, 0.0, 0.1), Packet(0.0, 0.15, 0.1)])
+    assert pb.gaps_s == pytest.approx(0.05) and pb.audio_s == pytest.approx(0.25)
+    with pytest.raises(ValueError):
+        simulate_playback([Packet(0.0, 0.0, 0.1), Packet(0.0, 0.05, 0.1)])
+    assert simulate_playback([]).packets == 0 and simulate_playback([]).first_arrival_s is None
+
+
+def test_sentence_calls_play_back_to_back():
+    a = [Packet(1.0, 0.0, 0.5), Packet(1.1, 0.5, 0.5)]  # 1 s of audio from t=1.0
+    b = [Packet(2.3, 0.0, 0.5)]  # next sentence arrives 0.3 s after a finished playing
+    tl = concat_timelines([a, b])
+    assert [p.start_s for p in tl] == pytest.approx([0.0, 0.5, 1.0])
+    pb = simulate_playback(tl)
+    assert pb.underruns == 1 and pb.starved_s == pytest.approx(0.3) and pb.audio_s == pytest.approx(1.5)
+    assert simulate_playback(concat_timelines([a, [Packet(1.9, 0.0, 0.5)]])).underruns == 0
+
+
+def test_percentiles():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+    assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+    d = describe([1.0, None, float("nan"), 3.0])
+    assert d["n"] == 2 and d["mean"] == 2.0 and d["max"] == 3.0
+
+
+# ------------------------------------------------------------------ sweep selection
+
+
+def client_summary(**kw):
+    base = {"completed": 5, "errors": 0, "underruns": 0, "sessions_with_underruns": 0, "starved_s": 0.0,
+            "ttfa_user_s": {"p95": 0.3}}
+    base.update(kw)
+    return base
+
+
+def test_level_verdict():
+    assert level_verdict(client_summary(), 0.5) == (True, [])
+    ok, why = level_verdict(client_summary(ttfa_user_s={"p95": 0.6}), 0.5)
+    assert not ok and "TTFA p95" in why[0]
+    ok, why = level_verdict(client_summary(underruns=3, sessions_with_underruns=1, starved_s=0.2), 0.5)
+    assert not ok and "underrun" in why[0]
+    ok, why = level_verdict(client_summary(errors=1, error_codes={"RESOURCE_EXHAUSTED": 1}), 0.5)
+    assert not ok and "RESOURCE_EXHAUSTED" in why[0]
+    assert not level_verdict(client_summary(completed=0, ttfa_user_s={"p95": None}), 0.5)[0]
+    # exactly at the bound passes
+    assert level_verdict(client_summary(ttfa_user_s={"p95": 0.5}), 0.5)[0]
+
+
+def test_select_rated():
+    lv = lambda n, ok: {"n": n, "passed": ok}  # noqa: E731
+    r = select_rated([lv(8, True), lv(1, True), lv(4, True), lv(16, False), lv(2, True)])
+    assert r["rated_n"] == 8 and r["largest_passing_n"] == 8 and r["first_failing_n"] == 16 and r["monotone"]
+    assert r["tested_n"] == [1, 2, 4, 8, 16]
+    # a pass above a failure is reported but not trusted
+    r = select_rated([lv(1, True), lv(2, True), lv(4, False), lv(8, True)])
+    assert r["rated_n"] == 2 and r["largest_passing_n"] == 8 and not r["monotone"]
+    r = select_rated([lv(1, False), lv(2, True)])
+    assert r["rated_n"] is None and r["first_failing_n"] == 1
+    r = select_rated([lv(1, True), lv(2, True)])
+    assert r["rated_n"] == 2 and r["first_failing_n"] is None and r["monotone"]
+    assert select_rated([])["rated_n"] is None
+
+
+def test_should_stop_and_compare():
+    lvs = [{"n": 1, "passed": True}, {"n": 2, "passed": False}]
+    assert should_stop(lvs, 1) and not should_stop(lvs, 2) and not should_stop(lvs, 0)
+    c = compare_modes({"ttfa_user_s": {"p50": 0.2, "p95": 0.4}, "underruns": 0, "starved_s": 0.0},
+                      {"ttfa_user_s": {"p50": 0.6, "p95": 1.0}, "underruns": 4, "starved_s": 1.5})
+    assert c["ttfa_p50_ratio"] == pytest.approx(3.0) and c["ttfa_p95_ratio"] == pytest.approx(2.5)
+    assert c["underruns_sentence"] == 4 and c["underruns_ratio"] is None  # no ratio against zero
+
+
+# ------------------------------------------------------------------ workload
+
+
+def test_pieces_rebuild_the_text():
+    text = "Hello world, this is   an extraordinarily long sentence."
+    pieces = split_pieces(text, 4)
+    assert "".join(pieces) == text
+    assert pieces[:4] == ["Hell", "o", " worl", "d,"]
+    assert all(len(p.strip()) <= 4 for p in pieces)
+
+
+@pytest.mark.parametrize("mode", ["llm", "paced"])
+def test_schedule(mode):
+    sentences = BUILTIN_SENTENCES[:3]
+    pacing = Pacing(mode=mode, llm_rate=40, words_per_s=2.5, jitter=0.3)
+    pieces = schedule(sentences, pacing, random.Random(1))
+    assert pieces[0].t_s == 0.0
+    assert all(b.t_s > a.t_s for a, b in zip(pieces, pieces[1:]))
+    assert "".join(p.text for p in pieces) == " ".join(sentences)
+    assert [p.sentence for p in pieces] == sorted(p.sentence for p in pieces)
+    n = len(pieces)
+    rate = 40 if mode == "llm" else 2.5
+    assert pieces[-1].t_s == pytest.approx((n - 1) / rate, rel=0.3)
+
+
+def test_turns_are_seeded_and_pauses_add_time():
+    p = Pacing()
+    a, b = make_turn(BUILTIN_SENTENCES, 2, p, seed=7), make_turn(BUILTIN_SENTENCES, 2, p, seed=7)
+    assert a == b and len(a.sentences) == 2
+    done = a.sentence_complete_s()
+    assert done[0] < done[1] == a.pieces[-1].t_s
+    slow = make_turn(BUILTIN_SENTENCES, 2, Pacing(pause_prob=1.0, pause_ms=100), seed=7)
+    assert slow.pieces[-1].t_s > a.pieces[-1].t_s + 0.1 * (len(a.pieces) - 2)
+    with pytest.raises(ValueError):
+        Pacing(mode="fast").validate()
+
+
+def test_text_file(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("One two. Three four!\n\nFive six?\n")
+    assert load_sentences(str(f)) == ("One two.", "Three four!", "Five six?")
+    assert load_sentences(None) == BUILTIN_SENTENCES
+
+
+# ------------------------------------------------------------------ Prometheus
+
+
+def test_prometheus_delta_and_quantile():
+    from loadtest import prom
+    from server.metrics import Metrics
+
+    m = Metrics()
+    m.step_seconds.observe(0.004)
+    before = prom.parse(m.render().decode())
+    for v in (0.004, 0.004, 0.012, 0.025):
+        m.step_seconds.observe(v)
+    for b in (2, 2, 4, 4):
+        m.batch_size.observe(b)
+    m.underruns_total.inc(3)
+    m.audio_seconds_total.inc(2.0)
+    after = prom.parse(m.render().decode())
+    d = prom.delta(before, after)
+    h = d.histograms["livespeech_step_seconds"]
+    assert h.count == 4 and h.sum == pytest.approx(0.045)
+    assert 0.003 <= h.quantile(0.5) <= 0.005
+    assert 0.02 <= h.quantile(0.95) <= 0.03
+    s = prom.engine_summary(d, wall_s=1.0)
+    assert s["underruns_total"] == 3 and s["batch_size"]["mean"] == 3.0
+    assert s["engine_busy_fraction"] == pytest.approx(0.045)
+    assert s["machine_rtf"] == pytest.approx(0.045 / 2.0)
+    assert prom.hist_quantile(0.5, []) is None
+    assert prom.hist_quantile(0.5, [(1.0, 0.0), (math.inf, 0.0)]) is None
+
+
+# ------------------------------------------------------------------ loopback only
+
+
+@pytest.mark.parametrize("target", ["10.0.0.1:50051", "8.8.8.8:443", "example.com:50051", "0.0.0.0:50051"])
+def test_refuses_non_loopback(target, capsys):
+    from loadtest.run import main
+
+    assert main(["--target", target, "--duration", "1"]) == 2
+    assert "loopback" in capsys.readouterr().err
+
+
+def test_loopback_hosts():
+    from loadtest.server_proc import check_loopback, is_loopback_host
+
+    assert check_loopback("127.0.0.1:1") == ("127.0.0.1", 1)
+    assert check_loopback("[::1]:50051") == ("::1", 50051)
+    assert is_loopback_host("127.3.2.1") and is_loopback_host("localhost")
+    with pytest.raises(ValueError):
+        check_loopback("127.0.0.1")
+
+
+# ------------------------------------------------------------------ report
+
+
+def test_report_renders_a_synthetic_result(tmp_path):
+    from loadtest.report import make_plots, render_markdown
+
+    rec = {"ttfa_user_s": 0.3, "lookahead_wait_s": 0.1, "compute_fpl_s": 0.2}
+    client = {"sessions": 2, "completed": 2, "errors": 0, "underruns": 0, "sessions_with_underruns": 0,
+              "starved_s": 0.0, "ttfa_user_s": {"p50": 0.3, "p95": 0.3}, "lookahead_wait_s": {"p50": 0.1},
+              "compute_fpl_s": {"p50": 0.2, "p95": 0.2}}
+    server = {"step_seconds": {"mean": 0.01, "p95": 0.02}, "batch_size": {"mean": 1.5},
+              "codec_decode_seconds": {"mean": 0.005}, "engine_busy_fraction": 0.3, "machine_rtf": 0.2,
+              "rtf_per_session": {"mean": 0.3}}
+    levels = [{"n": n, "mode": m, "records": [rec, rec], "client": client, "server": server, "passed": True,
+               "fail_reasons": [], "loadavg": {"start": [0.1, 0.1, 0.1]}, "wall_s": 3.0}
+              for n in (1, 2) for m in ("streaming", "sentence")]
+    result = {"levels": levels, "criteria": {"ttfa_bound_s": 1.0}, "host": {"loadavg_start": [0.1] * 3},
+              "sweep": {"rated_n": 2, "comparison": [{"n": 1, "ttfa_p50_ratio": 2.0}]}}
+    md = render_markdown(result, [])
+    assert "Rated N = 2" in md and "| 2 | yes |" in md and "Sentence-level baseline" in md
+    pytest.importorskip("matplotlib")
+    files = make_plots(result, tmp_path)
+    assert files and all((tmp_path / f).stat().st_size > 0 for f in files)
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def test_tiny_end_to_end_run(tmp_path):
+    """N=2 over real gRPC against a server the tool spawns on 127.0.0.1 (random:tiny)."""
+    pytest.importorskip("torch")
+    from loadtest.run import main
+
+    text = tmp_path / "short.txt"
+    text.write_text("Hello there. Good morning.\n")
+    out = tmp_path / "out"
+    rc = main(["--spawn", "--model-path", "random:tiny", "--server-threads", "1", "--sessions", "2",
+               "--duration", "1", "--max-sessions", "2", "--sentences-per-turn", "2", "--text-file", str(text),
+               "--session-timeout", "60", "--ramp", "0.2", "--no-plots", "--quiet", "--out", str(out)])
+    assert rc == 0, (out / "server.log").read_text() if (out / "server.log").exists() else ""
+    result = json.loads((out / "result.json").read_text())
+    assert result["schema"] == "livespeech-loadtest/1"
+    assert len(result["host"]["loadavg_start"]) == 3 and len(result["host"]["loadavg_end"]) == 3
+    assert result["workload"]["guidance_lambda"] == "inf"  # untrained model: hard guidance
+    assert result["server"]["mode"] == "spawn" and result["server"]["target"].startswith("127.0.0.1:")
+    modes = {(lv["mode"], lv["n"]) for lv in result["levels"]}
+    assert modes == {("streaming", 2), ("sentence", 2)}
+    for lv in result["levels"]:
+        c = lv["client"]
+        assert c["sessions"] == 2 and c["errors"] == 0, c["error_codes"]
+        for key in ("ttfa_user_s", "ttfa_server_s", "lookahead_wait_s", "compute_fpl_s", "starved_s_per_session",
+                    "spoken_fraction"):
+            assert key in c
+        assert c["ttfa_user_s"]["n"] == 2
+        assert len(lv["loadavg"]["start"]) == 3
+        assert lv["server"]["step_seconds"]["count"] > 0 and lv["server"]["batch_size"]["count"] > 0
+        for r in lv["records"]:
+            assert r["completed"] and r["packets"] > 0 and r["audio_s"] > 0
+            assert r["calls"] == (1 if lv["mode"] == "streaming" else 2)
+            for key in ("ttfa_user_s", "ttfa_server_s", "compute_fpl_s", "underruns", "starved_s", "late_fixed_clock"):
+                assert key in r
+        if lv["mode"] == "streaming":
+            assert isinstance(lv["passed"], bool)
+    sw = result["sweep"]
+    assert sw["tested_n"] == [2] and "rated_n" in sw
+    assert sw["comparison"][0]["n"] == 2 and "ttfa_p95_ratio" in sw["comparison"][0]
+    assert (out / "report.md").exists()
