@@ -81,6 +81,10 @@ class Engine:
     def capacity(self) -> int:
         return self.config.max_sessions
 
+    @property
+    def builtin_voices(self) -> dict[str, np.ndarray]:
+        return self.bundle.builtin_voices
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="livespeech-engine", daemon=True)
@@ -170,7 +174,7 @@ class Engine:
                     self._finish(s, cancelled=True)
                 elif kind == "close":
                     s.closed = True
-                    self._end(s, "disconnected")
+                    self._end(s, cmd[1])
             except Exception as exc:
                 log.exception("session %s: command %s failed", s.session_id, kind)
                 self._fail(s, "INTERNAL", f"{type(exc).__name__} while handling {kind}")

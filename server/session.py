@@ -25,7 +25,7 @@ from models.guidance import GuidanceState
 
 from .audio import AudioEncoder
 from .chunker import Chunker, TextChunk
-from .session_api import ConfigError, SessionConfig, Sink, StateError
+from .session_api import ConfigError, LimitError, SessionConfig, Sink, StateError
 from .timeline import SpeechTimeline
 
 if TYPE_CHECKING:
@@ -111,15 +111,16 @@ class EngineSession:
             if self._input_ended:
                 raise StateError("text after end_of_input")
             if len(text) > limits.max_text_piece_chars:
-                raise ConfigError(f"text piece of {len(text)} characters exceeds the limit of {limits.max_text_piece_chars}")
+                raise ConfigError(
+                    f"text: piece of {len(text)} chars is over max_text_piece_chars={limits.max_text_piece_chars}")
             if self._text_chars + len(text) > limits.max_session_text_chars:
-                raise ConfigError(f"session text exceeds the limit of {limits.max_session_text_chars} characters")
+                raise LimitError(f"text: session total is over max_session_text_chars={limits.max_session_text_chars}")
             if client_time_s is not None:
-                if not math.isfinite(client_time_s) or client_time_s < 0:
-                    raise ConfigError("client timestamp must be a finite, non-negative number of seconds")
+                if not (math.isfinite(client_time_s) and client_time_s >= 0):
+                    raise ConfigError(f"text.timestamp_s must be finite and >= 0, got {client_time_s}")
                 if client_time_s < self._last_client_ts:
                     raise ConfigError(
-                        f"non-monotonic client timestamp {client_time_s} < previous {self._last_client_ts}")
+                        f"text.timestamp_s must not decrease: {client_time_s:g} after {self._last_client_ts:g}")
                 self._last_client_ts = client_time_s
             self._text_chars += len(text)
         self.engine.submit(self, ("text", text, client_time_s, flush, time.monotonic()))
@@ -127,15 +128,15 @@ class EngineSession:
     def end_input(self) -> None:
         with self._lock:
             if self._input_ended:
-                raise StateError("end_of_input sent twice")
+                raise StateError("end_of_input received twice")
             self._input_ended = True
         self.engine.submit(self, ("end", time.monotonic()))
 
     def cancel(self) -> None:
         self.engine.submit(self, ("cancel",))
 
-    def close(self) -> None:
-        self.engine.submit(self, ("close",))
+    def close(self, outcome: str = "disconnected") -> None:
+        self.engine.submit(self, ("close", outcome))
 
     # --- engine thread ---------------------------------------------------------------------
     def on_text(self, text: str, client_time_s: Optional[float], flush: bool, now: float) -> list[TextChunk]:

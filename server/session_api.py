@@ -24,6 +24,10 @@ class ConfigError(ValueError):
     """A session or server setting is invalid; the message is safe to show a client."""
 
 
+class LimitError(ConfigError):
+    """A per-session quota is used up (RESOURCE_EXHAUSTED), e.g. total text."""
+
+
 class CapacityError(RuntimeError):
     """The engine has no free session slot (RESOURCE_EXHAUSTED)."""
 
@@ -135,8 +139,9 @@ class SessionHandle(Protocol):
     def cancel(self) -> None:
         """Stop generating; the engine sends Finished(cancelled=True) with what was spoken."""
 
-    def close(self) -> None:
-        """The client went away: free the slot at the next step, send nothing more."""
+    def close(self, outcome: str = "disconnected") -> None:
+        """The stream is over (client gone, or ended by the service, outcome "failed"):
+        free the slot at the next step, send nothing more. Idempotent."""
 
 
 class Voice(Protocol):
@@ -153,6 +158,10 @@ class EngineAPI(Protocol):
 
     @property
     def capacity(self) -> int: ...
+
+    @property
+    def builtin_voices(self) -> "dict[str, object]":
+        """Voice id -> 24 kHz float32 reference audio shipped with the model (read-only)."""
 
     def open_session(self, config: SessionConfig, voice: "Voice", sink: Sink) -> SessionHandle:
         """Admit a session (raises CapacityError when full)."""

@@ -1,0 +1,210 @@
+"""The server process: gRPC (LiveSpeech + health + reflection), metrics, drain.
+
+    app = await build_server(config, engine)   # started; app.port is the bound port
+    ...
+    await app.drain()                          # what SIGTERM does
+
+`serve(config)` builds the engine from the model bundle and runs until SIGTERM/SIGINT
+under uvloop. Drain: health -> NOT_SERVING, new Synthesize calls -> UNAVAILABLE "server
+is draining", in-flight sessions get `drain_grace_s` to finish (then UNAVAILABLE
+"server is shutting down"), then `server.stop()` and `engine.stop()`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .config import ServerConfig
+from .metrics import Metrics
+from .protocol import SERVICE_NAME, method_handlers
+from .service import LiveSpeechService
+from .session_api import EngineAPI
+from .voices import VoiceStore
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class App:
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine: EngineAPI,
+        metrics: Metrics,
+        voices: VoiceStore,
+        service: LiveSpeechService,
+        server: grpc.aio.Server,
+        health: health.aio.HealthServicer,
+        port: int,
+        metrics_port: Optional[int],
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.metrics = metrics
+        self.voices = voices
+        self.service = service
+        self.server = server
+        self.health = health
+        self.port = port
+        self.metrics_port = metrics_port
+        self._stopped: Optional[asyncio.Task] = None
+
+    @property
+    def address(self) -> str:
+        host = self.config.host
+        if host in ("0.0.0.0", "::", "[::]"):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    async def drain(self, grace_s: Optional[float] = None) -> None:
+        """Graceful shutdown; idempotent (a second call waits for the first)."""
+        if self._stopped is None:
+            self._stopped = asyncio.ensure_future(self._drain(self.config.drain_grace_s if grace_s is None else grace_s))
+        await asyncio.shield(self._stopped)
+
+    async def _drain(self, grace_s: float) -> None:
+        log.info("draining: %d in-flight sessions, grace %.1f s", self.service.in_flight, grace_s)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, NOT_SERVING)
+        forced = await self.service.drain(grace_s)
+        if forced:
+            log.warning("drain: ended %d sessions still running after %.1f s", forced, grace_s)
+        await self.server.stop(grace=1.0)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+        self.metrics.stop_http_server()
+        log.info("stopped")
+
+    async def stop(self) -> None:
+        """Shut down now (no grace for running sessions)."""
+        await self.drain(0.0)
+
+    async def wait_closed(self) -> None:
+        await self.server.wait_for_termination()
+        if self._stopped is not None:
+            await asyncio.shield(self._stopped)
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    # largest legitimate message: enrollment audio (PCM16 at 48 kHz, or a WAV of up to
+    # 32-bit stereo at 48 kHz) for max_enrollment_seconds, plus headroom
+    max_msg = int(config.max_enrollment_seconds * 48_000 * 8) + (1 << 20)
+    return [
+        ("grpc.max_receive_message_length", max(max_msg, 4 << 20)),
+        ("grpc.max_send_message_length", 16 << 20),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+async def build_server(
+    config: ServerConfig,
+    engine: EngineAPI,
+    *,
+    metrics: Optional[Metrics] = None,
+    voices: Optional[VoiceStore] = None,
+) -> App:
+    """Start the engine, load voices, start gRPC and the metrics exporter."""
+    metrics = metrics if metrics is not None else Metrics()
+    engine.start()
+    try:
+        if voices is None:
+            voices = VoiceStore(config.voices_dir, engine, max_voices=config.max_voices)
+        await voices.load()
+        service = LiveSpeechService(config, engine, voices, metrics)
+        server = grpc.aio.server(options=grpc_options(config))
+        server.add_generic_rpc_handlers((method_handlers(service),))
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, SERVING)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        if port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.port}")
+        metrics_port = None
+        if config.metrics_port:  # -1: any free port
+            metrics_port = metrics.start_http_server(max(config.metrics_port, 0), config.host)
+        await server.start()
+    except BaseException:
+        metrics.stop_http_server()
+        engine.stop()
+        raise
+    log.info("listening on %s:%d (metrics: %s)", config.host, port, metrics_port or "off")
+    return App(config, engine, metrics, voices, service, server, health_servicer, port, metrics_port)
+
+
+# ------------------------------------------------------------------ process
+
+
+def engine_config(config: ServerConfig):
+    """The engine's settings that come from the server's."""
+    from server.engine import EngineConfig
+
+    return EngineConfig(
+        max_sessions=config.max_sessions,
+        max_text_piece_chars=config.max_text_piece_chars,
+        max_session_text_chars=config.max_session_text_chars,
+    )
+
+
+def make_engine(config: ServerConfig, metrics: Metrics) -> EngineAPI:
+    """The real engine on the configured (or embedded default) model bundle."""
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+    from models.loading import load_bundle
+    from server.engine import Engine
+
+    try:
+        bundle = load_bundle(config.model_path, device=config.device)
+    except FileNotFoundError as e:
+        raise SystemExit(f"livespeech: cannot load the model: {e}") from None
+    return Engine(bundle, engine_config(config), metrics)
+
+
+async def _serve(config: ServerConfig, engine: Optional[EngineAPI]) -> None:
+    metrics = Metrics()
+    if engine is None:
+        engine = make_engine(config, metrics)
+    app = await build_server(config, engine, metrics=metrics)
+    print(f"livespeech: serving on {config.host}:{app.port}", flush=True)
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            log.warning("%s: draining (again to stop now)", sig.name)
+            asyncio.ensure_future(app.drain())
+        else:
+            log.warning("%s: stopping now", sig.name)
+            asyncio.ensure_future(app.server.stop(grace=0))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    await app.wait_closed()
+
+
+def serve(config: ServerConfig, engine: Optional[EngineAPI] = None) -> None:
+    """Run the server until SIGTERM/SIGINT (uvloop when available)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(_serve(config, engine))

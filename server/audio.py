@@ -1,0 +1,246 @@
+"""Audio encoding for the wire (numpy only; called from the engine thread).
+
+`AudioEncoder` turns the model's 24 kHz float32 stream into packets of exactly
+`packet_ms` (the last one may be shorter) in the session's sample rate and encoding.
+Resampling is streaming polyphase FIR with state carried across pushes, so pushing in
+pieces gives the same samples as resampling the whole signal, and the same as
+`scipy.signal.resample_poly(x, up, down)` (same Kaiser-windowed filter, same
+alignment: no delay is added, the filter's look-ahead is held back until input arrives
+or `flush()`).
+
+Also: G.711 mu-law, PCM16, WAV decoding/encoding helpers for enrollment audio.
+"""
+from __future__ import annotations
+
+import functools
+import io
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .session_api import Encoding
+
+MODEL_SAMPLE_RATE = 24_000
+
+
+@dataclass(frozen=True)
+class EncodedPacket:
+    data: bytes
+    start_s: float  # offset of the first sample on the session's audio timeline
+    duration_s: float
+
+
+# ------------------------------------------------------------------- sample formats
+
+
+def float_to_pcm16(x: np.ndarray) -> np.ndarray:
+    """float in [-1, 1] -> int16 (clipped, rounded)."""
+    y = np.rint(np.asarray(x, dtype=np.float64) * 32767.0)
+    return np.clip(y, -32768, 32767).astype("<i2")
+
+
+def pcm16_to_float(data: bytes) -> np.ndarray:
+    if len(data) % 2:
+        raise ValueError("PCM16 data has an odd number of bytes")
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+
+
+_MULAW_BIAS = 0x84
+_MULAW_CLIP = 32635
+
+
+def _mulaw_encode_table() -> np.ndarray:
+    """G.711 mu-law for every int16 value (the segment encoder of ITU-T G.711 / Sun g711.c)."""
+    x = np.arange(-32768, 32768, dtype=np.int32)
+    sign = np.where(x < 0, 0x80, 0x00)
+    mag = np.minimum(np.abs(x), _MULAW_CLIP) + _MULAW_BIAS
+    # segment = position of the highest set bit above bit 7, 0..7
+    exponent = np.floor(np.log2(mag)).astype(np.int32) - 7
+    exponent = np.clip(exponent, 0, 7)
+    mantissa = (mag >> (exponent + 3)) & 0x0F
+    return (~(sign | (exponent << 4) | mantissa) & 0xFF).astype(np.uint8)
+
+
+def _mulaw_decode_table() -> np.ndarray:
+    u = ~np.arange(256, dtype=np.int32) & 0xFF
+    sign = u & 0x80
+    exponent = (u >> 4) & 0x07
+    mantissa = u & 0x0F
+    mag = (((mantissa << 3) + _MULAW_BIAS) << exponent) - _MULAW_BIAS
+    return np.where(sign, -mag, mag).astype(np.int16)
+
+
+_MULAW_ENC = _mulaw_encode_table()
+MULAW_DECODE = _mulaw_decode_table()
+
+
+def pcm16_to_mulaw(x: np.ndarray) -> np.ndarray:
+    return _MULAW_ENC[np.asarray(x, dtype=np.int32) + 32768]
+
+
+def mulaw_to_pcm16(data: bytes) -> np.ndarray:
+    return MULAW_DECODE[np.frombuffer(data, dtype=np.uint8)]
+
+
+# ------------------------------------------------------------------- resampling
+
+
+@functools.lru_cache(maxsize=None)
+def resample_filter(up: int, down: int) -> tuple[np.ndarray, int]:
+    """The FIR `scipy.signal.resample_poly` uses (windowed sinc, Kaiser beta 5, unit DC
+    gain, times `up`) and its half length; numpy only (importing scipy.signal takes
+    seconds, too long for the engine thread)."""
+    max_rate = max(up, down)
+    half_len = 10 * max_rate
+    cutoff = 1.0 / max_rate
+    n = np.arange(2 * half_len + 1) - half_len
+    h = cutoff * np.sinc(cutoff * n) * np.kaiser(2 * half_len + 1, 5.0)
+    h *= up / h.sum()
+    h.setflags(write=False)
+    return h, half_len
+
+
+class StreamingResampler:
+    """Rational resampling by up/down, fed in pieces; output == resample_poly(whole)."""
+
+    def __init__(self, up: int, down: int) -> None:
+        g = math.gcd(up, down)
+        self.up, self.down = up // g, down // g
+        h, self.half_len = resample_filter(self.up, self.down)
+        # polyphase: bank[p, m] = h[p + m*up]; output n at upsampled time t = n*down + half_len
+        # is sum_m bank[t % up, m] * x[t // up - m]
+        self.taps = -(-len(h) // self.up)
+        padded = np.zeros(self.taps * self.up)
+        padded[: len(h)] = h
+        self.bank = padded.reshape(self.taps, self.up).T.copy()
+        self._buf = np.zeros(0, dtype=np.float64)
+        self._buf_start = 0  # global input index of _buf[0]
+        self._n_in = 0
+        self._n_out = 0  # next output index
+
+    def _emit(self, upto: int) -> np.ndarray:
+        """Outputs n in [_n_out, upto): inputs past _n_in count as zeros."""
+        if upto <= self._n_out:
+            return np.zeros(0, dtype=np.float32)
+        n = np.arange(self._n_out, upto)
+        t = n * self.down + self.half_len
+        idx = (t // self.up)[:, None] - np.arange(self.taps)[None, :] - self._buf_start
+        valid = (idx >= 0) & (idx < len(self._buf))
+        vals = np.where(valid, self._buf[np.clip(idx, 0, max(len(self._buf) - 1, 0))] if len(self._buf) else 0.0, 0.0)
+        y = np.einsum("nm,nm->n", self.bank[t % self.up], vals)
+        self._n_out = upto
+        # keep only the history the next output needs
+        keep_from = (self._n_out * self.down + self.half_len) // self.up - self.taps + 1
+        drop = min(max(keep_from - self._buf_start, 0), len(self._buf))
+        self._buf = self._buf[drop:]
+        self._buf_start += drop
+        return y.astype(np.float32)
+
+    def push(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        self._buf = np.concatenate([self._buf, x])
+        self._n_in += len(x)
+        # output n is final once its newest tap t//up has arrived: t//up <= n_in - 1
+        ready = (self._n_in * self.up - self.half_len - 1) // self.down + 1
+        total = -(-self._n_in * self.up // self.down)
+        return self._emit(max(min(ready, total), self._n_out))
+
+    def flush(self) -> np.ndarray:
+        total = -(-self._n_in * self.up // self.down)
+        return self._emit(total)
+
+
+# ------------------------------------------------------------------- packetising
+
+
+class AudioEncoder:
+    """24 kHz float32 -> packets of `packet_ms` in the session's rate and encoding."""
+
+    def __init__(self, sample_rate: int, encoding: Encoding, packet_ms: int) -> None:
+        self.sample_rate = sample_rate
+        self.encoding = encoding
+        self.packet_samples = sample_rate * packet_ms // 1000
+        if self.packet_samples <= 0 or sample_rate * packet_ms % 1000:
+            raise ValueError(f"packet_ms={packet_ms} is not a whole number of samples at {sample_rate} Hz")
+        self._resampler: Optional[StreamingResampler] = (
+            None if sample_rate == MODEL_SAMPLE_RATE else StreamingResampler(sample_rate, MODEL_SAMPLE_RATE)
+        )
+        self._pending = np.zeros(0, dtype=np.float32)
+        self._emitted = 0  # output samples already packetised
+
+    def _encode(self, x: np.ndarray) -> bytes:
+        pcm = float_to_pcm16(x)
+        if self.encoding is Encoding.MULAW:
+            return pcm16_to_mulaw(pcm).tobytes()
+        return pcm.tobytes()
+
+    def _packets(self, final: bool) -> list[EncodedPacket]:
+        out = []
+        n = self.packet_samples
+        while len(self._pending) >= n or (final and len(self._pending)):
+            chunk, self._pending = self._pending[:n], self._pending[n:]
+            out.append(
+                EncodedPacket(
+                    self._encode(chunk), self._emitted / self.sample_rate, len(chunk) / self.sample_rate
+                )
+            )
+            self._emitted += len(chunk)
+        return out
+
+    def push(self, samples: np.ndarray) -> list[EncodedPacket]:
+        x = np.asarray(samples, dtype=np.float32).reshape(-1)
+        if self._resampler is not None:
+            x = self._resampler.push(x)
+        self._pending = np.concatenate([self._pending, x])
+        return self._packets(final=False)
+
+    def flush(self) -> list[EncodedPacket]:
+        if self._resampler is not None:
+            self._pending = np.concatenate([self._pending, self._resampler.flush()])
+        return self._packets(final=True)
+
+
+# ------------------------------------------------------------------- files
+
+
+def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """WAV bytes (PCM 8/16/24/32-bit or float; any channel count) -> float32 mono, rate."""
+    from scipy.io import wavfile
+
+    try:
+        rate, x = wavfile.read(io.BytesIO(data))
+    except Exception as e:  # scipy raises ValueError/TypeError for malformed files
+        raise ValueError(f"not a readable WAV file: {e}") from None
+    if x.dtype == np.uint8:
+        y = (x.astype(np.float32) - 128.0) / 128.0
+    elif np.issubdtype(x.dtype, np.integer):
+        y = x.astype(np.float32) / float(-np.iinfo(x.dtype).min)
+    else:
+        y = x.astype(np.float32)
+    if y.ndim == 2:
+        y = y.mean(axis=1)
+    return y, int(rate)
+
+
+def encode_wav(samples: np.ndarray, sample_rate: int) -> bytes:
+    """float32 mono -> 16-bit PCM WAV bytes."""
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(float_to_pcm16(samples).tobytes())
+    return buf.getvalue()
+
+
+def resample(x: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
+    """Whole-signal resampling (enrollment audio)."""
+    if sr_in == sr_out:
+        return np.asarray(x, dtype=np.float32)
+    r = StreamingResampler(sr_out, sr_in)
+    block = 1 << 14  # bounds the (outputs x taps) work matrix
+    return np.concatenate([r.push(x[i : i + block]) for i in range(0, len(x), block)] + [r.flush()])

@@ -1,0 +1,95 @@
+"""Prometheus metrics, one `CollectorRegistry` per `Metrics` (several servers per process).
+
+Who records what (so nothing is counted twice):
+- the engine: `sessions_total{outcome}` for every session it admitted (completed,
+  cancelled, failed, disconnected; a session the service ends for a client fault, e.g.
+  "client is not reading", reaches the engine as a close: disconnected) and for
+  refusals at capacity (rejected); `errors_total{code}` for the failures it reports;
+  and all latency, step, batch, underrun, RTF, audio, token and codec metrics;
+- the service: `sessions_total` for streams that never reached the engine (rejected:
+  bad or missing config, unknown voice, draining; disconnected: the client left before
+  its config was handled) and `errors_total{code}` for every other non-OK status it
+  sends (unary voice RPCs included).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+SESSION_OUTCOMES = ("completed", "cancelled", "failed", "disconnected", "rejected")
+
+# one decode step at 75 Hz has a 13.3 ms budget: resolve 0.5 ms .. 200 ms
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.0133, 0.02, 0.03, 0.05, 0.1, 0.2)
+# time to first audio and its parts: 10 ms .. 10 s
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
+RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+CODEC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5)
+
+
+class Metrics:
+    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        p = "livespeech_"
+        self.active_sessions = Gauge(p + "active_sessions", "Sessions holding an engine slot", registry=r)
+        self.sessions_total = Counter(
+            p + "sessions_total", "Synthesize streams by outcome", ["outcome"], registry=r
+        )
+        self.ttfa_seconds = Histogram(
+            p + "ttfa_seconds", "Time to first audio: first text received -> first packet sent",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.lookahead_wait_seconds = Histogram(
+            p + "lookahead_wait_seconds", "Part of TTFA spent waiting for text",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.compute_fpl_seconds = Histogram(
+            p + "compute_fpl_seconds", "Compute first-packet latency: generation may start -> first packet",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.step_seconds = Histogram(
+            p + "step_seconds", "Batched decode step time", buckets=STEP_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            p + "batch_size", "Sessions per decode step", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.underruns_total = Counter(
+            p + "underruns_total", "Packets sent after their playback deadline", registry=r
+        )
+        self.rtf = Histogram(
+            p + "rtf", "Real-time factor per session: compute time / audio duration",
+            buckets=RTF_BUCKETS, registry=r,
+        )
+        self.audio_seconds_total = Counter(p + "audio_seconds_total", "Audio generated", registry=r)
+        self.text_tokens_total = Counter(p + "text_tokens_total", "Text tokens consumed", registry=r)
+        self.errors_total = Counter(
+            p + "errors_total", "RPCs ended with a non-OK status, by gRPC code", ["code"], registry=r
+        )
+        self.codec_decode_seconds = Histogram(
+            p + "codec_decode_seconds", "Batched codec decode time", buckets=CODEC_BUCKETS, registry=r
+        )
+        for outcome in SESSION_OUTCOMES:  # export zeros, so rate() works from the start
+            self.sessions_total.labels(outcome=outcome)
+        self._http = None
+
+    def render(self) -> bytes:
+        """The exposition text (what the exporter serves)."""
+        return generate_latest(self.registry)
+
+    def start_http_server(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serve /metrics on a daemon thread; returns the bound port (port 0: any)."""
+        from prometheus_client import start_http_server
+
+        server, thread = start_http_server(port, addr=addr, registry=self.registry)
+        self._http = (server, thread)
+        return server.server_port
+
+    def stop_http_server(self) -> None:
+        if self._http is not None:
+            server, thread = self._http
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+            self._http = None

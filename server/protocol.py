@@ -1,0 +1,266 @@
+"""The wire protocol: `protos/livespeech/v1/livespeech.proto`, compiled on first import.
+
+Generated code is never committed. On import this module runs `grpc_tools.protoc` into
+`server/gen/` (gitignored) when the generated module is missing or stale (the stamp
+is a hash of the .proto and the protoc/protobuf versions), or into a per-user cache
+directory when the package directory is read-only (an installed package); set
+`LIVESPEECH_GEN_DIR` to choose the directory. Only the message module (`_pb2`) is
+generated: the service's method table is read from its descriptor (`method_handlers`,
+`Stub`), so no generated module imports another by a top-level name.
+
+It also holds the one mapping between the proto config and `SessionConfig`
+(`config_from_proto`, `config_to_proto`), used by the service and the client.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Optional
+
+import grpc
+
+from .session_api import ChunkingConfig, ConfigError, Encoding, SessionConfig
+
+PROTO_REL = "livespeech/v1/livespeech.proto"
+SERVICE_NAME = "livespeech.v1.LiveSpeech"
+_MODULE_NAME = "server.gen.livespeech_pb2"
+
+
+def _proto_root() -> Path:
+    """`protos/` of a source checkout, or the installed copy (package data)."""
+    here = Path(__file__).resolve().parent
+    candidates = [here.parent / "protos"]
+    try:  # installed: the `protos` namespace package ships the .proto as package data
+        import protos  # type: ignore[import-not-found]
+
+        candidates += [Path(p) for p in getattr(protos, "__path__", [])]
+    except ImportError:
+        pass
+    for root in candidates:
+        if (root / PROTO_REL).is_file():
+            return root
+    raise FileNotFoundError(f"{PROTO_REL} not found in {[str(c) for c in candidates]}")
+
+
+def _stamp(proto_text: bytes) -> str:
+    import google.protobuf
+    import grpc_tools
+
+    versions = f"{getattr(grpc_tools, '__version__', '')}|{google.protobuf.__version__}"
+    try:
+        from importlib.metadata import version
+
+        versions += "|" + version("grpcio-tools")
+    except Exception:  # pragma: no cover - metadata missing
+        pass
+    return hashlib.sha256(proto_text + versions.encode()).hexdigest()[:16]
+
+
+def _gen_dirs() -> list[Path]:
+    env = os.environ.get("LIVESPEECH_GEN_DIR")
+    if env:
+        return [Path(env)]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return [Path(__file__).resolve().parent / "gen", cache / "livespeech" / "gen"]
+
+
+def _generate(root: Path, out_dir: Path, stamp: str) -> Path:
+    """Compile into out_dir/<stamp>/ atomically; returns the _pb2.py path."""
+    from grpc_tools import protoc
+    import grpc_tools
+
+    target = out_dir / stamp / "livespeech_pb2.py"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
+    well_known = Path(grpc_tools.__file__).parent / "_proto"
+    rc = protoc.main(
+        ["protoc", f"-I{root}", f"-I{well_known}", f"--python_out={tmp}", str(root / PROTO_REL)]
+    )
+    produced = tmp / "livespeech" / "v1" / "livespeech_pb2.py"
+    if rc != 0 or not produced.is_file():
+        raise RuntimeError(f"protoc failed ({rc}) compiling {root / PROTO_REL}")
+    (out_dir / stamp).mkdir(exist_ok=True)
+    os.replace(produced, target)  # atomic: concurrent importers see a whole file or none
+    _rmtree(tmp)
+    return target
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _load() -> ModuleType:
+    if _MODULE_NAME in sys.modules:
+        return sys.modules[_MODULE_NAME]
+    root = _proto_root()
+    stamp = _stamp((root / PROTO_REL).read_bytes())
+    errors = []
+    for out_dir in _gen_dirs():
+        try:
+            path = _generate(root, out_dir, stamp)
+            break
+        except OSError as e:  # read-only install dir: try the next candidate
+            errors.append(f"{out_dir}: {e}")
+    else:
+        raise RuntimeError("cannot write generated protocol code: " + "; ".join(errors))
+    spec = importlib.util.spec_from_file_location(_MODULE_NAME, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_MODULE_NAME] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pb = _load()
+"""The generated message module: `pb.SynthesizeRequest`, `pb.AudioPacket`, ..."""
+
+SERVICE = pb.DESCRIPTOR.services_by_name["LiveSpeech"]
+
+
+def _message_class(descriptor) -> Any:
+    return getattr(pb, descriptor.name)
+
+
+def method_handlers(servicer: object) -> grpc.GenericRpcHandler:
+    """A generic handler routing each method of the service to `servicer.<Method>`."""
+    handlers = {}
+    for m in SERVICE.methods:
+        kind = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = kind(
+            getattr(servicer, m.name),
+            request_deserializer=_message_class(m.input_type).FromString,
+            response_serializer=_message_class(m.output_type).SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+class Stub:
+    """Client stub for a sync `grpc.Channel` or a `grpc.aio.Channel`."""
+
+    def __init__(self, channel: Any) -> None:
+        for m in SERVICE.methods:
+            factory = {
+                (False, False): channel.unary_unary,
+                (False, True): channel.unary_stream,
+                (True, False): channel.stream_unary,
+                (True, True): channel.stream_stream,
+            }[(m.client_streaming, m.server_streaming)]
+            setattr(
+                self,
+                m.name,
+                factory(
+                    f"/{SERVICE_NAME}/{m.name}",
+                    request_serializer=_message_class(m.input_type).SerializeToString,
+                    response_deserializer=_message_class(m.output_type).FromString,
+                ),
+            )
+
+
+# --------------------------------------------------------------------------- config
+
+_ENCODINGS = {
+    pb.AUDIO_ENCODING_UNSPECIFIED: Encoding.PCM16,
+    pb.AUDIO_ENCODING_PCM16_LE: Encoding.PCM16,
+    pb.AUDIO_ENCODING_MULAW: Encoding.MULAW,
+}
+_ENCODINGS_BACK = {Encoding.PCM16: pb.AUDIO_ENCODING_PCM16_LE, Encoding.MULAW: pb.AUDIO_ENCODING_MULAW}
+
+
+@dataclass(frozen=True)
+class Enrollment:
+    """Inline reference speech from a config (decoded later, under the server's limits)."""
+
+    pcm16_le: bytes
+    sample_rate: int
+
+
+def config_from_proto(msg: "pb.SynthesizeConfig") -> tuple[SessionConfig, Optional[Enrollment]]:
+    """The one place a wire config becomes a validated `SessionConfig`.
+
+    Unset optional fields take `SessionConfig`'s defaults. Raises `ConfigError` with a
+    message naming the field."""
+    d = SessionConfig()
+    c = msg.chunking
+    dc = d.chunking
+
+    def opt(m: Any, name: str, default: Any) -> Any:
+        return getattr(m, name) if m.HasField(name) else default
+
+    if msg.encoding not in _ENCODINGS:
+        raise ConfigError(f"encoding: unknown value {msg.encoding}")
+    lam = opt(msg, "guidance_lambda", d.guidance_lambda)
+    if math.isnan(lam):
+        raise ConfigError("guidance_lambda must be >= 0 (inf for hard guidance), got NaN")
+    enrollment = None
+    voice_id = ""
+    which = msg.WhichOneof("voice")
+    if which == "voice_id":
+        voice_id = msg.voice_id
+        if not voice_id:
+            raise ConfigError("voice_id: empty (leave the voice unset for the default voice)")
+    elif which == "enrollment":
+        enrollment = Enrollment(bytes(msg.enrollment.pcm16_le), msg.enrollment.sample_rate)
+    cfg = SessionConfig(
+        voice_id=voice_id,
+        sample_rate=opt(msg, "sample_rate", d.sample_rate),
+        encoding=_ENCODINGS[msg.encoding],
+        packet_ms=opt(msg, "packet_ms", d.packet_ms),
+        n_past_chunks=opt(msg, "n_past_chunks", d.n_past_chunks),
+        n_future_chunks=opt(msg, "n_future_chunks", d.n_future_chunks),
+        chunking=ChunkingConfig(
+            min_words=opt(c, "min_words", dc.min_words),
+            max_words=opt(c, "max_words", dc.max_words),
+            timer_ms=opt(c, "timer_ms", dc.timer_ms),
+            flush_on_punctuation=opt(c, "flush_on_punctuation", dc.flush_on_punctuation),
+        ),
+        guidance_lambda=lam,
+        top_k=opt(msg, "top_k", d.top_k),
+        seed=opt(msg, "seed", d.seed),
+        timestamps_are_speech_time=msg.timestamps_are_speech_time,
+    )
+    return cfg.validate(), enrollment
+
+
+def config_to_proto(cfg: SessionConfig, enrollment: Optional[Enrollment] = None) -> "pb.SynthesizeConfig":
+    """Every field set explicitly (the client's request; the server's `started` echo)."""
+    ch = cfg.chunking
+    msg = pb.SynthesizeConfig(
+        sample_rate=cfg.sample_rate,
+        encoding=_ENCODINGS_BACK[cfg.encoding],
+        packet_ms=cfg.packet_ms,
+        n_past_chunks=cfg.n_past_chunks,
+        n_future_chunks=cfg.n_future_chunks,
+        chunking=pb.ChunkingPolicy(
+            min_words=ch.min_words,
+            max_words=ch.max_words,
+            timer_ms=ch.timer_ms,
+            flush_on_punctuation=ch.flush_on_punctuation,
+        ),
+        guidance_lambda=cfg.guidance_lambda,
+        top_k=cfg.top_k,
+        timestamps_are_speech_time=cfg.timestamps_are_speech_time,
+    )
+    if cfg.seed is not None:
+        msg.seed = cfg.seed
+    if enrollment is not None:
+        msg.enrollment.pcm16_le = enrollment.pcm16_le
+        msg.enrollment.sample_rate = enrollment.sample_rate
+    elif cfg.voice_id:
+        msg.voice_id = cfg.voice_id
+    return msg

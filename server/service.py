@@ -1,0 +1,448 @@
+"""The LiveSpeech gRPC servicer (grpc.aio).
+
+One `Synthesize` stream = one `_Stream`: the handler reads the config, opens an engine
+session, then runs a reader task (client messages -> `SessionHandle`) and a writer task
+(engine events -> client). The engine thread calls the session's sink; the sink hands
+each event to the event loop with `loop.call_soon_threadsafe`, into a queue the writer
+drains. The queue is bounded by `max_buffered_packets`: when the client does not read,
+the writer blocks on gRPC flow control, the queue fills and the session ends with
+RESOURCE_EXHAUSTED "client is not reading".
+
+Every way out of a stream goes through `Synthesize`'s `finally`: the engine handle is
+closed (the slot is freed within one engine step), the outcome is counted, and a failure
+becomes a defined status (an `RpcError`, or INTERNAL for a bug, which is logged).
+
+Status choices (see also the .proto):
+- no config within `config_timeout_s`: DEADLINE_EXCEEDED;
+- a session's total text over `max_session_text_chars`: RESOURCE_EXHAUSTED (a single
+  piece over `max_text_piece_chars` is INVALID_ARGUMENT);
+- the client half-closes without `end_of_input`: treated as end of input;
+- messages after `cancel` are ignored (a text pump may race the cancel).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from typing import Any, AsyncIterator, Iterator, Optional
+
+import grpc
+
+from .audio import MODEL_SAMPLE_RATE
+from .config import ServerConfig
+from .metrics import Metrics
+from .protocol import Enrollment, config_from_proto, config_to_proto, pb
+from .session_api import (
+    AudioPacket,
+    CapacityError,
+    ConfigError,
+    EngineAPI,
+    Failed,
+    Finished,
+    SessionConfig,
+    SessionEvent,
+    SessionHandle,
+    LimitError,
+    StateError,
+    Summary,
+    Voice,
+    WordTiming,
+)
+from .voices import VoiceInfo, VoiceStore, VoiceStoreError, check_voice_id, decode_reference
+
+log = logging.getLogger(__name__)
+Code = grpc.StatusCode
+ABORT_WAIT_S = 2.0  # longest wait for a client to take an error status
+REFUSE_READ_S = 0.25  # longest read of a refused stream's messages (see discard_requests)
+
+
+class RpcError(Exception):
+    """Ends an RPC with this status. `from_engine`: relays an engine `Failed` (the engine
+    counted it in `errors_total` already)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple = (), from_engine: bool = False) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.metadata = metadata
+        self.from_engine = from_engine
+
+
+def summary_to_proto(s: Summary) -> "pb.SessionSummary":
+    msg = pb.SessionSummary(frames=s.frames, audio_s=s.audio_s, cancelled=s.cancelled, spoken_text=s.spoken_text)
+    for name in ("ttfa_s", "lookahead_wait_s", "compute_fpl_s"):
+        value = getattr(s, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def voice_info_to_proto(info: VoiceInfo) -> "pb.VoiceInfo":
+    return pb.VoiceInfo(
+        voice_id=info.voice_id,
+        builtin=info.builtin,
+        reference_s=info.reference_s,
+        created_unix_ms=info.created_unix_ms,
+    )
+
+
+class _Stream:
+    """State of one Synthesize stream (event-loop side)."""
+
+    def __init__(self, service: "LiveSpeechService", context: grpc.aio.ServicerContext) -> None:
+        self.service = service
+        self.config = service.config
+        self.context = context
+        self.loop = asyncio.get_running_loop()
+        self.handle: Optional[SessionHandle] = None
+        self.events: asyncio.Queue[SessionEvent] = asyncio.Queue()
+        # resolved once: None (the session ended with its summary) or the RpcError to end it with
+        self.outcome: asyncio.Future = self.loop.create_future()
+        self.last_activity = time.monotonic()
+        self.tasks: list[asyncio.Task] = []
+        self.closed = False
+        self.capacity_rejected = False
+        self.requests_broken = False
+
+    # ------------------------------------------------------------ engine side
+
+    def sink(self, event: SessionEvent) -> None:
+        """Called from the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    def _deliver(self, event: SessionEvent) -> None:
+        if self.closed or self.outcome.done():
+            return
+        self.last_activity = time.monotonic()
+        terminal = isinstance(event, (Finished, Failed))
+        if not terminal and self.events.qsize() >= self.config.max_buffered_packets:
+            self.finish(RpcError(Code.RESOURCE_EXHAUSTED, "client is not reading"))
+            return
+        self.events.put_nowait(event)
+
+    def finish(self, outcome: Optional[RpcError]) -> None:
+        if not self.outcome.done():
+            self.outcome.set_result(outcome)
+
+    def close(self) -> None:
+        """Every exit path: free the engine slot now, stop the helper tasks."""
+        self.closed = True
+        if self.handle is not None:
+            # the service ending a session with an error is a failure, not a disconnect
+            failed = (self.outcome.done() and not self.outcome.cancelled()
+                      and self.outcome.exception() is None and self.outcome.result() is not None)
+            try:
+                self.handle.close("failed" if failed else "disconnected")
+            except Exception:  # pragma: no cover - the engine must not make us leak
+                log.exception("handle.close() failed")
+        for t in self.tasks:
+            t.cancel()
+
+    async def discard_requests(self, it: AsyncIterator, limit_s: float) -> None:
+        """Read and drop client messages until the client half-closes or `limit_s`.
+
+        Before a stream is refused: a client write still in flight when the status
+        arrives makes grpc's asyncio client replace the status with INTERNAL "Internal
+        error from Core" (grpc/grpc#36066), so let the usual config + text + end of
+        input arrive first."""
+        if self.requests_broken:
+            return
+        try:
+            async with asyncio.timeout(limit_s):
+                async for _ in it:
+                    pass
+        except Exception:  # TimeoutError, or the client went away: refuse now
+            pass
+
+    async def shutdown(self) -> None:
+        """`close()`, then wait for the tasks: a write blocked on flow control must be
+        cancelled before the status can be sent."""
+        self.close()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------ main
+
+    async def run(self, it: AsyncIterator) -> None:
+        first = await self._first_message(it)
+        if first.WhichOneof("request") != "config":
+            raise RpcError(Code.INVALID_ARGUMENT, "first message must be config")
+        try:
+            cfg, enrollment = config_from_proto(first.config)
+        except ConfigError as e:
+            raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
+        voice_id, voice = await self.service.resolve_voice(cfg, enrollment)
+        if self.service.draining:
+            raise RpcError(Code.UNAVAILABLE, "server is draining")
+        effective = cfg.replace(voice_id=voice_id)
+        try:
+            self.handle = self.service.engine.open_session(effective, voice, self.sink)
+        except CapacityError as e:
+            self.capacity_rejected = True  # the engine counted it as a rejected session
+            raise RpcError(
+                Code.RESOURCE_EXHAUSTED,
+                f"server is at capacity ({e or 'no free session slot'}); retry later or elsewhere",
+                (("retry-after-ms", str(self.config.retry_after_ms)),),
+            ) from None
+        except ConfigError as e:
+            raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
+        await self.context.write(
+            pb.SynthesizeResponse(
+                started=pb.Started(session_id=self.handle.session_id, config=config_to_proto(effective))
+            )
+        )
+        for coro in (self._read(it), self._write()):
+            task = asyncio.create_task(coro)
+            task.add_done_callback(self._task_done)
+            self.tasks.append(task)
+        outcome = await self.outcome
+        await self.shutdown()
+        if outcome is not None:
+            raise outcome
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self.outcome.done():
+            return  # the stream is ending already (e.g. a read interrupted by the abort)
+        exc = task.exception()
+        if isinstance(exc, RpcError):
+            self.finish(exc)
+        elif exc is not None:
+            log.error("session task failed", exc_info=exc)
+            self.finish(RpcError(Code.INTERNAL, "internal error"))
+
+    async def _first_message(self, it: AsyncIterator) -> Any:
+        timeout = self.config.config_timeout_s
+        try:
+            return await asyncio.wait_for(it.__anext__(), timeout)
+        except asyncio.TimeoutError:
+            self.requests_broken = True  # the interrupted read leaves the iterator unusable
+            raise RpcError(Code.DEADLINE_EXCEEDED, f"no config received within {timeout:g} s") from None
+        except StopAsyncIteration:
+            raise RpcError(Code.INVALID_ARGUMENT, "first message must be config (the stream ended)") from None
+
+    # ------------------------------------------------------------ client -> engine
+
+    async def _read(self, it: AsyncIterator) -> None:
+        assert self.handle is not None
+        handle = self.handle
+        ended = cancelled = False
+        async for msg in it:
+            self.last_activity = time.monotonic()
+            if cancelled:
+                continue
+            kind = msg.WhichOneof("request")
+            # limits, timestamps and ordering are validated by the handle (one place)
+            if kind == "text":
+                ts: Optional[float] = msg.text.timestamp_s if msg.text.HasField("timestamp_s") else None
+                with _handle_errors():
+                    handle.push_text(msg.text.text, ts, msg.text.flush)
+            elif kind == "end_of_input":
+                ended = True
+                with _handle_errors():
+                    handle.end_input()
+            elif kind == "cancel":
+                cancelled = True
+                handle.cancel()
+            elif kind == "config":
+                raise RpcError(Code.FAILED_PRECONDITION, "config already received")
+            else:
+                raise RpcError(Code.INVALID_ARGUMENT, "request has no payload")
+        if not ended and not cancelled:  # half-close = end of input
+            with _handle_errors():
+                handle.end_input()
+
+    # ------------------------------------------------------------ engine -> client
+
+    async def _next_event(self) -> SessionEvent:
+        idle = self.config.idle_timeout_s
+        while True:
+            if not self.events.empty():
+                return self.events.get_nowait()
+            remaining = self.last_activity + idle - time.monotonic()
+            if remaining <= 0:
+                raise RpcError(
+                    Code.DEADLINE_EXCEEDED, f"session idle for {idle:g} s (no message and nothing to generate)"
+                )
+            try:
+                return await asyncio.wait_for(self.events.get(), remaining)
+            except asyncio.TimeoutError:
+                continue
+
+    async def _write(self) -> None:
+        write = self.context.write
+        while True:
+            ev = await self._next_event()
+            if isinstance(ev, AudioPacket):
+                await write(
+                    pb.SynthesizeResponse(
+                        audio=pb.AudioPacket(seq=ev.seq, data=ev.data, start_s=ev.start_s, duration_s=ev.duration_s)
+                    )
+                )
+            elif isinstance(ev, WordTiming):
+                await write(pb.SynthesizeResponse(word=pb.WordTiming(word=ev.word, start_s=ev.start_s, end_s=ev.end_s)))
+            elif isinstance(ev, Finished):
+                await write(pb.SynthesizeResponse(summary=summary_to_proto(ev.summary)))
+                self.finish(None)
+                return
+            elif isinstance(ev, Failed):
+                code = Code.__members__.get(ev.code, Code.INTERNAL)
+                raise RpcError(Code.INTERNAL if code is Code.OK else code, ev.message, from_engine=True)
+
+
+@contextlib.contextmanager
+def _handle_errors() -> Iterator[None]:
+    """A `SessionHandle` call's errors as statuses."""
+    try:
+        yield
+    except StateError as e:
+        raise RpcError(Code.FAILED_PRECONDITION, str(e)) from None
+    except LimitError as e:
+        raise RpcError(Code.RESOURCE_EXHAUSTED, str(e)) from None
+    except ConfigError as e:
+        raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
+
+
+class LiveSpeechService:
+    """Registered with `protocol.method_handlers(service)`."""
+
+    def __init__(self, config: ServerConfig, engine: EngineAPI, voices: VoiceStore, metrics: Metrics) -> None:
+        self.config = config
+        self.engine = engine
+        self.voices = voices
+        self.metrics = metrics
+        self.draining = False
+        self._streams: set[_Stream] = set()
+        self._changed = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------ Synthesize
+
+    async def Synthesize(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
+        stream = _Stream(self, context)
+        outcome = "rejected"
+        self._streams.add(stream)
+        requests = request_iterator.__aiter__()
+        try:
+            if self.draining:
+                raise RpcError(Code.UNAVAILABLE, "server is draining")
+            await stream.run(requests)
+        except RpcError as e:
+            if stream.handle is None:  # refused: no reader task owns the requests
+                await stream.discard_requests(requests, REFUSE_READ_S)
+            await self._abort(context, e)
+        except asyncio.CancelledError:
+            outcome = "disconnected"
+            raise
+        except Exception:
+            log.exception("Synthesize failed")
+            await self._abort(context, RpcError(Code.INTERNAL, "internal error"))
+        finally:
+            stream.close()
+            # the engine counts the sessions it admitted or refused for capacity; the
+            # streams that never got that far are counted here
+            if stream.handle is None and not stream.capacity_rejected:
+                self.metrics.sessions_total.labels(outcome=outcome).inc()
+            self._streams.discard(stream)
+            self._changed.set()
+
+    async def resolve_voice(self, cfg: SessionConfig, enrollment: Optional[Enrollment]) -> tuple[str, Voice]:
+        try:
+            if enrollment is not None:
+                x = await asyncio.to_thread(
+                    decode_reference,
+                    pcm16_le=enrollment.pcm16_le,
+                    sample_rate=enrollment.sample_rate,
+                    max_seconds=self.config.max_enrollment_seconds,
+                    field="enrollment",
+                )
+                voice = await asyncio.to_thread(self.engine.make_voice, "(inline)", x, MODEL_SAMPLE_RATE)
+                return "", voice
+            if cfg.voice_id:
+                return cfg.voice_id, self.voices.get(cfg.voice_id)
+            return self.voices.default()
+        except ConfigError as e:
+            raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
+        except VoiceStoreError as e:
+            raise RpcError(Code[e.code], str(e)) from None
+
+    async def _abort(self, context: grpc.aio.ServicerContext, e: RpcError) -> None:
+        if not e.from_engine:
+            self.metrics.errors_total.labels(code=e.code.name).inc()
+        try:
+            # the status follows the data already queued on the stream: a client that
+            # does not read never takes it, so do not wait for that forever (the status
+            # stays queued and reaches the client if it ever reads)
+            async with asyncio.timeout(ABORT_WAIT_S):  # in this task: grpc wants abort here
+                await context.abort(e.code, e.message, trailing_metadata=e.metadata)
+        except TimeoutError:
+            log.info("status %s not taken by the client within %.0f s", e.code.name, ABORT_WAIT_S)
+
+    # ------------------------------------------------------------ drain
+
+    async def drain(self, grace_s: float) -> int:
+        """Refuse new streams; wait up to grace_s for in-flight ones; end the rest with
+        UNAVAILABLE. Returns how many had to be ended."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                break
+        left = list(self._streams)
+        for s in left:
+            s.finish(RpcError(Code.UNAVAILABLE, "server is shutting down"))
+        for _ in range(100):  # let their handlers send the status
+            if not self._streams:
+                break
+            await asyncio.sleep(0.01)
+        return len(left)
+
+    # ------------------------------------------------------------ voices
+
+    async def _unary(self, context: grpc.aio.ServicerContext, coro: Any) -> Any:
+        try:
+            return await coro
+        except RpcError as e:
+            await self._abort(context, e)
+        except ConfigError as e:
+            await self._abort(context, RpcError(Code.INVALID_ARGUMENT, str(e)))
+        except VoiceStoreError as e:
+            await self._abort(context, RpcError(Code[e.code], str(e)))
+
+    async def RegisterVoice(self, request: "pb.RegisterVoiceRequest", context: grpc.aio.ServicerContext) -> Any:
+        async def go() -> "pb.VoiceInfo":
+            check_voice_id(request.voice_id)
+            which = request.WhichOneof("audio")
+            if which is None:
+                raise ConfigError("audio: set pcm or wav")
+            x = await asyncio.to_thread(
+                decode_reference,
+                pcm16_le=request.pcm.pcm16_le if which == "pcm" else None,
+                sample_rate=request.pcm.sample_rate,
+                wav=request.wav if which == "wav" else None,
+                max_seconds=self.config.max_enrollment_seconds,
+                field=which,
+            )
+            info = await self.voices.register(request.voice_id, x, overwrite=request.overwrite)
+            return voice_info_to_proto(info)
+
+        return await self._unary(context, go())
+
+    async def ListVoices(self, request: "pb.ListVoicesRequest", context: grpc.aio.ServicerContext) -> Any:
+        return pb.ListVoicesResponse(voices=[voice_info_to_proto(v) for v in self.voices.list()])
+
+    async def DeleteVoice(self, request: "pb.DeleteVoiceRequest", context: grpc.aio.ServicerContext) -> Any:
+        async def go() -> "pb.DeleteVoiceResponse":
+            await self.voices.delete(request.voice_id)
+            return pb.DeleteVoiceResponse()
+
+        return await self._unary(context, go())

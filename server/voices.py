@@ -1,0 +1,218 @@
+"""Voices: built-in ones from the model bundle (read-only) and registered ones.
+
+A registered voice is stored as `<voices_dir>/<voice_id>.wav` (the reference speech,
+24 kHz mono PCM16) plus `<voice_id>.json` (metadata), both written atomically; the JSON
+is written last and removed first, so it marks a complete voice. At startup every stored
+voice is re-enrolled with the current model (`engine.make_voice`, in an executor), so
+voices survive restarts and model upgrades. `voices_dir=None` keeps voices in memory.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+import numpy as np
+
+from .audio import MODEL_SAMPLE_RATE, decode_wav, encode_wav, resample
+from .session_api import ConfigError, EngineAPI, Voice
+
+log = logging.getLogger(__name__)
+
+VOICE_ID_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+MIN_REFERENCE_S = 0.1
+REFERENCE_RATES = (8_000, 192_000)  # accepted input sample-rate range
+DEFAULT_VOICE_ID = "default"
+
+
+class VoiceStoreError(Exception):
+    """A voice operation failed; `code` is the grpc.StatusCode name to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class VoiceInfo:
+    voice_id: str
+    builtin: bool
+    reference_s: float = 0.0
+    created_unix_ms: int = 0
+
+
+def check_voice_id(voice_id: str) -> str:
+    if not VOICE_ID_RE.match(voice_id or ""):
+        raise ConfigError(f"voice_id must match {VOICE_ID_RE.pattern}, got {voice_id!r}")
+    return voice_id
+
+
+def prepare_reference(samples: np.ndarray, sample_rate: int, max_seconds: float, field: str) -> np.ndarray:
+    """Validate reference speech and bring it to the model rate (float32 mono, 24 kHz)."""
+    lo, hi = REFERENCE_RATES
+    if not lo <= sample_rate <= hi:
+        raise ConfigError(f"{field}.sample_rate must be in [{lo}, {hi}], got {sample_rate}")
+    seconds = len(samples) / sample_rate
+    if seconds < MIN_REFERENCE_S:
+        raise ConfigError(f"{field}: reference audio is {seconds:.3f} s, need >= {MIN_REFERENCE_S} s")
+    if seconds > max_seconds:
+        raise ConfigError(f"{field}: reference audio is {seconds:.1f} s, longer than the limit of {max_seconds:g} s")
+    x = np.asarray(samples, dtype=np.float32)
+    if not np.all(np.isfinite(x)):
+        raise ConfigError(f"{field}: reference audio has non-finite samples")
+    return resample(x, sample_rate, MODEL_SAMPLE_RATE)
+
+
+def decode_reference(
+    *, pcm16_le: Optional[bytes] = None, sample_rate: int = 0, wav: Optional[bytes] = None, max_seconds: float, field: str
+) -> np.ndarray:
+    """PCM16 bytes + rate, or WAV bytes -> validated 24 kHz float32."""
+    from .audio import pcm16_to_float
+
+    if wav is not None:
+        # cheap size check before decoding: 48 kHz, 32-bit, stereo is an upper bound
+        if len(wav) > max_seconds * 192_000 * 8 + 4096:
+            raise ConfigError(f"{field}: WAV file too large for the limit of {max_seconds:g} s")
+        try:
+            x, rate = decode_wav(wav)
+        except ValueError as e:
+            raise ConfigError(f"{field}: {e}") from None
+        return prepare_reference(x, rate, max_seconds, field)
+    data = pcm16_le or b""
+    if len(data) % 2:
+        raise ConfigError(f"{field}.pcm16_le has an odd number of bytes")
+    if sample_rate and len(data) / 2 / sample_rate > max_seconds:  # before converting
+        raise ConfigError(
+            f"{field}: reference audio is {len(data) / 2 / sample_rate:.1f} s, longer than the limit of {max_seconds:g} s"
+        )
+    return prepare_reference(pcm16_to_float(data), sample_rate, max_seconds, field)
+
+
+def builtin_reference_audio(engine: EngineAPI) -> Mapping[str, np.ndarray]:
+    """Built-in voices of the model bundle: voice_id -> 24 kHz reference audio.
+
+    The model directory's `voices/*.wav`, via `EngineAPI.builtin_voices`."""
+    return engine.builtin_voices or {}
+
+
+class VoiceStore:
+    def __init__(self, directory: Optional[Path], engine: EngineAPI, *, max_voices: int = 1000) -> None:
+        self.dir = Path(directory) if directory is not None else None
+        self.engine = engine
+        self.max_voices = max_voices
+        self._builtin: dict[str, Voice] = {}
+        self._voices: dict[str, tuple[Voice, VoiceInfo]] = {}
+        self._lock = asyncio.Lock()
+
+    # ---------------------------------------------------------------- startup
+
+    async def load(self) -> None:
+        """Built-in voices from the engine, then every stored voice (re-enrolled)."""
+        loop = asyncio.get_running_loop()
+        for voice_id, audio in builtin_reference_audio(self.engine).items():
+            self._builtin[voice_id] = await loop.run_in_executor(
+                None, self.engine.make_voice, voice_id, audio, MODEL_SAMPLE_RATE
+            )
+        if self.dir is None:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for meta_path in sorted(self.dir.glob("*.json")):
+            try:
+                meta = json.loads(meta_path.read_text())
+                voice_id = check_voice_id(meta["voice_id"])
+                if meta_path.stem != voice_id:
+                    raise ValueError("file name does not match voice_id")
+                samples, rate = decode_wav((self.dir / f"{voice_id}.wav").read_bytes())
+                voice = await loop.run_in_executor(None, self.engine.make_voice, voice_id, samples, rate)
+            except Exception as e:  # one bad file must not keep the server down
+                log.error("skipping stored voice %s: %s", meta_path.name, e)
+                continue
+            info = VoiceInfo(voice_id, False, float(meta.get("reference_s", 0.0)), int(meta.get("created_unix_ms", 0)))
+            self._voices[voice_id] = (voice, info)
+        log.info("voices: %d built-in, %d registered", len(self._builtin), len(self._voices))
+
+    # ---------------------------------------------------------------- lookups
+
+    def get(self, voice_id: str) -> Voice:
+        if voice_id in self._builtin:
+            return self._builtin[voice_id]
+        if voice_id in self._voices:
+            return self._voices[voice_id][0]
+        raise VoiceStoreError("NOT_FOUND", f"voice_id {voice_id!r} not found")
+
+    def default(self) -> tuple[str, Voice]:
+        """The voice for a config that names none: built-in 'default', else the first
+        built-in, else the first registered voice."""
+        for table in (self._builtin, {k: v for k, (v, _) in self._voices.items()}):
+            if DEFAULT_VOICE_ID in table:
+                return DEFAULT_VOICE_ID, table[DEFAULT_VOICE_ID]
+            if table:
+                voice_id = sorted(table)[0]
+                return voice_id, table[voice_id]
+        raise VoiceStoreError("FAILED_PRECONDITION", "no default voice: set voice_id or enrollment")
+
+    def list(self) -> list[VoiceInfo]:
+        out = [VoiceInfo(v, True) for v in sorted(self._builtin)]
+        return out + [info for _, (_, info) in sorted(self._voices.items())]
+
+    # ---------------------------------------------------------------- changes
+
+    async def register(self, voice_id: str, reference_24k: np.ndarray, *, overwrite: bool = False) -> VoiceInfo:
+        """`reference_24k`: validated float32 mono at 24 kHz (see `decode_reference`)."""
+        check_voice_id(voice_id)
+        async with self._lock:
+            if voice_id in self._builtin:
+                raise VoiceStoreError("FAILED_PRECONDITION", f"voice {voice_id!r} is built in and read-only")
+            if voice_id in self._voices and not overwrite:
+                raise VoiceStoreError("ALREADY_EXISTS", f"voice {voice_id!r} already exists (set overwrite)")
+            if voice_id not in self._voices and len(self._voices) >= self.max_voices:
+                raise VoiceStoreError("RESOURCE_EXHAUSTED", f"voice limit reached ({self.max_voices})")
+            loop = asyncio.get_running_loop()
+            voice = await loop.run_in_executor(
+                None, self.engine.make_voice, voice_id, reference_24k, MODEL_SAMPLE_RATE
+            )
+            info = VoiceInfo(voice_id, False, len(reference_24k) / MODEL_SAMPLE_RATE, int(time.time() * 1000))
+            if self.dir is not None:
+                await loop.run_in_executor(None, self._write, info, reference_24k)
+            self._voices[voice_id] = (voice, info)
+            return info
+
+    async def delete(self, voice_id: str) -> None:
+        async with self._lock:
+            if voice_id in self._builtin:
+                raise VoiceStoreError("FAILED_PRECONDITION", f"voice {voice_id!r} is built in and read-only")
+            if voice_id not in self._voices:
+                raise VoiceStoreError("NOT_FOUND", f"voice_id {voice_id!r} not found")
+            if self.dir is not None:
+                for suffix in (".json", ".wav"):  # JSON first: it marks a complete voice
+                    (self.dir / f"{voice_id}{suffix}").unlink(missing_ok=True)
+            del self._voices[voice_id]
+
+    def _write(self, info: VoiceInfo, reference_24k: np.ndarray) -> None:
+        assert self.dir is not None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        meta = dict(asdict(info), sample_rate=MODEL_SAMPLE_RATE)
+        del meta["builtin"]
+        _atomic_write(self.dir / f"{info.voice_id}.wav", encode_wav(reference_24k, MODEL_SAMPLE_RATE))
+        _atomic_write(self.dir / f"{info.voice_id}.json", json.dumps(meta, indent=1).encode())
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+

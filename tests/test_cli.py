@@ -1,0 +1,110 @@
+"""The `livespeech` CLI, the client helpers and ServerConfig."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import types
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clients.cli import main
+from clients.client import LiveSpeechClient, TextPiece, chunk_text, split_pieces
+from server.audio import encode_wav
+from server.config import ServerConfig
+from server.session_api import AudioPacket, ConfigError, Encoding, Summary, WordTiming
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory):
+    return server_factory(fake=True)
+
+
+def test_split_pieces_like_llm_tokens() -> None:
+    assert split_pieces("Hello world") == ["Hell", "o", " wor", "ld"]
+    for text in ("", "  lead and trail  ", "a, b. c!\nnew line", "supercalifragilistic expialidocious"):
+        pieces = split_pieces(text)
+        assert "".join(pieces) == text
+        assert all(len(p.strip()) <= 4 for p in pieces if not p.isspace())
+    long = "word " * 500 + "x" * 2500
+    chunks = chunk_text(long, limit=1000)
+    assert "".join(chunks) == long and all(len(c) <= 1000 for c in chunks)
+
+
+def test_server_config_flags_env_defaults() -> None:
+    env = {"LIVESPEECH_PORT": "6000", "LIVESPEECH_MAX_SESSIONS": "3", "LIVESPEECH_IDLE_TIMEOUT_S": "2.5"}
+    cfg = ServerConfig.from_args(["--port", "7000", "--model", "/m", "--voices-dir", "/v"], env=env)
+    assert cfg.port == 7000 and cfg.max_sessions == 3 and cfg.idle_timeout_s == 2.5
+    assert cfg.model_path == Path("/m") and cfg.voices_dir == Path("/v")
+    assert ServerConfig.from_args([], env={}) == ServerConfig()
+    assert ServerConfig.from_args(["--model-path", "random:tiny", "--voices-dir", ""], env={}).voices_dir is None
+    for argv, needle in ((["--port", "70000"], "port"), (["--device", "tpu"], "device"), (["--max-sessions", "0"], "max_sessions")):
+        with pytest.raises(ConfigError, match=needle):
+            ServerConfig.from_args(argv, env={})
+    with pytest.raises(ConfigError, match="max_sessions"):
+        ServerConfig.from_args([], env={"LIVESPEECH_MAX_SESSIONS": "many"})
+    with pytest.raises(Exception):
+        ServerConfig().port = 1  # frozen
+
+
+def test_forwarding_subcommands(monkeypatch, capsys) -> None:
+    seen = []
+    fake = types.ModuleType("training.evaluate")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "training.evaluate", fake)
+    assert main(["eval", "--model", "x", "-h"]) == 0
+    assert seen == [["--model", "x", "-h"]]
+    monkeypatch.setitem(sys.modules, "training.codec_train", None)  # import fails: missing
+    assert main(["train-codec"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
+def test_say_from_stdin_at_llm_rate(srv, tmp_path) -> None:
+    out = tmp_path / "out.wav"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "say", "--server", srv.address, "--llm-rate", "300",
+         "--sample-rate", "16000", "--encoding", "mulaw", "-o", str(out)],
+        input="Hello there, streaming world.\n", capture_output=True, text=True, env=env, timeout=120, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "TTFA" in proc.stdout and "streaming" in proc.stdout
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 16000 and w.getsampwidth() == 2 and w.getnframes() > 0
+
+
+def test_voices_commands_and_say_errors(srv, tmp_path, capsys) -> None:
+    ref = tmp_path / "ref.wav"
+    ref.write_bytes(encode_wav(np.random.default_rng(0).standard_normal(8000).astype(np.float32) * 0.1, 16000))
+    assert main(["voices", "add", "carol", str(ref), "--server", srv.address]) == 0
+    assert main(["voices", "list", "--server", srv.address]) == 0
+    listed = capsys.readouterr().out
+    assert "carol" in listed and "default\tbuilt-in" in listed
+    assert main(["voices", "rm", "carol", "--server", srv.address]) == 0
+    assert main(["voices", "rm", "carol", "--server", srv.address]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+    assert main(["say", "hi", "--voice", "nobody", "--server", srv.address, "-o", str(tmp_path / "x.wav")]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_sync_client_with_a_blocking_text_source(srv) -> None:
+    def slow_llm():
+        for word in ["Sync ", "clients ", "work ", "too."]:
+            time.sleep(0.01)
+            yield word
+        yield TextPiece("", flush=True)
+
+    with LiveSpeechClient(srv.address) as client:
+        events = list(client.synthesize(slow_llm(), sample_rate=8000, encoding=Encoding.MULAW, packet_ms=20))
+        assert isinstance(events[-1], Summary) and events[-1].spoken_text == "Sync clients work too."
+        packets = [e for e in events if isinstance(e, AudioPacket)]
+        assert all(len(p.data) == 160 for p in packets[:-1])
+        assert [e.word for e in events if isinstance(e, WordTiming)] == ["Sync", "clients", "work", "too."]
+        result = client.synthesize_to_result("Second call.")
+        assert result.summary is not None and len(result.pcm16()) == 2 * round(result.summary.audio_s * 24000)

@@ -1,0 +1,177 @@
+"""Synthesize over a real gRPC channel: audio, packets, words, concurrency, cancel, hang-up."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from clients.client import AsyncLiveSpeechClient, SynthesisResult, TextPiece, llm_stream
+from conftest import END, HARD, config_msg, raw_synthesize, text_msg
+from server.protocol import pb
+from server.session_api import AudioPacket, Encoding
+
+TEXT = "Hello there, this is a streaming test."
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory):
+    return server_factory(max_sessions=8)
+
+
+def check_packets(r: SynthesisResult, rate: int, encoding: Encoding, packet_ms: int) -> None:
+    assert r.summary is not None and not r.summary.cancelled
+    assert r.started.config.sample_rate == rate and r.started.config.encoding is encoding
+    assert r.packets, "no audio"
+    width = 2 if encoding is Encoding.PCM16 else 1
+    n = rate * packet_ms // 1000 * width
+    t = 0.0
+    sizes = []
+    for i, p in enumerate(r.packets):
+        assert p.seq == i
+        assert p.start_s == pytest.approx(t, abs=1e-6)
+        t += p.duration_s
+    total = 0
+    # sizes come from the joined audio: every packet but the last is exactly packet_ms
+    for p in r.packets:
+        sizes.append(round(p.duration_s * rate) * width)
+        total += sizes[-1]
+    assert all(s == n for s in sizes[:-1]) and 0 < sizes[-1] <= n
+    assert total == len(r.audio)
+    assert r.summary.audio_s == pytest.approx(t, abs=2 / rate + 1e-3)
+
+
+def test_audio_for_each_rate_and_encoding_concurrently(srv) -> None:
+    cases = [
+        (8000, Encoding.MULAW, 20),
+        (16000, Encoding.PCM16, 40),
+        (24000, Encoding.PCM16, 80),
+        (48000, Encoding.MULAW, 100),
+        (48000, Encoding.PCM16, 60),
+    ]
+
+    async def one(client, rate, enc, ms):
+        raw = []
+        stream = client.synthesize(TEXT, sample_rate=rate, encoding=enc, packet_ms=ms, **HARD)
+        result = SynthesisResult()
+        async for ev in stream:
+            result.add(ev)
+            if isinstance(ev, AudioPacket):
+                raw.append(len(ev.data))
+        return result, raw
+
+    async def go():
+        async with AsyncLiveSpeechClient(srv.address) as client:
+            return await asyncio.gather(*(one(client, *c) for c in cases))
+
+    results = srv.run(go())
+    ids = set()
+    for (rate, enc, ms), (r, raw) in zip(cases, results):
+        check_packets(r, rate, enc, ms)
+        width = 2 if enc is Encoding.PCM16 else 1
+        assert all(b == rate * ms // 1000 * width for b in raw[:-1]) and raw[-1] <= rate * ms // 1000 * width
+        ids.add(r.started.session_id)
+        words = r.words
+        assert all(w.start_s <= w.end_s for w in words)
+        assert all(a.start_s <= b.start_s for a, b in zip(words, words[1:]))
+        assert r.summary.spoken_text == TEXT
+        assert [w.word for w in words] == TEXT.split()
+    assert len(ids) == len(cases)
+    assert srv.wait_idle()
+
+
+def test_llm_paced_stream_with_timestamps_and_flush(srv) -> None:
+    async def pieces():
+        t = 0.0
+        async for p in llm_stream(TEXT, rate=300, seed=3):
+            t += 0.01
+            yield TextPiece(p, timestamp_s=t)
+        yield TextPiece("", flush=True)
+
+    async def go():
+        async with AsyncLiveSpeechClient(srv.address) as client:
+            stream = client.synthesize(pieces(), n_future_chunks=1, **HARD)
+            result = await stream.collect()
+            return result, stream.client_ttfa_s
+
+    r, ttfa = srv.run(go())
+    assert r.summary is not None and r.packets and ttfa is not None and ttfa > 0
+    assert r.summary.ttfa_s is not None
+    assert r.summary.spoken_text == TEXT
+
+
+def test_concurrent_sessions_do_not_mix(srv) -> None:
+    texts = ["alpha beta gamma delta.", "one two three four five six.", "red green blue."]
+
+    async def go():
+        async with AsyncLiveSpeechClient(srv.address) as client:
+            streams = [client.synthesize(llm_stream(t, rate=150, seed=i), **HARD) for i, t in enumerate(texts)]
+            return await asyncio.gather(*(s.collect() for s in streams))
+
+    results = srv.run(go())
+    assert len({r.started.session_id for r in results}) == 3
+    for t, r in zip(texts, results):
+        assert r.summary is not None and r.packets
+        assert r.summary.spoken_text == t
+    assert srv.wait_idle()
+
+
+def test_cancel_reports_spoken_text_and_frees_slot(srv) -> None:
+    async def endless():
+        for i in range(400):
+            yield f"word{i} "
+            await asyncio.sleep(0.01)
+
+    async def go():
+        async with AsyncLiveSpeechClient(srv.address) as client:
+            stream = client.synthesize(endless(), n_future_chunks=1, **HARD)
+            result = SynthesisResult()
+            async for ev in stream:
+                result.add(ev)
+                if isinstance(ev, AudioPacket) and ev.seq == 1:
+                    await stream.cancel()
+            return result
+
+    r = srv.run(go())
+    assert r.summary is not None and r.summary.cancelled
+    assert r.summary.spoken_text.startswith("word0")
+    assert "word399" not in r.summary.spoken_text
+    assert srv.wait_idle()
+    assert srv.metrics.sessions_total.labels(outcome="cancelled")._value.get() >= 1
+
+
+def test_client_hang_up_frees_slot(srv) -> None:
+    before = srv.metrics.sessions_total.labels(outcome="disconnected")._value.get()
+
+    async def go():
+        call = srv.stub.Synthesize()
+        await call.write(config_msg())
+        await call.write(text_msg("keep talking please, there is a lot more text coming " * 3))
+        while True:
+            msg = await call.read()
+            if msg.WhichOneof("response") == "audio":
+                break
+        assert srv.engine.active_sessions == 1
+        call.cancel()
+
+    srv.run(go())
+    assert srv.wait_idle(), "the slot was not freed after the client hung up"
+    assert srv.metrics.sessions_total.labels(outcome="disconnected")._value.get() == before + 1
+
+
+def test_half_close_means_end_of_input_and_started_echo(srv) -> None:
+    r = srv.run(raw_synthesize(srv.stub, [config_msg(sample_rate=16000), text_msg("short one.")]))
+    assert r.code == grpc.StatusCode.OK, r.details
+    kinds = r.kinds()
+    assert kinds[0] == "started" and kinds[-1] == "summary" and "audio" in kinds
+    echo = r.responses[0].started.config
+    # every field is echoed with its effective value
+    assert echo.sample_rate == 16000 and echo.packet_ms == 80 and echo.n_future_chunks == 2
+    assert echo.encoding == pb.AUDIO_ENCODING_PCM16_LE and echo.voice_id
+    assert echo.chunking.HasField("min_words") and echo.HasField("top_k")
+
+
+def test_explicit_end_of_input_and_unbounded_past(srv) -> None:
+    r = srv.run(raw_synthesize(srv.stub, [config_msg(n_past_chunks=-1, n_future_chunks=0), text_msg("a b c"), END]))
+    assert r.code == grpc.StatusCode.OK, r.details
+    assert r.responses[0].started.config.n_past_chunks == -1
