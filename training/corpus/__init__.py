@@ -1,0 +1,1 @@
+"""Offline training corpus for LiveSpeech 2 (see docs/corpus.md)."""

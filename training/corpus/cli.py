@@ -1,0 +1,148 @@
+"""Command line: ``python -m training.corpus {build,summary,sentences,voices} ...``.
+
+``main(argv)`` is what ``livespeech corpus ...`` forwards to.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .build import ConfigMismatch, CorpusConfig, build, format_summary, summarize
+
+
+def _csv(s: str | None) -> list[str] | None:
+    if not s:
+        return None
+    return sorted({x.strip() for x in s.split(",") if x.strip()})
+
+
+def _sources(s: str | None) -> list[str] | None:
+    """None (all package sources) when not given; [] for --sources ''."""
+    if s is None:
+        return None
+    return _csv(s) or []
+
+
+def _weights(s: str | None) -> dict[str, float] | None:
+    if not s:
+        return None
+    out = {}
+    for part in s.split(","):
+        k, v = part.split("=")
+        out[k.strip()] = float(v)
+    return out
+
+
+def _config(a) -> CorpusConfig:
+    return CorpusConfig(
+        seed=a.seed, dev_frac=a.dev_frac, test_frac=a.test_frac, heldout_frac=a.heldout_frac,
+        voices_per_combo=a.voices_per_combo, accents=_csv(a.accents), variants=_csv(a.variants),
+        sources=_sources(a.sources), sentence_file=a.sentences,
+        weights=_weights(a.weights), heldout_eval_share=a.heldout_eval_share, max_seconds=a.max_seconds,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training.corpus",
+                                description="Synthetic LiveSpeech 2 training corpus (eSpeak NG, offline).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("build", help="synthesise (or resume) a corpus")
+    b.add_argument("--out", default="data/corpus", help="corpus directory (default data/corpus)")
+    b.add_argument("--hours", type=float, default=1.0, help="total audio to reach, all splits (default 1)")
+    b.add_argument("--workers", type=int, default=1, help="synthesis processes (default 1)")
+    b.add_argument("--max-utterances", type=int, default=None, help="stop at this many utterances")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = b.add_argument_group("corpus definition (fixed when the directory is created; "
+                             "a resume must pass the same values)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dev-frac", type=float, default=0.02, help="share of sentences in dev")
+    g.add_argument("--test-frac", type=float, default=0.03, help="share of sentences in test")
+    g.add_argument("--heldout-frac", type=float, default=0.1,
+                   help="share of voice variants held out of training (zero-shot dev/test voices)")
+    g.add_argument("--heldout-eval-share", type=float, default=0.5,
+                   help="share of dev/test utterances spoken by held-out voices")
+    g.add_argument("--voices-per-combo", type=int, default=2,
+                   help="(rate, pitch, range) draws per accent x variant")
+    g.add_argument("--accents", default=None, help="comma list of eSpeak accents (default: all English)")
+    g.add_argument("--variants", default=None, help="comma list of eSpeak variants (default: all but whisper)")
+    g.add_argument("--sources", default=None,
+                   help="comma list of package sentence sources (default all; '' for none)")
+    g.add_argument("--sentences", default=None, help="extra sentence file: one a line, or source<TAB>text")
+    g.add_argument("--weights", default=None, help="source weights, e.g. fortunes=0.4,wordnet=0.3")
+    g.add_argument("--max-seconds", type=float, default=20.0, help="reject longer utterances")
+
+    s = sub.add_parser("summary", help="print (and rewrite) summary.json of a corpus")
+    s.add_argument("--out", default="data/corpus")
+    s.add_argument("--json", action="store_true")
+
+    t = sub.add_parser("sentences", help="extract the sentence pool and print statistics")
+    t.add_argument("--sources", default=None)
+    t.add_argument("--dump", default=None, help="write the pool to this file (source<TAB>text)")
+    t.add_argument("--examples", type=int, default=5, help="examples per source")
+
+    v = sub.add_parser("voices", help="list the voice catalog")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--voices-per-combo", type=int, default=2)
+    v.add_argument("--heldout-frac", type=float, default=0.1)
+    v.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    if a.cmd == "build":
+        try:
+            summary = build(a.out, a.hours, _config(a), workers=a.workers,
+                            max_utterances=a.max_utterances, progress=not a.no_progress)
+        except ConfigMismatch as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(format_summary(summary))
+        return 130 if summary.get("interrupted") else 0
+    if a.cmd == "summary":
+        s = summarize(a.out)
+        print(json.dumps(s, indent=1) if a.json else format_summary(s))
+        return 0
+    if a.cmd == "sentences":
+        import random
+
+        from .sentences import extract_pool, source_counts
+
+        pool = extract_pool(_sources(a.sources))
+        print(f"{len(pool)} sentences: {source_counts(pool)}")
+        by: dict[str, list[str]] = {}
+        for s_ in pool:
+            by.setdefault(s_.source, []).append(s_.text)
+        rng = random.Random(0)
+        for src, texts in by.items():
+            print(f"== {src}")
+            for t_ in rng.sample(texts, min(a.examples, len(texts))):
+                print(f"   {t_}")
+        if a.dump:
+            with open(a.dump, "w") as f:
+                for s_ in pool:
+                    f.write(f"{s_.source}\t{s_.text}\n")
+        return 0
+    if a.cmd == "voices":
+        from .voices import build_catalog
+
+        voices, rejected = build_catalog(a.seed, a.voices_per_combo, a.heldout_frac)
+        if a.json:
+            print(json.dumps({"voices": [v.to_json() for v in voices], "rejected": rejected}, indent=1))
+        else:
+            for v in voices:
+                print(f"{v.id:40s} {v.accent:16s} {v.variant:14s} rate={v.rate} pitch={v.pitch} "
+                      f"range={v.range}{'  HELD OUT' if v.heldout else ''}")
+            print(f"{len(voices)} voices, {sum(v.heldout for v in voices)} held out, "
+                  f"{len(rejected)} combinations rejected", file=sys.stderr)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

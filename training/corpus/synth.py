@@ -1,0 +1,107 @@
+"""Synthesising one planned utterance: audio file + manifest record."""
+from __future__ import annotations
+
+import os
+import random
+import wave
+
+import numpy as np
+from scipy.signal import resample_poly
+
+from models.graphemes import align_words_to_frames
+
+from .align import AlignError, tokenize, word_spans
+from .plan import Job, audio_relpath, n_frames_for, simulate_chunks, spans_to_frames
+from .voices import Voice
+
+SAMPLE_RATE = 24000
+UP, DOWN = 160, 147  # 22050 * 160 / 147 = 24000
+LEAD_PAD_S = (0.02, 0.15)  # silence added before the speech (eSpeak starts at sample 0)
+TRAIL_PAD_S = (0.08, 0.25)  # and after it
+
+
+class Rejected(Exception):
+    """The utterance cannot be made (bad events, too long); recorded, not retried."""
+
+
+def write_wav(path: str, pcm: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
+    """Write 16-bit mono PCM atomically (temp file + rename): a killed build never leaves a
+    truncated file under the final name."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with wave.open(tmp, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(np.ascontiguousarray(pcm, dtype="<i2").tobytes())
+    os.replace(tmp, path)
+
+
+def read_wav(path: str) -> tuple[np.ndarray, int]:
+    with wave.open(path, "rb") as w:
+        sr = w.getframerate()
+        data = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    return data, sr
+
+
+def resample_to_24k(x: np.ndarray, native_rate: int) -> np.ndarray:
+    if native_rate == SAMPLE_RATE:
+        return x.astype(np.int16)
+    if native_rate != 22050:
+        raise ValueError(f"unexpected synthesiser rate {native_rate}")
+    y = resample_poly(x.astype(np.float64), UP, DOWN)
+    return np.clip(np.round(y), -32768, 32767).astype(np.int16)
+
+
+def synthesize(job: Job, voice: Voice, out_dir: str, engine=None, max_seconds: float = 20.0) -> dict:
+    """Speak ``job`` with ``voice``, write its WAV under ``out_dir``, return its manifest record.
+
+    Timings come from the very call that produced the audio (eSpeak's output differs by a
+    few samples from run to run). Raises Rejected."""
+    if engine is None:
+        from . import espeak
+
+        engine = espeak.get()
+    engine.set_voice(voice.accent, voice.variant, voice.rate, voice.pitch, voice.range)
+    syn = engine.synth(job.text)
+    audio = syn.audio
+    native = syn.sample_rate
+    if len(audio) == 0:
+        raise Rejected("no audio")
+    tokens = tokenize(job.text)
+    try:
+        spans = word_spans(job.text, syn.events, len(audio), engine.phonemes, tokens)
+    except AlignError as e:
+        raise Rejected(f"align: {e}") from None
+    rng = random.Random(job.seed)
+    lead = int(round(rng.uniform(*LEAD_PAD_S) * native))
+    trail = int(round(rng.uniform(*TRAIL_PAD_S) * native))
+    x = np.concatenate([np.zeros(lead, np.int16), audio, np.zeros(trail, np.int16)])
+    pcm = resample_to_24k(x, native)
+    duration = round(len(pcm) / SAMPLE_RATE, 5)  # as stored; n_frames derives from it
+    if duration > max_seconds:
+        raise Rejected(f"too long ({duration:.1f} s)")
+    # sample positions at the native rate -> seconds; identical in the 24 kHz file
+    spans_s = [((a + lead) / native, (b + lead) / native) for a, b in spans]
+    words = [[t.text, round(a, 5), round(min(b, duration), 5)] for t, (a, b) in zip(tokens, spans_s)]
+    n_frames = n_frames_for(duration)
+    frames = spans_to_frames([(w[1], w[2]) for w in words], n_frames)
+    graphemes = align_words_to_frames([t.text for t in tokens], frames, n_frames)
+    chunks = simulate_chunks([a for a, _ in frames], rng)
+    rel = audio_relpath(job.id)
+    write_wav(os.path.join(out_dir, rel), pcm)
+    return {
+        "id": job.id,
+        "split": job.split,
+        "voice": voice.id,
+        "heldout_voice": bool(voice.heldout),
+        "source": job.source,
+        "text": job.text,
+        "words": words,
+        "audio": rel,
+        "duration_s": duration,
+        "graphemes": graphemes,
+        "chunks": chunks,
+        "engine": voice.engine,
+        "sentence": job.sentence,
+    }
