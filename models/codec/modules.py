@@ -1,0 +1,385 @@
+"""SEANet encoder/decoder with streamable convolutions.
+
+Module and parameter names follow the official `encodec` package (0.1.1) so that its
+checkpoints load with strict=True: `encoder.model.0.conv.conv.weight_g`,
+`decoder.model.3.convtr.convtr.weight_v`, `decoder.model.1.lstm.weight_ih_l0`, ...
+
+Streaming (decoder only). Every stateful module has
+    stream_init(batch, ref) -> list[Tensor]           # initial state, batch first
+    stream_step(x, states_in, states_out, started)    # consumes/produces its entries
+where `states_in` is an iterator over the previous step's flat state list and the module
+appends its new entries to `states_out` in the same order. `started` is None when every
+session in the batch has decoded a packet before, else a bool [B] mask of those that
+have (reflect padding applies only at the start of a stream).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from .config import CodecConfig
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _param_key(module: nn.Module) -> tuple:
+    """Changes whenever a parameter of `module` is replaced or updated in place
+    (optimizer step, load_state_dict, .to()); inference tensors have no version."""
+    return tuple((p.data_ptr(), -1 if p.is_inference() else p._version) for p in module.parameters())
+
+
+def _cached(module: nn.Module, name: str, compute) -> Tensor:
+    """compute() memoised on the module's parameters while autograd is off: inference
+    (and every streaming step) then skips re-deriving weights."""
+    if torch.is_grad_enabled():
+        return compute()
+    key = _param_key(module)
+    hit = module.__dict__.get(name)
+    if hit is None or hit[0] != key:
+        hit = (key, compute())
+        module.__dict__[name] = hit
+    return hit[1]
+
+
+class _WeightNorm:
+    """Weight normalisation kept as `weight_g`/`weight_v` parameters (the official key
+    names) without the deprecated torch.nn.utils.weight_norm hooks; the weight is
+    computed with the same kernel as that API (bit-identical)."""
+
+    use_weight_norm: bool
+
+    def _setup_norm(self, norm: str) -> None:
+        self.use_weight_norm = norm == "weight_norm"
+        if self.use_weight_norm:
+            w = self.weight.detach()
+            del self.weight
+            self.weight_g = nn.Parameter(torch.norm_except_dim(w, 2, 0))
+            self.weight_v = nn.Parameter(w.clone())
+
+    def effective_weight(self) -> Tensor:
+        if not self.use_weight_norm:
+            return self.weight
+        return _cached(self, "_weight_cache", lambda: torch._weight_norm(self.weight_v, self.weight_g, 0))
+
+
+class _Conv1d(_WeightNorm, nn.Conv1d):
+    def __init__(self, *args, norm: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._setup_norm(norm)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._conv_forward(x, self.effective_weight(), self.bias)
+
+
+class _ConvTranspose1d(_WeightNorm, nn.ConvTranspose1d):
+    def __init__(self, *args, norm: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._setup_norm(norm)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.conv_transpose1d(x, self.effective_weight(), self.bias, self.stride)
+
+
+class NormConv1d(nn.Module):
+    """Holds the conv as `.conv` (official key path `<layer>.conv.conv.*`)."""
+
+    def __init__(self, *args, norm: str, **kwargs):
+        super().__init__()
+        self.conv = _Conv1d(*args, norm=norm, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x)
+
+
+class NormConvTranspose1d(nn.Module):
+    """Holds the transposed conv as `.convtr` (key path `<layer>.convtr.convtr.*`)."""
+
+    def __init__(self, *args, norm: str, **kwargs):
+        super().__init__()
+        self.convtr = _ConvTranspose1d(*args, norm=norm, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.convtr(x)
+
+
+def _pad1d(x: Tensor, left: int, right: int, mode: str) -> Tensor:
+    """F.pad that also reflects inputs shorter than the padding, as encodec does: zeros
+    are appended first and cut off after the reflection."""
+    if mode == "reflect":
+        length = x.shape[-1]
+        extra = max(left, right) - length + 1 if length <= max(left, right) else 0
+        if extra:
+            x = F.pad(x, (0, extra))
+        y = F.pad(x, (left, right), mode="reflect")
+        return y[..., : y.shape[-1] - extra]
+    return F.pad(x, (left, right), mode="constant", value=0.0)
+
+
+class SConv1d(nn.Module):
+    """Conv1d with causal (all left) or centred padding, plus right padding so the last
+    window is full (the encoder then yields ceil(T / hop) frames)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
+                 dilation: int = 1, *, causal: bool, norm: str, pad_mode: str):
+        super().__init__()
+        self.conv = NormConv1d(in_channels, out_channels, kernel_size, stride,
+                               dilation=dilation, norm=norm)
+        self.causal = causal
+        self.pad_mode = pad_mode
+        self.kernel_size, self.stride = kernel_size, stride
+        # samples of left context a causal output needs beyond the current input sample
+        self.context = (kernel_size - 1) * dilation - (stride - 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        k, s, pt = self.kernel_size, self.stride, self.context
+        # encodec's formula (with the undilated kernel size): 0 for stride-1 convs
+        extra = _ceil_div(x.shape[-1] - k + pt, s) * s + k - pt - x.shape[-1]
+        if self.causal:
+            left, right = pt, extra
+        else:
+            left, right = pt - pt // 2, pt // 2 + extra
+        return self.conv(_pad1d(x, left, right, self.pad_mode))
+
+    def stream_init(self, batch: int, ref: Tensor) -> list[Tensor]:
+        if not self.causal or self.stride != 1:
+            raise ValueError("only causal stride-1 convolutions can stream")
+        if self.context == 0:
+            return []
+        return [ref.new_zeros(batch, self.conv.conv.in_channels, self.context)]
+
+    def stream_step(self, x: Tensor, states_in: Iterator[Tensor], states_out: list[Tensor],
+                    started: Tensor | None) -> Tensor:
+        ctx = self.context
+        if ctx == 0:
+            return self.conv(x)
+        buf = next(states_in)  # the last `ctx` inputs (zeros before the first packet)
+        if self.pad_mode == "reflect" and started is not None:
+            # a stream's first packet is padded by reflecting its own samples 1..ctx,
+            # exactly as the whole-sequence pad does; later packets use the buffer
+            head = x[..., 1: ctx + 1].flip(-1)
+            buf = torch.where(started[:, None, None], buf, head)
+        x = torch.cat([buf, x], dim=-1)
+        states_out.append(x[..., -ctx:].contiguous())
+        return self.conv(x)
+
+
+class SConvTranspose1d(nn.Module):
+    """ConvTranspose1d trimmed to stride * input length: causal trims all of the
+    kernel_size - stride overhang on the right, non-causal splits it."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int, *,
+                 causal: bool, norm: str):
+        super().__init__()
+        self.convtr = NormConvTranspose1d(in_channels, out_channels, kernel_size, stride, norm=norm)
+        self.causal = causal
+        self.stride = stride
+        self.overhang = kernel_size - stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.convtr(x)
+        right = self.overhang if self.causal else self.overhang // 2
+        left = self.overhang - right
+        return y[..., left: y.shape[-1] - right]
+
+    def _polyphase_weight(self) -> Tensor:
+        """The causal transposed conv as a plain conv over input frames: output sample
+        j*s + p sums taps t*s + p of inputs j - t, t < m = ceil(K / s); stacking the s
+        phases as output channels gives a [O*s, C, m] kernel (taps reversed, zero-padded
+        to m*s). One dense conv beats conv_transpose1d, which falls back to a slow
+        col2im path for small inputs."""
+        conv = self.convtr.convtr
+        w = conv.effective_weight()  # [C, O, K]
+        c, o, k = w.shape
+        m = _ceil_div(k, self.stride)
+        w = F.pad(w, (0, m * self.stride - k)).view(c, o, m, self.stride)
+        return w.flip(2).permute(1, 3, 0, 2).reshape(o * self.stride, c, m).contiguous()
+
+    def stream_init(self, batch: int, ref: Tensor) -> list[Tensor]:
+        if not self.causal:
+            raise ValueError("only causal transposed convolutions can stream")
+        conv = self.convtr.convtr
+        return [ref.new_zeros(batch, conv.in_channels, _ceil_div(conv.kernel_size[0], self.stride) - 1)]
+
+    def stream_step(self, x: Tensor, states_in: Iterator[Tensor], states_out: list[Tensor],
+                    started: Tensor | None) -> Tensor:
+        # The state is the last m - 1 input frames: the unfinished right tail of the
+        # output is exactly what they still contribute (zeros before the first packet
+        # contribute nothing, as in the whole-sequence transposed conv).
+        conv = self.convtr.convtr
+        prev = next(states_in)
+        if prev.shape[-1]:
+            x = torch.cat([prev, x], dim=-1)
+            states_out.append(x[..., x.shape[-1] - prev.shape[-1]:].contiguous())
+        else:
+            states_out.append(prev)
+        weight = _cached(self, "_poly_cache", self._polyphase_weight)
+        bias = None if conv.bias is None else conv.bias.repeat_interleave(self.stride)
+        y = F.conv1d(x, weight, bias)  # [B, O*s, n]
+        b, _, n = y.shape  # phase-major channels -> interleaved samples
+        y = y.view(b, conv.out_channels, self.stride, n).transpose(2, 3)
+        return y.reshape(b, conv.out_channels, n * self.stride)
+
+
+class SLSTM(nn.Module):
+    """LSTM over conv layout [B, C, T] with a residual skip (official SLSTM, skip=True)."""
+
+    def __init__(self, dimension: int, num_layers: int):
+        super().__init__()
+        self.lstm = nn.LSTM(dimension, dimension, num_layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.permute(2, 0, 1)
+        y, _ = self.lstm(x)
+        return (y + x).permute(1, 2, 0)
+
+    def stream_init(self, batch: int, ref: Tensor) -> list[Tensor]:
+        shape = (batch, self.lstm.num_layers, self.lstm.hidden_size)
+        return [ref.new_zeros(shape), ref.new_zeros(shape)]
+
+    def _cell_loop(self, seq: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """nn.LSTM's recurrence written out; seq [T, B, H], h/c [B, layers, H]."""
+        hs, cs = [], []
+        for layer in range(self.lstm.num_layers):
+            w_ih, w_hh, b_ih, b_hh = (getattr(self.lstm, f"{n}_l{layer}")
+                                      for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+            gates_x = torch.addmm(b_ih + b_hh, seq.flatten(0, 1), w_ih.t()).view(*seq.shape[:2], -1)
+            h_l, c_l, outs = h[:, layer], c[:, layer], []
+            for t in range(seq.shape[0]):
+                i, f, g, o = torch.addmm(gates_x[t], h_l, w_hh.t()).chunk(4, dim=1)
+                c_l = torch.sigmoid(f) * c_l + torch.sigmoid(i) * torch.tanh(g)
+                h_l = torch.sigmoid(o) * torch.tanh(c_l)
+                outs.append(h_l)
+            seq = torch.stack(outs)
+            hs.append(h_l)
+            cs.append(c_l)
+        return seq, torch.stack(hs, 1), torch.stack(cs, 1)
+
+    def stream_step(self, x: Tensor, states_in: Iterator[Tensor], states_out: list[Tensor],
+                    started: Tensor | None) -> Tensor:
+        # (h, c) are kept batch first, [B, layers, H], so sessions gather on dim 0.
+        h, c = next(states_in), next(states_in)
+        inp = x.permute(2, 0, 1)
+        hidden = self.lstm.hidden_size
+        if inp.shape[0] * 16384 <= hidden * hidden:
+            # oneDNN's LSTM re-lays out its weights on every call (~10 ms at width 512,
+            # measured), while a plain loop pays per frame: loop up to (H / 128)^2 frames.
+            y, h, c = self._cell_loop(inp, h, c)
+        else:
+            y, (h, c) = self.lstm(inp, (h.transpose(0, 1).contiguous(), c.transpose(0, 1).contiguous()))
+            h, c = h.transpose(0, 1).contiguous(), c.transpose(0, 1).contiguous()
+        states_out += [h, c]
+        return (y + inp).permute(1, 2, 0)
+
+
+def _stream_init(layers: list[nn.Module], batch: int, ref: Tensor) -> list[Tensor]:
+    return [t for layer in layers if hasattr(layer, "stream_init") for t in layer.stream_init(batch, ref)]
+
+
+def _stream_seq(layers: list[nn.Module], x: Tensor, states_in: Iterator[Tensor],
+                states_out: list[Tensor], started: Tensor | None) -> Tensor:
+    for layer in layers:
+        if hasattr(layer, "stream_step"):
+            x = layer.stream_step(x, states_in, states_out, started)
+        else:
+            x = layer(x)
+    return x
+
+
+class SEANetResnetBlock(nn.Module):
+    """ELU -> conv(k, dilation) to dim // compress -> ELU -> 1x1 conv, plus a shortcut."""
+
+    def __init__(self, dim: int, dilation: int, cfg: CodecConfig):
+        super().__init__()
+        hidden = dim // cfg.compress
+        kw = dict(causal=cfg.causal, norm=cfg.norm, pad_mode=cfg.pad_mode)
+        self.block = nn.Sequential(
+            nn.ELU(), SConv1d(dim, hidden, cfg.residual_kernel_size, dilation=dilation, **kw),
+            nn.ELU(), SConv1d(hidden, dim, 1, **kw),
+        )
+        self.shortcut = nn.Identity() if cfg.true_skip else SConv1d(dim, dim, 1, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.shortcut(x) + self.block(x)
+
+    def stream_init(self, batch: int, ref: Tensor) -> list[Tensor]:
+        return _stream_init([*self.block, self.shortcut], batch, ref)
+
+    def stream_step(self, x: Tensor, states_in: Iterator[Tensor], states_out: list[Tensor],
+                    started: Tensor | None) -> Tensor:
+        y = _stream_seq(list(self.block), x, states_in, states_out, started)
+        return _stream_seq([self.shortcut], x, states_in, states_out, started) + y
+
+
+class SEANetEncoder(nn.Module):
+    """Waveform [B, C, T] -> latent [B, dimension, ceil(T / hop)]."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        kw = dict(causal=cfg.causal, norm=cfg.norm, pad_mode=cfg.pad_mode)
+        mult = 1
+        layers: list[nn.Module] = [SConv1d(cfg.channels, cfg.n_filters, cfg.kernel_size, **kw)]
+        for ratio in reversed(cfg.ratios):
+            dim = mult * cfg.n_filters
+            layers += [SEANetResnetBlock(dim, cfg.dilation_base ** j, cfg)
+                       for j in range(cfg.n_residual_layers)]
+            layers += [nn.ELU(), SConv1d(dim, dim * 2, ratio * 2, stride=ratio, **kw)]
+            mult *= 2
+        if cfg.lstm_layers:
+            layers.append(SLSTM(mult * cfg.n_filters, cfg.lstm_layers))
+        layers += [nn.ELU(), SConv1d(mult * cfg.n_filters, cfg.dimension, cfg.last_kernel_size, **kw)]
+        self.model = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+
+class SEANetDecoder(nn.Module):
+    """Latent [B, dimension, F] -> waveform [B, C, F * hop]; streams when causal."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        kw = dict(causal=cfg.causal, norm=cfg.norm, pad_mode=cfg.pad_mode)
+        mult = 2 ** len(cfg.ratios)
+        layers: list[nn.Module] = [SConv1d(cfg.dimension, mult * cfg.n_filters, cfg.kernel_size, **kw)]
+        if cfg.lstm_layers:
+            layers.append(SLSTM(mult * cfg.n_filters, cfg.lstm_layers))
+        for ratio in cfg.ratios:
+            dim = mult * cfg.n_filters
+            layers += [nn.ELU(), SConvTranspose1d(dim, dim // 2, ratio * 2, ratio,
+                                                  causal=cfg.causal, norm=cfg.norm)]
+            layers += [SEANetResnetBlock(dim // 2, cfg.dilation_base ** j, cfg)
+                       for j in range(cfg.n_residual_layers)]
+            mult //= 2
+        layers += [nn.ELU(), SConv1d(cfg.n_filters, cfg.channels, cfg.last_kernel_size, **kw)]
+        self.model = nn.Sequential(*layers)
+        self.min_first_frames = self._min_first_frames(cfg)
+
+    def _min_first_frames(self, cfg: CodecConfig) -> int:
+        """Frames the first packet of a stream needs: a reflect-padded conv with context c
+        running at r samples per frame reflects input samples 1..c of the stream, so the
+        first packet must bring c + 1 of them (7 frames for the official model)."""
+        if cfg.pad_mode != "reflect":
+            return 1
+        need, rate = 1, 1
+        for layer in self.model:
+            if isinstance(layer, SConvTranspose1d):
+                rate *= layer.stride
+            for conv in layer.modules():
+                if isinstance(conv, SConv1d):
+                    need = max(need, _ceil_div(conv.context + 1, rate))
+        return need
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.model(z)
+
+    def stream_init(self, batch: int, ref: Tensor) -> list[Tensor]:
+        return _stream_init(list(self.model), batch, ref)
+
+    def stream_step(self, z: Tensor, states_in: Iterator[Tensor], states_out: list[Tensor],
+                    started: Tensor | None) -> Tensor:
+        return _stream_seq(list(self.model), z, states_in, states_out, started)
