@@ -1,9 +1,9 @@
 """CPU timings for models/mamba.py: training step of a Mamba stack, and decode `step`.
 
-    python -m loadtest.bench_mamba [--threads 1] [--chunks 16,32,64,128] [--naive]
+    python -m loadtest.bench_mamba [--threads 1] [--chunks auto,8,16] [--naive] [--no-train]
 
 Training: n_layers residual MambaBlocks (pre-RMSNorm), fwd + bwd + AdamW on [B, T, d].
-`--naive` also times plain autograd through a per-step Python loop at a smaller size.
+`--naive` also times one layer with plain autograd through a per-step Python loop.
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def naive_forward(m: MambaBlock, x: torch.Tensor) -> torch.Tensor:
     h = u.new_zeros(u.shape[0], m.d_inner, m.d_state)
     ys = []
     for t in range(T):
-        h = torch.exp(delta[:, t, :, None] * A) * h + (delta[:, t] * u[:, t])[:, :, None] * B[:, t, None, :]
+        dBu = (delta[:, t] * u[:, t])[:, :, None] * B[:, t, None, :]
+        h = torch.exp(delta[:, t, :, None] * A) * h + dBu
         ys.append((h * C[:, t, None, :]).sum(-1))
     y = (torch.stack(ys, 1) + m.D * u) * F.silu(z)
     return m.out_proj(y)
@@ -89,7 +90,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--frames", type=int, default=375)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--chunks", default="64")
+    ap.add_argument("--chunks", default="auto", help="scan chunk sizes to compare; auto = default")
     ap.add_argument("--naive", action="store_true")
     ap.add_argument("--no-train", action="store_true")
     a = ap.parse_args()
@@ -99,24 +100,22 @@ def main() -> None:
 
     if not a.no_train:
         x = torch.randn(a.batch, a.frames, a.d_model)
-        for cs in (int(c) for c in a.chunks.split(",")):
+        for cs in (None if c == "auto" else int(c) for c in a.chunks.split(",")):
             model = Stack(a.d_model, a.layers, chunk_size=cs)
             w, c = time_train(model, x, model, a.steps)
-            print(f"train d{a.d_model} x{a.layers} B{a.batch} T{a.frames} chunk {cs}: "
+            print(f"train d{a.d_model} x{a.layers} B{a.batch} T{a.frames} chunk {cs or 'auto'}: "
                   f"{w:.3f} s/step wall, {c:.3f} s/step cpu")
         if a.naive:
-            # one layer at a quarter of the frames: the naive loop is too slow for more
-            b, T = a.batch, a.frames // 4
-            x = torch.randn(b, T, a.d_model)
             m = MambaBlock(a.d_model)
             _, fast = time_train(m, x, m, a.steps)
             _, naive = time_train(m, x, lambda v: naive_forward(m, v), a.steps)
-            print(f"train 1 layer d{a.d_model} B{b} T{T} (cpu s/step): custom scan {fast:.3f}, "
-                  f"naive autograd loop {naive:.3f} ({naive / fast:.0f}x)")
+            print(f"train 1 layer d{a.d_model} B{a.batch} T{a.frames} (cpu s/step): custom scan "
+                  f"{fast:.3f}, naive autograd loop {naive:.3f} ({naive / fast:.1f}x)")
 
     m = MambaBlock(a.d_model)
     for batch in (1, 16):
-        print(f"step d{a.d_model} batch {batch}: {time_step(m, batch, 500) * 1e6:.0f} us cpu per layer")
+        us = time_step(m, batch, 500) * 1e6
+        print(f"step d{a.d_model} batch {batch}: {us:.0f} us cpu per layer")
 
 
 if __name__ == "__main__":
