@@ -1,0 +1,120 @@
+# syntax=docker/dockerfile:1
+#
+# LiveSpeech gRPC server image.
+#
+#   CPU (default target, python:3.11-slim):   docker build -t livespeech:cpu .
+#   GPU (CUDA torch + mamba-ssm kernels):     docker build --target gpu -t livespeech:gpu .
+#   run:  docker run --rm -p 50051:50051 -p 9090:9090 --stop-timeout 45 livespeech:cpu
+#         (flags after the image are `livespeech serve` flags, e.g. --max-sessions 8)
+#
+# The install is scripts/install.sh, the same script the README and CI run
+# (EDITABLE=0 EXTRAS="" = runtime only). Only the torch wheel's index differs: here pip
+# cannot see the CPU wheel CI machines keep on disk, so the CPU build adds PyTorch's CPU
+# index (otherwise PyPI's torch for Linux is the multi-GB CUDA build).
+# See docs/deploy.md.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# Keep CUDA_VERSION and TORCH_CUDA_INDEX paired (same CUDA major.minor): mamba-ssm is
+# compiled with this nvcc against that torch.
+ARG CUDA_VERSION=12.8.1
+ARG CUDA_UBUNTU=ubuntu24.04
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu128
+ARG TORCH_SPEC=torch==2.13.0
+ARG MAMBA_SSM_SPEC=mamba-ssm==2.3.2.post1
+ARG CAUSAL_CONV1D_SPEC=causal-conv1d==1.7.0
+
+# ------------------------------------------------------------------ GPU build
+FROM nvidia/cuda:${CUDA_VERSION}-cudnn-devel-${CUDA_UBUNTU} AS gpu-build
+ARG TORCH_CUDA_INDEX
+ARG TORCH_SPEC
+ARG MAMBA_SSM_SPEC
+ARG CAUSAL_CONV1D_SPEC
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential \
+ && rm -rf /var/lib/apt/lists/*
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_EXTRA_INDEX_URL=${TORCH_CUDA_INDEX} \
+    TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0+PTX" \
+    MAX_JOBS=4
+WORKDIR /src
+COPY . .
+RUN VENV=/opt/livespeech EDITABLE=0 EXTRAS="" TORCH_SPEC="${TORCH_SPEC}" bash scripts/install.sh
+# the `cuda` extra (mamba-ssm) builds against the installed torch: no build isolation,
+# or pip would compile it against whatever torch its isolated build env downloads
+RUN /opt/livespeech/bin/python -m pip install packaging==25.0 ninja==1.13.0 wheel==0.45.1 \
+ && /opt/livespeech/bin/python -m pip install --no-build-isolation "${CAUSAL_CONV1D_SPEC}" "${MAMBA_SSM_SPEC}" \
+ && /opt/livespeech/bin/python -P -c "import mamba_ssm, torch; print('mamba_ssm', mamba_ssm.__version__, 'torch', torch.__version__, torch.version.cuda)"
+# compile the wire protocol module now: the runtime root filesystem is read-only
+RUN /opt/livespeech/bin/python -P -c "import server.protocol" \
+ && /opt/livespeech/bin/livespeech serve --help > /dev/null
+
+# ------------------------------------------------------------------ GPU runtime
+FROM nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-${CUDA_UBUNTU} AS gpu
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --gid 10001 livespeech \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /var/lib/livespeech --shell /usr/sbin/nologin livespeech \
+ && mkdir -p /var/lib/livespeech/voices \
+ && chown -R 10001:10001 /var/lib/livespeech
+COPY --from=gpu-build /opt/livespeech /opt/livespeech
+COPY deploy/docker/grpc_health_check.py /usr/local/lib/livespeech/grpc_health_check.py
+ENV PATH=/opt/livespeech/bin:${PATH} \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    XDG_CACHE_HOME=/tmp/.cache \
+    LIVESPEECH_HOST=0.0.0.0 \
+    LIVESPEECH_PORT=50051 \
+    LIVESPEECH_METRICS_PORT=9090 \
+    LIVESPEECH_VOICES_DIR=/var/lib/livespeech/voices \
+    LIVESPEECH_DEVICE=cuda
+WORKDIR /var/lib/livespeech
+USER 10001:10001
+EXPOSE 50051 9090
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+  CMD ["/opt/livespeech/bin/python", "/usr/local/lib/livespeech/grpc_health_check.py"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["livespeech", "serve"]
+
+# ------------------------------------------------------------------ CPU build
+FROM ${PYTHON_IMAGE} AS cpu-build
+ARG TORCH_CPU_INDEX
+ARG TORCH_SPEC
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_EXTRA_INDEX_URL=${TORCH_CPU_INDEX}
+WORKDIR /src
+COPY . .
+RUN VENV=/opt/livespeech EDITABLE=0 EXTRAS="" TORCH_SPEC="${TORCH_SPEC}" bash scripts/install.sh
+# compile the wire protocol module now: the runtime root filesystem is read-only
+RUN /opt/livespeech/bin/python -P -c "import server.protocol" \
+ && /opt/livespeech/bin/livespeech serve --help > /dev/null
+
+# ------------------------------------------------------------------ CPU runtime (default)
+FROM ${PYTHON_IMAGE} AS cpu
+RUN groupadd --gid 10001 livespeech \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /var/lib/livespeech --shell /usr/sbin/nologin livespeech \
+ && mkdir -p /var/lib/livespeech/voices \
+ && chown -R 10001:10001 /var/lib/livespeech
+COPY --from=cpu-build /opt/livespeech /opt/livespeech
+COPY deploy/docker/grpc_health_check.py /usr/local/lib/livespeech/grpc_health_check.py
+ENV PATH=/opt/livespeech/bin:${PATH} \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    XDG_CACHE_HOME=/tmp/.cache \
+    LIVESPEECH_HOST=0.0.0.0 \
+    LIVESPEECH_PORT=50051 \
+    LIVESPEECH_METRICS_PORT=9090 \
+    LIVESPEECH_VOICES_DIR=/var/lib/livespeech/voices \
+    LIVESPEECH_DEVICE=cpu
+WORKDIR /var/lib/livespeech
+USER 10001:10001
+EXPOSE 50051 9090
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["/opt/livespeech/bin/python", "/usr/local/lib/livespeech/grpc_health_check.py"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["livespeech", "serve"]
