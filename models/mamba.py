@@ -72,8 +72,8 @@ class _SelectiveScan(torch.autograd.Function):
     """Selective scan with a hand-written backward (see `selective_scan`).
 
     Work runs over batch tiles of `bt` rows and time chunks of `L` steps on [L, bt, n, d]
-    buffers: d innermost so the contractions over n and d are cheap, buffers small so
-    they stay in cache. Forward keeps only the state entering each chunk; backward
+    buffers: d innermost so the contractions over n and d are cheap; ~2 MiB buffers were
+    the fastest size measured. Forward keeps only the state entering each chunk; backward
     recomputes a chunk's states from it and runs the adjoint recurrence
     G[t] = dy_t C_t + dA[t+1] G[t+1] in reverse. Memory: O(T/L * b*n*d) saved,
     O(L * bt*n*d) scratch, instead of O(T * b*n*d).
