@@ -98,6 +98,13 @@ def test_llm_paced_stream_with_timestamps_and_flush(srv) -> None:
     assert r.summary is not None and r.packets and ttfa is not None and ttfa > 0
     assert r.summary.ttfa_s is not None
     assert r.summary.spoken_text == TEXT
+    # one continuous utterance: gapless packets, every word once, in order, in time order
+    assert [p.seq for p in r.packets] == list(range(len(r.packets)))
+    for a, b in zip(r.packets, r.packets[1:]):
+        assert b.start_s == pytest.approx(a.start_s + a.duration_s)
+    assert [w.word for w in r.words] == TEXT.split()
+    assert all(a.end_s <= b.start_s + 1e-9 for a, b in zip(r.words, r.words[1:]))
+    assert r.words[-1].end_s <= r.summary.audio_s + 1e-9
 
 
 def test_concurrent_sessions_do_not_mix(srv) -> None:
