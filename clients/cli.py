@@ -6,7 +6,11 @@
     livespeech voices add ID ref.wav | list | rm ID
     livespeech corpus|train-codec|train|eval|loadtest ...            forwarded to their tools
 
-The server address is `--server` or `LIVESPEECH_SERVER` (default 127.0.0.1:50051).
+The server address is `--server` or `LIVESPEECH_SERVER` (default 127.0.0.1:50051). A
+secured server: `--tls-ca ca.pem` (env LIVESPEECH_TLS_CA) verifies its certificate,
+`--tls-cert/--tls-key` add a client certificate (mutual TLS), and the bearer token comes
+from `--token-file` or the env LIVESPEECH_TOKEN (`--token` works too, but a command line
+is visible to every local user).
 """
 from __future__ import annotations
 
@@ -48,6 +52,27 @@ def _server_arg(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("LIVESPEECH_SERVER", "127.0.0.1:50051"),
         help="host:port (env LIVESPEECH_SERVER; default %(default)s)",
     )
+    p.add_argument("--tls-ca", default=os.environ.get("LIVESPEECH_TLS_CA"), metavar="PEM",
+                   help="connect with TLS, trusting this CA (env LIVESPEECH_TLS_CA)")
+    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    p.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS; with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
+    # default None: the env is read in _client_kw, so the token never shows in --help
+    p.add_argument("--token", default=None, help="bearer token (prefer env LIVESPEECH_TOKEN or --token-file)")
+    p.add_argument("--token-file", metavar="PATH", help="read the bearer token from this file")
+
+
+def _client_kw(args: argparse.Namespace) -> dict:
+    """The client's security settings from the flags (see the module doc)."""
+    from clients.client import ClientSecurity
+
+    token = args.token or os.environ.get("LIVESPEECH_TOKEN") or None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    return dict(security=ClientSecurity(
+        tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token=token
+    ))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="livespeech", description="LiveSpeech streaming TTS")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the gRPC server (the embedded default model unless --model)")
+    # no prefix matching (as ServerConfig.from_args): "--auth-tokens X" is no flag of ours
+    serve = sub.add_parser("serve", help="run the gRPC server (the embedded default model unless --model)",
+                           allow_abbrev=False)
     ServerConfig.add_arguments(serve)
 
     say = sub.add_parser("say", help="synthesize text (stdin when no text) into a WAV")
@@ -127,7 +154,7 @@ def _say(args: argparse.Namespace) -> int:
         enrollment = (float_to_pcm16(x).tobytes(), rate)
     result = SynthesisResult()
     try:
-        with LiveSpeechClient(args.server) as client:
+        with LiveSpeechClient(args.server, **_client_kw(args)) as client:
             stream = client.synthesize(source, enrollment=enrollment, **kw)
             for event in stream:
                 result.add(event)
@@ -136,6 +163,9 @@ def _say(args: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         print(f"livespeech say: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    except (ValueError, OSError) as e:  # bad settings or an unreadable file, before any call
+        print(f"livespeech say: {e}", file=sys.stderr)
+        return 2
     result.write_wav(args.output)
     s: Optional[Summary] = result.summary
     audio_s = len(result.pcm16()) / 2 / result.sample_rate
@@ -154,7 +184,7 @@ def _voices(args: argparse.Namespace) -> int:
     from clients.client import LiveSpeechClient
 
     try:
-        with LiveSpeechClient(args.server) as client:
+        with LiveSpeechClient(args.server, **_client_kw(args)) as client:
             if args.voices_command == "add":
                 info = client.register_voice(args.voice_id, path=args.wav, overwrite=args.overwrite)
                 print(f"registered {info.voice_id} ({info.reference_s:.1f} s of reference audio)")
@@ -168,6 +198,9 @@ def _voices(args: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         print(f"livespeech voices {args.voices_command}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    except (ValueError, OSError) as e:
+        print(f"livespeech voices {args.voices_command}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -17,10 +17,18 @@ Sync (a private event loop on a background thread):
 `text` is a str (sent as one piece), or a sync or async iterable of str / `TextPiece`
 (sent as they come; a blocking sync iterator, e.g. stdin, is read on a worker thread).
 Errors are `grpc.aio.AioRpcError` with the server's status code and message.
+
+A secured server (docs/reliability.md): `tls_ca=` (PEM path or bytes) verifies the
+server's certificate, `tls_cert=`/`tls_key=` add a client certificate (mutual TLS),
+`token=` sends `authorization: Bearer <token>` with every call:
+
+    AsyncLiveSpeechClient("tts.example:50051", tls_ca="ca.pem", token=os.environ["LIVESPEECH_TOKEN"])
 """
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import logging
 import random
 import re
 import threading
@@ -36,6 +44,67 @@ from server.protocol import Enrollment, Stub, config_from_proto, config_to_proto
 from server.session_api import AudioPacket, Encoding, SessionConfig, Summary, WordTiming
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+log = logging.getLogger(__name__)
+# RFC 6750 b64token, as the server checks it (server/auth.py)
+_TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+Pem = Union[str, Path, bytes]  # a PEM file's path, or its contents
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How a client reaches a secured server: TLS trusting `tls_ca` (else the system's
+    roots when `tls`), a client certificate for mutual TLS, a bearer token. Validated
+    here, so a mistake fails before a connection is made; the token is kept out of
+    repr() (it would end up in logs)."""
+
+    tls: bool = False
+    tls_ca: Optional[Pem] = None
+    tls_cert: Optional[Pem] = None
+    tls_key: Optional[Pem] = field(default=None, repr=False)
+    token: Optional[str] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (mutual TLS)")
+        if any(v is not None for v in (self.tls_ca, self.tls_cert)):
+            object.__setattr__(self, "tls", True)
+        if self.token is not None and not _TOKEN_RE.fullmatch(self.token):
+            raise ValueError("token must be an RFC 6750 b64token ([A-Za-z0-9-._~+/]+=*), without 'Bearer '")
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def channel(self, target: str, options: list) -> grpc.aio.Channel:
+        if not self.tls:
+            if self.token and not _is_loopback(target):
+                log.warning("sending a bearer token without TLS to %s: it travels in clear text", target)
+            return grpc.aio.insecure_channel(target, options=options)
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_pem(self.tls_ca), private_key=_pem(self.tls_key), certificate_chain=_pem(self.tls_cert)
+        )
+        return grpc.aio.secure_channel(target, creds, options=options)
+
+
+def _pem(value: Optional[Pem]) -> Optional[bytes]:
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+def _is_loopback(target: str) -> bool:
+    """Whether a gRPC target ("host:port", "[::1]:port", "dns:///host:port") is this machine."""
+    host = target.split("///")[-1]
+    if host.startswith("["):
+        host = host[1 : host.find("]")]
+    elif host.count(":") == 1:
+        host = host.split(":")[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -209,8 +278,10 @@ class SynthesisStream:
     """One Synthesize call: an async iterator of events, plus `cancel()` (barge-in:
     the server answers with a cancelled summary) and `abort()` (hang up)."""
 
-    def __init__(self, stub: Stub, config: "pb.SynthesizeConfig", text: TextSource, timeout: Optional[float]) -> None:
-        self._call = stub.Synthesize(timeout=timeout)
+    def __init__(
+        self, stub: Stub, config: "pb.SynthesizeConfig", text: TextSource, timeout: Optional[float], metadata: tuple = ()
+    ) -> None:
+        self._call = stub.Synthesize(timeout=timeout, metadata=metadata or None)
         self._config = config
         self._text = text
         self._pump: Optional[asyncio.Task] = None
@@ -315,13 +386,23 @@ class AsyncLiveSpeechClient:
         channel: Optional[grpc.aio.Channel] = None,
         timeout: Optional[float] = None,
         options: Optional[list] = None,
+        tls_ca: Optional[Pem] = None,
+        tls_cert: Optional[Pem] = None,
+        tls_key: Optional[Pem] = None,
+        token: Optional[str] = None,
+        security: Optional[ClientSecurity] = None,
     ) -> None:
+        """`security`, or its fields as keywords (`tls_ca`, `tls_cert`, `tls_key`, `token`)."""
+        if security is None:
+            security = ClientSecurity(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token)
+        self.security = security
         self._own_channel = channel is None
-        self.channel = channel or grpc.aio.insecure_channel(
-            target, options=options or [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        self.channel = channel or security.channel(
+            target, options or [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         )
         self.stub = Stub(self.channel)
         self.timeout = timeout
+        self._metadata = security.metadata
 
     async def __aenter__(self) -> "AsyncLiveSpeechClient":
         return self
@@ -343,7 +424,9 @@ class AsyncLiveSpeechClient:
     ) -> SynthesisStream:
         """Start a Synthesize call; iterate the result for events. Keyword overrides are
         `SessionConfig` fields (voice_id, sample_rate, encoding, packet_ms, ...)."""
-        return SynthesisStream(self.stub, build_config(config, enrollment=enrollment, **overrides), text, self.timeout)
+        return SynthesisStream(
+            self.stub, build_config(config, enrollment=enrollment, **overrides), text, self.timeout, self._metadata
+        )
 
     async def synthesize_to_result(self, text: TextSource, config: Optional[SessionConfig] = None, **kw: Any) -> SynthesisResult:
         return await self.synthesize(text, config, **kw).collect()
@@ -367,15 +450,17 @@ class AsyncLiveSpeechClient:
         elif pcm16 is not None:
             req.pcm.pcm16_le = pcm16
             req.pcm.sample_rate = sample_rate
-        info = await self.stub.RegisterVoice(req, timeout=self.timeout)
+        info = await self.stub.RegisterVoice(req, timeout=self.timeout, metadata=self._metadata or None)
         return _voice_info(info)
 
     async def list_voices(self) -> list[VoiceInfo]:
-        resp = await self.stub.ListVoices(pb.ListVoicesRequest(), timeout=self.timeout)
+        resp = await self.stub.ListVoices(pb.ListVoicesRequest(), timeout=self.timeout, metadata=self._metadata or None)
         return [_voice_info(v) for v in resp.voices]
 
     async def delete_voice(self, voice_id: str) -> None:
-        await self.stub.DeleteVoice(pb.DeleteVoiceRequest(voice_id=voice_id), timeout=self.timeout)
+        await self.stub.DeleteVoice(
+            pb.DeleteVoiceRequest(voice_id=voice_id), timeout=self.timeout, metadata=self._metadata or None
+        )
 
 
 def _voice_info(v: "pb.VoiceInfo") -> VoiceInfo:

@@ -8,6 +8,11 @@
 under uvloop. Drain: health -> NOT_SERVING, new Synthesize calls -> UNAVAILABLE "server
 is draining", in-flight sessions get `drain_grace_s` to finish (then UNAVAILABLE
 "server is shutting down"), then `server.stop()` and `engine.stop()`.
+
+Security (server/auth.py, docs/reliability.md): TLS when `tls_cert` is set (mutual TLS
+with `tls_client_ca`), bearer tokens when configured; both are loaded before the engine
+starts, so a bad certificate or token file stops startup. At most `rpc_limit` RPCs are
+in flight; gRPC refuses the excess before any handler runs.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .auth import AuthInterceptor, load_tokens, server_credentials
 from .config import ServerConfig
 from .metrics import Metrics
 from .protocol import SERVICE_NAME, method_handlers
@@ -115,20 +121,31 @@ async def build_server(
 ) -> App:
     """Start the engine, load voices, start gRPC and the metrics exporter."""
     metrics = metrics if metrics is not None else Metrics()
+    tokens = load_tokens(config)  # ConfigError before anything starts
+    credentials = server_credentials(config)
+    if tokens is not None and credentials is None and config.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("bearer tokens without TLS on %s: tokens travel in clear text (terminate TLS in front)", config.host)
     engine.start()
     try:
         if voices is None:
-            voices = VoiceStore(config.voices_dir, engine, max_voices=config.max_voices)
+            voices = VoiceStore(
+                config.voices_dir, engine, max_voices=config.max_voices, max_voices_per_tenant=config.max_voices_per_tenant
+            )
         await voices.load()
         service = LiveSpeechService(config, engine, voices, metrics)
-        server = grpc.aio.server(options=grpc_options(config))
+        server = grpc.aio.server(
+            options=grpc_options(config),
+            interceptors=[AuthInterceptor(tokens, metrics)] if tokens is not None else None,
+            maximum_concurrent_rpcs=config.rpc_limit,
+        )
         server.add_generic_rpc_handlers((method_handlers(service),))
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, SERVING)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         metrics_port = None
@@ -140,6 +157,11 @@ async def build_server(
         engine.stop()
         raise
     log.info("listening on %s:%d (metrics: %s)", config.host, port, metrics_port or "off")
+    log.info(
+        "security: %s, %s",
+        ("mutual TLS" if config.tls_client_ca else "TLS") if credentials else "plaintext",
+        f"bearer tokens for {len(tokens.tenants)} tenants" if tokens else "no authentication",
+    )
     return App(config, engine, metrics, voices, service, server, health_servicer, port, metrics_port)
 
 

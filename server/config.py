@@ -2,13 +2,14 @@
 
 Sources, highest precedence first: command-line flags, `LIVESPEECH_<FIELD>` environment
 variables (e.g. `LIVESPEECH_PORT=50051`, `LIVESPEECH_MAX_SESSIONS=8`), defaults.
+Secrets have no flag (`ENV_ONLY`): a command line is readable by every local user.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -16,6 +17,8 @@ from .session_api import ConfigError
 
 ENV_PREFIX = "LIVESPEECH_"
 _ALIASES = {"model_path": ("--model",)}
+# settings that hold secrets: env (or a file) only, never a flag, never in repr()
+ENV_ONLY = frozenset({"auth_tokens"})
 
 
 def default_voices_dir() -> Path:
@@ -37,6 +40,11 @@ class ServerConfig:
     max_session_text_chars: int = 100_000
     max_enrollment_seconds: float = 30.0
     max_voices: int = 1_000
+    max_voices_per_tenant: int = 100  # registered voices one tenant may hold
+    # in-flight RPCs of all kinds; more are refused (RESOURCE_EXHAUSTED) by gRPC before
+    # any handler runs. Streams waiting for their config hold no engine slot, so without
+    # this bound abandoned streams could pile up; 0 = 8 * max_sessions + 64
+    max_concurrent_rpcs: int = 0
     # timeouts
     config_timeout_s: float = 10.0  # first message -> DEADLINE_EXCEEDED
     idle_timeout_s: float = 60.0  # no message and nothing to generate -> DEADLINE_EXCEEDED
@@ -44,12 +52,22 @@ class ServerConfig:
     max_buffered_packets: int = 256  # per session; more and the client "is not reading"
     torch_threads: int = 0  # 0 = torch's default
     retry_after_ms: int = 1_000  # advertised to clients refused for capacity
+    # security (server/auth.py): TLS with a PEM certificate chain and key; mutual TLS
+    # when a client CA is set (clients without a certificate it signed cannot connect)
+    tls_cert: Optional[Path] = None
+    tls_key: Optional[Path] = None
+    tls_client_ca: Optional[Path] = None
+    # bearer tokens, `tenant:token` per line; `auth_tokens` (env LIVESPEECH_AUTH_TOKENS
+    # only, `tenant:token,...`) adds more. Neither set: no authentication (every caller
+    # is the anonymous tenant). Parsed by server/auth.py at startup
+    auth_tokens_file: Optional[Path] = None
+    auth_tokens: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
-        if self.model_path is not None and not isinstance(self.model_path, Path):
-            object.__setattr__(self, "model_path", Path(self.model_path))
-        if self.voices_dir is not None and not isinstance(self.voices_dir, Path):
-            object.__setattr__(self, "voices_dir", Path(self.voices_dir))
+        for name in ("model_path", "voices_dir", "tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))
         self.validate()
 
     def validate(self) -> None:
@@ -78,6 +96,20 @@ class ServerConfig:
         need(self.max_buffered_packets >= 1, "max_buffered_packets must be >= 1")
         need(self.torch_threads >= 0, "torch_threads must be >= 0")
         need(self.retry_after_ms >= 0, "retry_after_ms must be >= 0")
+        need(self.max_voices_per_tenant >= 0, "max_voices_per_tenant must be >= 0")
+        need(self.max_concurrent_rpcs >= 0, "max_concurrent_rpcs must be >= 0 (0 = automatic)")
+        need((self.tls_cert is None) == (self.tls_key is None), "tls_cert and tls_key go together")
+        need(self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file"):
+            path = getattr(self, name)
+            need(path is None or path.is_file(), f"{name}: {path} is not a file")
+
+    @property
+    def rpc_limit(self) -> int:
+        """`max_concurrent_rpcs`, resolved: room for every slot's stream, several queued
+        streams per slot (clients racing for capacity get a fast RESOURCE_EXHAUSTED from
+        the service, not from gRPC) and probes."""
+        return self.max_concurrent_rpcs or 8 * self.max_sessions + 64
 
     def replace(self, **kw: Any) -> "ServerConfig":
         return dataclasses.replace(self, **kw)
@@ -88,6 +120,8 @@ class ServerConfig:
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """One `--flag-name` per field; unset flags fall back to env, then defaults."""
         for f in fields(cls):
+            if f.name in ENV_ONLY:
+                continue
             flag = "--" + f.name.replace("_", "-")
             kind = _field_type(f)
             parser.add_argument(
@@ -124,7 +158,8 @@ class ServerConfig:
 
     @classmethod
     def from_args(cls, argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] = None) -> "ServerConfig":
-        parser = argparse.ArgumentParser(prog="livespeech serve")
+        # no prefix matching: "--auth-tokens SECRET" must not become --auth-tokens-file
+        parser = argparse.ArgumentParser(prog="livespeech serve", allow_abbrev=False)
         cls.add_arguments(parser)
         return cls.from_sources(parser.parse_args(argv), env)
 

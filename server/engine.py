@@ -9,6 +9,7 @@ leave between steps (continuous batching). The asyncio loop never runs tensor wo
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -125,7 +126,8 @@ class Engine:
                 self._apply_commands()
                 now = time.monotonic()
                 for s in list(self._sessions.values()):
-                    self._release_chunks(s, s.chunker.poll(now))
+                    with self._isolated(s, "releasing text"):
+                        self._release_chunks(s, s.chunker.poll(now))
                 batch = self.scheduler.select(list(self._sessions.values()), now)
                 if batch:
                     self._step(batch)
@@ -178,6 +180,15 @@ class Engine:
             except Exception as exc:
                 log.exception("session %s: command %s failed", s.session_id, kind)
                 self._fail(s, "INTERNAL", f"{type(exc).__name__} while handling {kind}")
+
+    @contextlib.contextmanager
+    def _isolated(self, s: EngineSession, what: str):
+        """An error in one session's bookkeeping ends that session only."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("session %s: error while %s", s.session_id, what)
+            self._fail(s, "INTERNAL", f"{type(exc).__name__} while {what}")
 
     def _admit(self, s: EngineSession) -> None:
         slot = self._free_slots.pop(0)
@@ -255,30 +266,35 @@ class Engine:
             if r.failed:
                 self._fail(s, "INTERNAL", "numerical error in the decoder (non-finite logits)")
                 continue
-            s.guidance.observe(r.grapheme)
-            frame = s.step_count
-            s.step_count += 1
-            for w in s.track_words(frame):
-                pass  # words are sent once their audio is sent (see _emit_words)
-            for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count):
-                ch = s.chunks[chunk]
-                # re-rotating keys costs a call per layer: skip sub-frame-scale drift
-                if ch.in_memory and abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:
-                    self.runner.place_chunk(s.slot, chunk, tau)
-                    ch.placed_tau = tau
-            if r.frame is not None:
-                s.pending_frames.append(r.frame)
-            if r.done:
-                s.done_decoding = True
-            need = self._packet_frames(s) if s.frames_done else max(self._packet_frames(s), self.runner.min_first_frames)
-            if s.pending_frames and (s.done_decoding or len(s.pending_frames) >= need):
-                to_decode.append(s)
-            elif s.done_decoding:
-                self._finish(s, cancelled=False)
-            elif not s.lookahead_ready():
-                s.phase = Phase.WAITING  # text ran dry: wait for more
-            self._evict_past(s)
+            with self._isolated(s, "decoding"):
+                if self._after_step(s, r):
+                    to_decode.append(s)
         self._decode(to_decode)
+
+    def _after_step(self, s: EngineSession, r) -> bool:
+        """Book one step's result for a session; True when it has a packet to decode."""
+        s.guidance.observe(r.grapheme)
+        s.track_words(s.step_count)  # words are sent once their audio is (_emit_words)
+        s.step_count += 1
+        for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count):
+            ch = s.chunks[chunk]
+            # re-rotating keys costs a call per layer: skip sub-frame-scale drift
+            if ch.in_memory and abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:
+                self.runner.place_chunk(s.slot, chunk, tau)
+                ch.placed_tau = tau
+        if r.frame is not None:
+            s.pending_frames.append(r.frame)
+        if r.done:
+            s.done_decoding = True
+        self._evict_past(s)
+        need = self._packet_frames(s) if s.frames_done else max(self._packet_frames(s), self.runner.min_first_frames)
+        if s.pending_frames and (s.done_decoding or len(s.pending_frames) >= need):
+            return True
+        if s.done_decoding:
+            self._finish(s, cancelled=False)
+        elif not s.lookahead_ready():
+            s.phase = Phase.WAITING  # text ran dry: wait for more
+        return False
 
     def _packet_frames(self, s: EngineSession) -> int:
         return max(1, math.ceil(s.config.packet_ms * FRAME_RATE / 1000))

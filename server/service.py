@@ -18,6 +18,10 @@ Status choices (see also the .proto):
   piece over `max_text_piece_chars` is INVALID_ARGUMENT);
 - the client half-closes without `end_of_input`: treated as end of input;
 - messages after `cancel` are ignored (a text pump may race the cancel).
+
+Tenants: with authentication on (server/auth.py), calls reach this servicer only with a
+valid token, and `current_tenant()` names the caller; voices are looked up, listed,
+registered and deleted in that tenant's namespace (server/voices.py).
 """
 from __future__ import annotations
 
@@ -26,11 +30,12 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, AsyncIterator, Iterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional
 
 import grpc
 
 from .audio import MODEL_SAMPLE_RATE
+from .auth import current_tenant
 from .config import ServerConfig
 from .metrics import Metrics
 from .protocol import Enrollment, config_from_proto, config_to_proto, pb
@@ -55,7 +60,46 @@ from .voices import VoiceInfo, VoiceStore, VoiceStoreError, check_voice_id, deco
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
 ABORT_WAIT_S = 2.0  # longest wait for a client to take an error status
-REFUSE_READ_S = 0.25  # longest read of a refused stream's messages (see discard_requests)
+# Ending a stream early (refused, failed, or done before the client half-closed): its
+# status must not overtake a client write in flight, or grpc's asyncio client reports
+# INTERNAL "Internal error from Core" instead (it overwrites the status it received when
+# a later write fails: grpc/grpc#36066, fixed upstream by grpc/grpc#43486, unreleased).
+# So the server first reads on (`drain`): until the client half-closes; or, after
+# REFUSE_READ_S, right after a message that came at least MIN_GAP_S after the one before
+# (a paced client, e.g. an LLM token stream, is then a pacing gap away from its next
+# write); or once none came for QUIET_S (an idle client has no write in flight); and
+# never longer than REFUSE_MAX_S (a client writing flat out until it reads the status
+# can still meet the bug).
+REFUSE_READ_S = 0.25
+QUIET_S = 0.15
+MIN_GAP_S = 0.02
+REFUSE_MAX_S = 2.0
+
+
+async def drain(next_message: Callable[[], Awaitable[Any]], limit_s: float = REFUSE_READ_S) -> None:
+    """Take client messages until it is safe to send the status (see REFUSE_READ_S).
+    `next_message()` waits for the next one; it raises StopAsyncIteration at half-close."""
+    loop = asyncio.get_running_loop()
+    start = last = loop.time()
+    deadline = start + limit_s
+    try:
+        while True:
+            now = loop.time()
+            wait = min(max(deadline - now, 0.0) + QUIET_S, start + REFUSE_MAX_S - now)
+            if wait <= 0:
+                return
+            await asyncio.wait_for(next_message(), wait)
+            now = loop.time()
+            gap, last = now - last, now
+            if now >= deadline and gap >= MIN_GAP_S:
+                return
+    except Exception:  # StopAsyncIteration (half-close), TimeoutError, or the client went away
+        return
+
+
+async def drain_requests(it: AsyncIterator) -> None:
+    """`drain`, reading and dropping the messages of `it` (left unusable on a timeout)."""
+    await drain(it.__anext__)
 
 
 class RpcError(Exception):
@@ -103,8 +147,11 @@ class _Stream:
         self.last_activity = time.monotonic()
         self.tasks: list[asyncio.Task] = []
         self.closed = False
+        self.released = False  # the engine handle was closed
         self.capacity_rejected = False
         self.requests_broken = False
+        self.ending = False  # shutdown began: the reader drains, forwards nothing
+        self.request_seen = asyncio.Event()  # set by the reader at each client message
 
     # ------------------------------------------------------------ engine side
 
@@ -131,8 +178,15 @@ class _Stream:
 
     def close(self) -> None:
         """Every exit path: free the engine slot now, stop the helper tasks."""
+        self.release()
+        for t in self.tasks:
+            t.cancel()
+
+    def release(self) -> None:
+        """Free the engine slot (idempotent); nothing more is delivered."""
         self.closed = True
-        if self.handle is not None:
+        if self.handle is not None and not self.released:
+            self.released = True
             # the service ending a session with an error is a failure, not a disconnect
             failed = (self.outcome.done() and not self.outcome.cancelled()
                       and self.outcome.exception() is None and self.outcome.result() is not None)
@@ -140,28 +194,36 @@ class _Stream:
                 self.handle.close("failed" if failed else "disconnected")
             except Exception:  # pragma: no cover - the engine must not make us leak
                 log.exception("handle.close() failed")
-        for t in self.tasks:
-            t.cancel()
 
-    async def discard_requests(self, it: AsyncIterator, limit_s: float) -> None:
-        """Read and drop client messages until the client half-closes or `limit_s`.
-
-        Before a stream is refused: a client write still in flight when the status
-        arrives makes grpc's asyncio client replace the status with INTERNAL "Internal
-        error from Core" (grpc/grpc#36066), so let the usual config + text + end of
-        input arrive first."""
-        if self.requests_broken:
-            return
-        try:
-            async with asyncio.timeout(limit_s):
-                async for _ in it:
-                    pass
-        except Exception:  # TimeoutError, or the client went away: refuse now
-            pass
+    async def discard_requests(self, it: AsyncIterator) -> None:
+        """`drain_requests` before a stream ends early, unless a timed-out read already
+        left the iterator unusable."""
+        if not self.requests_broken:
+            self.requests_broken = True
+            await drain_requests(it)
 
     async def shutdown(self) -> None:
-        """`close()`, then wait for the tasks: a write blocked on flow control must be
+        """Free the slot; let a reader that is still reading take the client's writes in
+        flight for a moment (a status that overtakes them turns into INTERNAL on grpc's
+        asyncio client, grpc/grpc#36066; a client that half-closes costs nothing here);
+        then `close()` and wait for the tasks: a write blocked on flow control must be
         cancelled before the status can be sent."""
+        self.release()
+        reader = self.tasks[0] if self.tasks else None
+        if reader is not None and not reader.done():
+            self.ending = True  # the reader drops messages from now on, and reports them
+
+            async def next_message() -> None:
+                self.request_seen.clear()
+                seen = asyncio.ensure_future(self.request_seen.wait())
+                try:
+                    await asyncio.wait({reader, seen}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    seen.cancel()
+                if reader.done():
+                    raise StopAsyncIteration
+
+            await drain(next_message)
         self.close()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
@@ -227,33 +289,46 @@ class _Stream:
     # ------------------------------------------------------------ client -> engine
 
     async def _read(self, it: AsyncIterator) -> None:
-        assert self.handle is not None
-        handle = self.handle
         ended = cancelled = False
         async for msg in it:
             self.last_activity = time.monotonic()
-            if cancelled:
+            self.request_seen.set()
+            if self.ending or cancelled:  # the session is over: shutdown() decides when to stop
                 continue
-            kind = msg.WhichOneof("request")
-            # limits, timestamps and ordering are validated by the handle (one place)
-            if kind == "text":
-                ts: Optional[float] = msg.text.timestamp_s if msg.text.HasField("timestamp_s") else None
-                with _handle_errors():
-                    handle.push_text(msg.text.text, ts, msg.text.flush)
-            elif kind == "end_of_input":
-                ended = True
-                with _handle_errors():
-                    handle.end_input()
-            elif kind == "cancel":
-                cancelled = True
-                handle.cancel()
-            elif kind == "config":
-                raise RpcError(Code.FAILED_PRECONDITION, "config already received")
-            else:
-                raise RpcError(Code.INVALID_ARGUMENT, "request has no payload")
-        if not ended and not cancelled:  # half-close = end of input
+            try:
+                kind = self._forward(msg)
+            except RpcError as e:
+                # the client's fault ends the stream; keep reading (and dropping), so that
+                # shutdown() can take the client's writes in flight (see REFUSE_READ_S)
+                self.finish(e)
+                self.ending = True
+                continue
+            ended = ended or kind == "end_of_input"
+            cancelled = kind == "cancel"
+        if not ended and not cancelled and not self.ending:  # half-close = end of input
+            with _handle_errors():
+                self.handle.end_input()
+
+    def _forward(self, msg: Any) -> str:
+        """One client message to the session handle; returns its kind."""
+        handle = self.handle
+        assert handle is not None
+        kind = msg.WhichOneof("request")
+        # limits, timestamps and ordering are validated by the handle (one place)
+        if kind == "text":
+            ts: Optional[float] = msg.text.timestamp_s if msg.text.HasField("timestamp_s") else None
+            with _handle_errors():
+                handle.push_text(msg.text.text, ts, msg.text.flush)
+        elif kind == "end_of_input":
             with _handle_errors():
                 handle.end_input()
+        elif kind == "cancel":
+            handle.cancel()
+        elif kind == "config":
+            raise RpcError(Code.FAILED_PRECONDITION, "config already received")
+        else:
+            raise RpcError(Code.INVALID_ARGUMENT, "request has no payload")
+        return kind
 
     # ------------------------------------------------------------ engine -> client
 
@@ -335,7 +410,7 @@ class LiveSpeechService:
             await stream.run(requests)
         except RpcError as e:
             if stream.handle is None:  # refused: no reader task owns the requests
-                await stream.discard_requests(requests, REFUSE_READ_S)
+                await stream.discard_requests(requests)
             await self._abort(context, e)
         except asyncio.CancelledError:
             outcome = "disconnected"
@@ -365,8 +440,11 @@ class LiveSpeechService:
                 voice = await asyncio.to_thread(self.engine.make_voice, "(inline)", x, MODEL_SAMPLE_RATE)
                 return "", voice
             if cfg.voice_id:
-                return cfg.voice_id, self.voices.get(cfg.voice_id)
-            return self.voices.default()
+                # the id's shape first: a malformed id is the client's mistake, and the
+                # NOT_FOUND message would otherwise echo an arbitrarily long string
+                check_voice_id(cfg.voice_id)
+                return cfg.voice_id, self.voices.get(cfg.voice_id, current_tenant())
+            return self.voices.default(current_tenant())
         except ConfigError as e:
             raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
         except VoiceStoreError as e:
@@ -417,6 +495,9 @@ class LiveSpeechService:
             await self._abort(context, RpcError(Code.INVALID_ARGUMENT, str(e)))
         except VoiceStoreError as e:
             await self._abort(context, RpcError(Code[e.code], str(e)))
+        except Exception:  # a bug: a defined status and a log line, not grpc's UNKNOWN
+            log.exception("voice RPC failed")
+            await self._abort(context, RpcError(Code.INTERNAL, "internal error"))
 
     async def RegisterVoice(self, request: "pb.RegisterVoiceRequest", context: grpc.aio.ServicerContext) -> Any:
         async def go() -> "pb.VoiceInfo":
@@ -432,17 +513,17 @@ class LiveSpeechService:
                 max_seconds=self.config.max_enrollment_seconds,
                 field=which,
             )
-            info = await self.voices.register(request.voice_id, x, overwrite=request.overwrite)
+            info = await self.voices.register(request.voice_id, x, overwrite=request.overwrite, tenant=current_tenant())
             return voice_info_to_proto(info)
 
         return await self._unary(context, go())
 
     async def ListVoices(self, request: "pb.ListVoicesRequest", context: grpc.aio.ServicerContext) -> Any:
-        return pb.ListVoicesResponse(voices=[voice_info_to_proto(v) for v in self.voices.list()])
+        return pb.ListVoicesResponse(voices=[voice_info_to_proto(v) for v in self.voices.list(current_tenant())])
 
     async def DeleteVoice(self, request: "pb.DeleteVoiceRequest", context: grpc.aio.ServicerContext) -> Any:
         async def go() -> "pb.DeleteVoiceResponse":
-            await self.voices.delete(request.voice_id)
+            await self.voices.delete(request.voice_id, current_tenant())
             return pb.DeleteVoiceResponse()
 
         return await self._unary(context, go())

@@ -118,6 +118,9 @@ class EngineSession:
             if client_time_s is not None:
                 if not (math.isfinite(client_time_s) and client_time_s >= 0):
                     raise ConfigError(f"text.timestamp_s must be finite and >= 0, got {client_time_s}")
+                if self.config.timestamps_are_speech_time and client_time_s > limits.max_session_s:
+                    raise ConfigError(
+                        f"text.timestamp_s {client_time_s:g} is past the longest session ({limits.max_session_s:g} s)")
                 if client_time_s < self._last_client_ts:
                     raise ConfigError(
                         f"text.timestamp_s must not decrease: {client_time_s:g} after {self._last_client_ts:g}")
@@ -192,10 +195,9 @@ class EngineSession:
         c = self.timeline.current_chunk(self.step_count)
         return n - 1 >= c + self.config.n_future_chunks
 
-    def track_words(self, frame: int) -> list[Word]:
-        """Update word start/end frames from the guidance progress; returns words that ended."""
+    def track_words(self, frame: int) -> None:
+        """Update word start/end frames from the guidance progress."""
         progress = self.guidance.progress
-        ended = []
         for w in self.words:
             if w.end_frame is not None:
                 continue
@@ -203,10 +205,8 @@ class EngineSession:
                 w.start_frame = frame
             if w.start_frame is not None and progress >= w.char_end + 1:
                 w.end_frame = frame
-                ended.append(w)
             if w.start_frame is None:
                 break
-        return ended
 
     def spoken_text(self) -> str:
         spoken = [w.text for w in self.words if w.start_frame is not None and w.start_frame < self.frames_sent]

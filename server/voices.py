@@ -5,6 +5,13 @@ A registered voice is stored as `<voices_dir>/<voice_id>.wav` (the reference spe
 is written last and removed first, so it marks a complete voice. At startup every stored
 voice is re-enrolled with the current model (`engine.make_voice`, in an executor), so
 voices survive restarts and model upgrades. `voices_dir=None` keeps voices in memory.
+
+Tenants (server/auth.py): each tenant has its own namespace of registered voices,
+stored under `<voices_dir>/<tenant>/`; the anonymous tenant "" (authentication off)
+uses `<voices_dir>/` itself. A tenant sees the built-in voices and its own, never
+another tenant's (an unknown and a foreign voice are both NOT_FOUND). Every path is
+built from ids that match `VOICE_ID_RE` in full (no separators, dots, NUL or non-ASCII
+lookalikes) and is checked to lie in its tenant's directory before anything is written.
 """
 from __future__ import annotations
 
@@ -26,7 +33,9 @@ from .session_api import ConfigError, EngineAPI, Voice
 
 log = logging.getLogger(__name__)
 
-VOICE_ID_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# matched with fullmatch: `$` would also accept a trailing newline ("a\n" -> a file
+# name with a newline in it)
+VOICE_ID_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MIN_REFERENCE_S = 0.1
 REFERENCE_RATES = (8_000, 192_000)  # accepted input sample-rate range
 DEFAULT_VOICE_ID = "default"
@@ -49,8 +58,10 @@ class VoiceInfo:
 
 
 def check_voice_id(voice_id: str) -> str:
-    if not VOICE_ID_RE.match(voice_id or ""):
-        raise ConfigError(f"voice_id must match {VOICE_ID_RE.pattern}, got {voice_id!r}")
+    if not isinstance(voice_id, str) or not VOICE_ID_RE.fullmatch(voice_id):
+        shown = repr(voice_id)
+        shown = shown if len(shown) <= 80 else shown[:80] + "..."  # the error echoes a bounded part
+        raise ConfigError(f"voice_id must match ^{VOICE_ID_RE.pattern}$, got {shown}")
     return voice_id
 
 
@@ -103,12 +114,15 @@ def builtin_reference_audio(engine: EngineAPI) -> Mapping[str, np.ndarray]:
 
 
 class VoiceStore:
-    def __init__(self, directory: Optional[Path], engine: EngineAPI, *, max_voices: int = 1000) -> None:
+    def __init__(
+        self, directory: Optional[Path], engine: EngineAPI, *, max_voices: int = 1000, max_voices_per_tenant: Optional[int] = None
+    ) -> None:
         self.dir = Path(directory) if directory is not None else None
         self.engine = engine
         self.max_voices = max_voices
+        self.max_voices_per_tenant = max_voices if max_voices_per_tenant is None else max_voices_per_tenant
         self._builtin: dict[str, Voice] = {}
-        self._voices: dict[str, tuple[Voice, VoiceInfo]] = {}
+        self._voices: dict[tuple[str, str], tuple[Voice, VoiceInfo]] = {}  # (tenant, voice_id)
         self._lock = asyncio.Lock()
 
     # ---------------------------------------------------------------- startup
@@ -123,34 +137,39 @@ class VoiceStore:
         if self.dir is None:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        for meta_path in sorted(self.dir.glob("*.json")):
-            try:
-                meta = json.loads(meta_path.read_text())
-                voice_id = check_voice_id(meta["voice_id"])
-                if meta_path.stem != voice_id:
-                    raise ValueError("file name does not match voice_id")
-                samples, rate = decode_wav((self.dir / f"{voice_id}.wav").read_bytes())
-                voice = await loop.run_in_executor(None, self.engine.make_voice, voice_id, samples, rate)
-            except Exception as e:  # one bad file must not keep the server down
-                log.error("skipping stored voice %s: %s", meta_path.name, e)
-                continue
-            info = VoiceInfo(voice_id, False, float(meta.get("reference_s", 0.0)), int(meta.get("created_unix_ms", 0)))
-            self._voices[voice_id] = (voice, info)
+        tenants = [""] + sorted(p.name for p in self.dir.iterdir() if p.is_dir() and VOICE_ID_RE.fullmatch(p.name))
+        for tenant in tenants:
+            for meta_path in sorted(self._tenant_dir(tenant).glob("*.json")):
+                try:
+                    meta = json.loads(meta_path.read_text())
+                    voice_id = check_voice_id(meta["voice_id"])
+                    if meta_path.stem != voice_id:
+                        raise ValueError("file name does not match voice_id")
+                    samples, rate = decode_wav(self._path(tenant, voice_id, ".wav").read_bytes())
+                    voice = await loop.run_in_executor(None, self.engine.make_voice, voice_id, samples, rate)
+                except Exception as e:  # one bad file must not keep the server down
+                    log.error("skipping stored voice %s: %s", meta_path, e)
+                    continue
+                info = VoiceInfo(voice_id, False, float(meta.get("reference_s", 0.0)), int(meta.get("created_unix_ms", 0)))
+                self._voices[(tenant, voice_id)] = (voice, info)
         log.info("voices: %d built-in, %d registered", len(self._builtin), len(self._voices))
 
     # ---------------------------------------------------------------- lookups
 
-    def get(self, voice_id: str) -> Voice:
+    def get(self, voice_id: str, tenant: str = "") -> Voice:
         if voice_id in self._builtin:
             return self._builtin[voice_id]
-        if voice_id in self._voices:
-            return self._voices[voice_id][0]
+        if (tenant, voice_id) in self._voices:
+            return self._voices[(tenant, voice_id)][0]
         raise VoiceStoreError("NOT_FOUND", f"voice_id {voice_id!r} not found")
 
-    def default(self) -> tuple[str, Voice]:
+    def _registered(self, tenant: str) -> dict[str, tuple[Voice, VoiceInfo]]:
+        return {v: entry for (t, v), entry in self._voices.items() if t == tenant}
+
+    def default(self, tenant: str = "") -> tuple[str, Voice]:
         """The voice for a config that names none: built-in 'default', else the first
-        built-in, else the first registered voice."""
-        for table in (self._builtin, {k: v for k, (v, _) in self._voices.items()}):
+        built-in, else the tenant's first registered voice."""
+        for table in (self._builtin, {k: v for k, (v, _) in self._registered(tenant).items()}):
             if DEFAULT_VOICE_ID in table:
                 return DEFAULT_VOICE_ID, table[DEFAULT_VOICE_ID]
             if table:
@@ -158,50 +177,75 @@ class VoiceStore:
                 return voice_id, table[voice_id]
         raise VoiceStoreError("FAILED_PRECONDITION", "no default voice: set voice_id or enrollment")
 
-    def list(self) -> list[VoiceInfo]:
+    def list(self, tenant: str = "") -> list[VoiceInfo]:
         out = [VoiceInfo(v, True) for v in sorted(self._builtin)]
-        return out + [info for _, (_, info) in sorted(self._voices.items())]
+        return out + [info for _, (_, info) in sorted(self._registered(tenant).items())]
 
     # ---------------------------------------------------------------- changes
 
-    async def register(self, voice_id: str, reference_24k: np.ndarray, *, overwrite: bool = False) -> VoiceInfo:
+    async def register(
+        self, voice_id: str, reference_24k: np.ndarray, *, overwrite: bool = False, tenant: str = ""
+    ) -> VoiceInfo:
         """`reference_24k`: validated float32 mono at 24 kHz (see `decode_reference`)."""
         check_voice_id(voice_id)
+        key = (tenant, voice_id)
         async with self._lock:
             if voice_id in self._builtin:
                 raise VoiceStoreError("FAILED_PRECONDITION", f"voice {voice_id!r} is built in and read-only")
-            if voice_id in self._voices and not overwrite:
+            if key in self._voices and not overwrite:
                 raise VoiceStoreError("ALREADY_EXISTS", f"voice {voice_id!r} already exists (set overwrite)")
-            if voice_id not in self._voices and len(self._voices) >= self.max_voices:
-                raise VoiceStoreError("RESOURCE_EXHAUSTED", f"voice limit reached ({self.max_voices})")
+            if key not in self._voices:
+                # the anonymous tenant (no authentication) is the whole server: max_voices
+                if tenant and len(self._registered(tenant)) >= self.max_voices_per_tenant:
+                    raise VoiceStoreError("RESOURCE_EXHAUSTED", f"voice limit per tenant reached ({self.max_voices_per_tenant})")
+                if len(self._voices) >= self.max_voices:
+                    raise VoiceStoreError("RESOURCE_EXHAUSTED", f"voice limit reached ({self.max_voices})")
             loop = asyncio.get_running_loop()
             voice = await loop.run_in_executor(
                 None, self.engine.make_voice, voice_id, reference_24k, MODEL_SAMPLE_RATE
             )
             info = VoiceInfo(voice_id, False, len(reference_24k) / MODEL_SAMPLE_RATE, int(time.time() * 1000))
             if self.dir is not None:
-                await loop.run_in_executor(None, self._write, info, reference_24k)
-            self._voices[voice_id] = (voice, info)
+                await loop.run_in_executor(None, self._write, tenant, info, reference_24k)
+            self._voices[key] = (voice, info)
             return info
 
-    async def delete(self, voice_id: str) -> None:
+    async def delete(self, voice_id: str, tenant: str = "") -> None:
+        check_voice_id(voice_id)
         async with self._lock:
             if voice_id in self._builtin:
                 raise VoiceStoreError("FAILED_PRECONDITION", f"voice {voice_id!r} is built in and read-only")
-            if voice_id not in self._voices:
+            if (tenant, voice_id) not in self._voices:
                 raise VoiceStoreError("NOT_FOUND", f"voice_id {voice_id!r} not found")
             if self.dir is not None:
                 for suffix in (".json", ".wav"):  # JSON first: it marks a complete voice
-                    (self.dir / f"{voice_id}{suffix}").unlink(missing_ok=True)
-            del self._voices[voice_id]
+                    self._path(tenant, voice_id, suffix).unlink(missing_ok=True)
+            del self._voices[(tenant, voice_id)]
 
-    def _write(self, info: VoiceInfo, reference_24k: np.ndarray) -> None:
+    # ---------------------------------------------------------------- files
+
+    def _tenant_dir(self, tenant: str) -> Path:
         assert self.dir is not None
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if tenant and not VOICE_ID_RE.fullmatch(tenant):  # auth.TENANT_RE; never from a client
+            raise ValueError(f"bad tenant name {tenant!r}")
+        return self.dir / tenant if tenant else self.dir
+
+    def _path(self, tenant: str, voice_id: str, suffix: str) -> Path:
+        """The file of a voice, checked to lie directly in its tenant's directory."""
+        check_voice_id(voice_id)
+        folder = self._tenant_dir(tenant)
+        path = folder / f"{voice_id}{suffix}"
+        # defence in depth: the id check above already rules out separators and dots
+        if path.resolve().parent != folder.resolve():
+            raise ValueError(f"voice path escapes {folder}")
+        return path
+
+    def _write(self, tenant: str, info: VoiceInfo, reference_24k: np.ndarray) -> None:
+        self._tenant_dir(tenant).mkdir(parents=True, exist_ok=True)
         meta = dict(asdict(info), sample_rate=MODEL_SAMPLE_RATE)
         del meta["builtin"]
-        _atomic_write(self.dir / f"{info.voice_id}.wav", encode_wav(reference_24k, MODEL_SAMPLE_RATE))
-        _atomic_write(self.dir / f"{info.voice_id}.json", json.dumps(meta, indent=1).encode())
+        _atomic_write(self._path(tenant, info.voice_id, ".wav"), encode_wav(reference_24k, MODEL_SAMPLE_RATE))
+        _atomic_write(self._path(tenant, info.voice_id, ".json"), json.dumps(meta, indent=1).encode())
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
