@@ -1,0 +1,159 @@
+"""Training pipeline smoke tests on a tiny synthetic corpus (sine tones, fake words): codec
+steps + resume, corpus encoding, decoder steps + exact resume, example layout, and that
+the decoder loss goes down on one repeated batch. No eSpeak, no GPU; well under a minute."""
+import json
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from models import graphemes as G
+from models.codec import CodecModel
+from models.tokenizer import get_tokenizer
+from training import codec_train, encode_corpus, train
+from training.dataset import DecoderData, codes_path, collate, read_manifest, text_tokens
+from training.smoke import make_smoke_corpus
+
+SMALL = "d_model=64,n_shared_layers=1,n_group_layers=1,n_heads=2,enc_d_model=64,enc_layers=1,enc_heads=2,n_enroll=8"
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _log(path):
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """Corpus -> 2 codec steps (+1 resumed) -> encoded codes."""
+    root = tmp_path_factory.mktemp("train")
+    corpus, _ = make_smoke_corpus(str(root), n_utts=6, with_codes=False)
+    codec_dir = str(root / "codec")
+    common = ["--corpus", corpus, "--out", codec_dir, "--batch", "2", "--crop-s", "0.5", "--eval-every", "2",
+              "--dev-n", "2", "--dev-seconds", "0.5", "--kmeans-iters", "1", "--log-every", "1", "--ckpt-every", "1"]
+    assert codec_train.main(common + ["--steps", "2"]) == 0
+    assert codec_train.main(common + ["--steps", "3", "--resume"]) == 0
+    codes_dir = str(root / "codes")
+    assert encode_corpus.main(["--corpus", corpus, "--codec", os.path.join(codec_dir, "best.pt"), "--out", codes_dir]) == 0
+    return root, corpus, codec_dir, codes_dir
+
+
+def test_codec_train_resumes_and_saves_loadable_checkpoints(pipeline):
+    _, _, codec_dir, _ = pipeline
+    rows = [r for r in _log(os.path.join(codec_dir, "log.jsonl")) if not r.get("eval")]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # the resumed run continued at step 3
+    assert all(math.isfinite(r["total"]) for r in rows)
+    evals = [r for r in _log(os.path.join(codec_dir, "log.jsonl")) if r.get("eval")]
+    assert evals and all(math.isfinite(r["dev_mel"]) for r in evals)
+    for name in ("best.pt", "last.pt"):
+        m = CodecModel.from_checkpoint(os.path.join(codec_dir, name))
+        assert m.config.n_q == 8
+
+
+def test_encode_corpus_writes_codes_for_every_utterance(pipeline):
+    _, corpus, codec_dir, codes_dir = pipeline
+    recs = read_manifest(corpus)
+    for r in recs:
+        c = np.load(codes_path(codes_dir, r["id"]))
+        assert c.dtype == np.int16 and c.shape[0] == 8
+        assert abs(c.shape[1] - len(r["graphemes"])) <= 1
+        assert c.min() >= 0 and c.max() < 1024
+    # resumable: a second run encodes nothing new
+    mtimes = {r["id"]: os.path.getmtime(codes_path(codes_dir, r["id"])) for r in recs}
+    assert encode_corpus.main(["--corpus", corpus, "--codec", os.path.join(codec_dir, "best.pt"), "--out", codes_dir]) == 0
+    assert mtimes == {r["id"]: os.path.getmtime(codes_path(codes_dir, r["id"])) for r in recs}
+
+
+def test_example_layout_matches_the_server(pipeline):
+    _, corpus, _, codes_dir = pipeline
+    from models.config import preset
+    from models.livespeech import LiveSpeech2
+
+    cfg = preset("tiny", **train.parse_overrides(SMALL))
+    data = DecoderData(corpus, codes_dir, cfg, "train")
+    tok = get_tokenizer()
+    ex = data.example(0, random.Random(0))
+    rec = data.items[0]["rec"]
+    t = len(rec["graphemes"])
+    assert ex.codes.shape == (9, t + 1)
+    assert list(ex.codes[0, :t]) == rec["graphemes"] and ex.codes[0, t] == G.EOS
+    assert list(ex.last_frame) == [t] + [t - 1] * 8
+    # text: chunk by chunk, first chunk without a leading space, positions from tau; EOS at T
+    words = [w[0] for w in rec["words"]]
+    want_ids, want_pos = [], []
+    for i, (first, n, tau) in enumerate(rec["chunks"]):
+        ids = tok.encode_words(words[first:first + n], first_in_text=(i == 0))
+        want_ids += ids
+        want_pos += list(range(tau, tau + len(ids)))
+    assert ex.text_ids == want_ids + [tok.eos_id] and ex.text_pos == want_pos + [t]
+    # enrollment: another utterance of the same voice
+    assert 1 <= ex.enroll.shape[1] <= 4 * 75 and ex.enroll.shape[0] == 8
+    assert text_tokens(rec, tok, 2, tok.eos_id) is None  # too long for a 2-token memory
+    b = collate([data.example(i) for i in range(2)], LiveSpeech2(cfg))
+    assert b.inputs.shape[1] == 9 and b.text_valid.any(1).all()
+
+
+def _decoder_args(corpus, codes, out, *extra):
+    return ["--corpus", corpus, "--codes", codes, "--out", out, "--model-overrides", SMALL, "--batch-frames", "300",
+            "--max-batch", "2", "--warmup", "2", "--eval-every", "100", "--dev-batches", "1", "--log-every", "1",
+            "--max-seconds", "30", *extra]
+
+
+def test_decoder_train_resumes_exactly(pipeline):
+    root, corpus, _, codes = pipeline
+    straight, split = str(root / "dec_straight"), str(root / "dec_split")
+    assert train.main(_decoder_args(corpus, codes, straight, "--steps", "4")) == 0
+    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--stop-at", "2")) == 0
+    assert torch.load(os.path.join(split, "last.pt"), weights_only=False)["step"] == 2
+    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--resume")) == 0
+    a = torch.load(os.path.join(straight, "last.pt"), weights_only=False)
+    b = torch.load(os.path.join(split, "last.pt"), weights_only=False)
+    assert a["step"] == b["step"] == 4
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a["loss_acc"], b["loss_acc"])
+    rows = [r for r in _log(os.path.join(split, "log.jsonl")) if not r.get("eval")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    from training import plot
+
+    png = plot.plot(split)
+    assert os.path.getsize(png) > 1000
+
+
+def test_decoder_loss_decreases_on_a_repeated_batch(pipeline):
+    _, corpus, _, codes = pipeline
+    from models.config import preset
+    from models.livespeech import CodebookLossWeights, LiveSpeech2
+
+    torch.manual_seed(0)
+    cfg = preset("tiny", **train.parse_overrides(SMALL))
+    model = LiveSpeech2(cfg)
+    data = DecoderData(corpus, codes, cfg, "train")
+    batch = collate([data.example(i, random.Random(i)) for i in range(2)], model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    lw = CodebookLossWeights(cfg.n_codebooks, cfg.cb_loss_lambda)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for step in range(20):
+        mask = train.text_mask_for(batch, step % 2 == 1, gen, 1, 2)
+        total, per_cb, accs = train.forward_loss(model, batch, mask, lw.weights())
+        opt.zero_grad()
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        lw.update(accs)
+        losses.append(float(per_cb.detach().sum()))
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_smoke_mode_runs(tmp_path):
+    assert train.main(["--smoke", "--out", str(tmp_path / "smoke"), "--steps", "3"]) == 0
+    assert os.path.exists(tmp_path / "smoke" / "last.pt")

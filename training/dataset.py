@@ -1,0 +1,287 @@
+"""Training data: the corpus manifest, audio crops for the codec, and LiveSpeech 2
+decoder examples built exactly the way the server lays out a session at inference
+(server/engine.py `_release_chunks` / `_maybe_add_eos`).
+
+Decoder example (one utterance, T = len(graphemes) frames):
+- codebook rows: grapheme row = manifest `graphemes` + one EOS frame at frame T;
+  acoustic rows = codec codes [Q, T] (cropped / edge-padded to T);
+  last_frame = [T] + [T - 1] * Q (models/delay.py).
+- text: the words of each manifest chunk tokenized with Whisper BPE (chunk 0 with
+  first_in_text=True), tokens of chunk i at RoPE positions tau_i, tau_i + 1, ...;
+  then one chunk holding only TEXT_EOS at position T. At most cfg.max_text_tokens.
+- enrollment: codes of a different utterance of the same voice (random 1.5-4 s crop).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import wave
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from models import graphemes as G
+from models.config import FRAME_RATE, SAMPLE_RATE, ModelConfig
+
+# --------------------------------------------------------------------------------------
+# manifest and audio
+
+
+def read_manifest(corpus: str) -> list[dict]:
+    """All complete records of `corpus/manifest.jsonl` (a torn last line is ignored:
+    the corpus may still be growing)."""
+    path = os.path.join(corpus, "manifest.jsonl")
+    rows = []
+    with open(path, "rb") as f:
+        data = f.read()
+    for line in data.split(b"\n")[:-1] if not data.endswith(b"\n") else data.split(b"\n"):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def wav_info(path: str) -> tuple[int, int]:
+    with wave.open(path, "rb") as w:
+        return w.getnframes(), w.getframerate()
+
+
+def read_wav_segment(path: str, start: int = 0, length: Optional[int] = None) -> np.ndarray:
+    """float32 mono samples [start, start + length) of a 16-bit PCM WAV (zero-padded)."""
+    with wave.open(path, "rb") as w:
+        n = w.getnframes()
+        ch = w.getnchannels()
+        if w.getsampwidth() != 2:
+            raise ValueError(f"{path}: 16-bit PCM expected")
+        start = max(0, min(start, n))
+        length = n - start if length is None else length
+        w.setpos(start)
+        raw = w.readframes(max(0, min(length, n - start)))
+    x = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+    if ch > 1:
+        x = x.reshape(-1, ch).mean(axis=1)
+    if len(x) < length:
+        x = np.pad(x, (0, length - len(x)))
+    return x
+
+
+class AudioCrops:
+    """Random fixed-length crops of the corpus audio (codec training)."""
+
+    def __init__(self, corpus: str, records: Sequence[dict], crop: int, seed: int = 0, min_rms: float = 3e-3):
+        self.corpus = corpus
+        self.min_rms = min_rms
+        self.recs = [r for r in records if r.get("duration_s", 1.0) * SAMPLE_RATE >= crop // 2]
+        if not self.recs:
+            raise ValueError("no utterances long enough for the crop")
+        self.crop = crop
+        self.rng = random.Random(seed)
+
+    def batch(self, n: int) -> torch.Tensor:
+        out = np.zeros((n, 1, self.crop), np.float32)
+        for i in range(n):
+            for _attempt in range(50):
+                r = self.rng.choice(self.recs)
+                path = os.path.join(self.corpus, r["audio"])
+                total = int(round(r["duration_s"] * SAMPLE_RATE))
+                start = self.rng.randint(0, max(0, total - self.crop))
+                try:
+                    x = read_wav_segment(path, start, self.crop)
+                except (OSError, EOFError, wave.Error):
+                    continue  # file vanished or is being rewritten: take another
+                if float(np.sqrt(np.mean(x ** 2))) < self.min_rms and _attempt < 49:
+                    continue  # (almost) silent crop: the spectral-convergence loss explodes on silence
+                out[i, 0] = x
+                break
+            else:
+                raise RuntimeError(f"could not read audio crops from {self.corpus} (corpus deleted?)")
+        return torch.from_numpy(out)
+
+
+# --------------------------------------------------------------------------------------
+# decoder examples
+
+
+def codes_path(codes_dir: str, utt_id: str) -> str:
+    return os.path.join(codes_dir, utt_id[:2] if len(utt_id) > 2 else "xx", f"{utt_id}.npy")
+
+
+def text_tokens(rec: dict, tokenizer, max_tokens: int, eos_id: int) -> Optional[tuple[list[int], list[int]]]:
+    """(token ids, positions) for an utterance, chunk by chunk as the server does;
+    None if it does not fit in max_tokens."""
+    words = [w[0] for w in rec["words"]]
+    n_frames = len(rec["graphemes"])
+    ids: list[int] = []
+    pos: list[int] = []
+    for i, (first, n, tau) in enumerate(rec["chunks"]):
+        toks = tokenizer.encode_words(words[first:first + n], first_in_text=(i == 0))
+        ids.extend(toks)
+        pos.extend(range(int(tau), int(tau) + len(toks)))
+    ids.append(eos_id)
+    pos.append(n_frames)
+    if len(ids) > max_tokens:
+        return None
+    return ids, pos
+
+
+@dataclass
+class Example:
+    codes: np.ndarray  # [K, T + 1] int64: grapheme row (with EOS at T) + acoustic rows (padded)
+    last_frame: np.ndarray  # [K]
+    text_ids: list[int]
+    text_pos: list[int]
+    enroll: np.ndarray  # [Q, E]
+    n_frames: int  # T + 1 (columns of codes)
+
+
+class DecoderData:
+    """Builds decoder examples from the manifest + precomputed codes."""
+
+    def __init__(self, corpus: str, codes_dir: str, cfg: ModelConfig, split: str = "train",
+                 max_seconds: float = 8.0, seed: int = 0, records: Optional[list[dict]] = None,
+                 tokenizer=None):
+        from models.tokenizer import get_tokenizer
+
+        self.cfg = cfg
+        self.codes_dir = codes_dir
+        self.tok = tokenizer or get_tokenizer()
+        self.eos_id = self.tok.eos_id if hasattr(self.tok, "eos_id") else cfg.text_vocab_size - 1
+        self.rng = random.Random(seed)
+        recs = records if records is not None else read_manifest(corpus)
+        max_frames = int(max_seconds * FRAME_RATE)
+        self.items: list[dict] = []
+        self.skipped = 0
+        for r in recs:
+            if r["split"] != split or not os.path.exists(codes_path(codes_dir, r["id"])):
+                continue
+            if len(r["graphemes"]) > max_frames:
+                self.skipped += 1
+                continue
+            tt = text_tokens(r, self.tok, cfg.max_text_tokens, self.eos_id)
+            if tt is None:
+                self.skipped += 1
+                continue
+            self.items.append({"rec": r, "text": tt, "T": len(r["graphemes"])})
+        self.by_voice: dict[str, list[int]] = {}
+        for i, it in enumerate(self.items):
+            self.by_voice.setdefault(it["rec"]["voice"], []).append(i)
+        self._cache: dict[str, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def load_codes(self, utt_id: str) -> np.ndarray:
+        c = self._cache.get(utt_id)
+        if c is None:
+            c = np.load(codes_path(self.codes_dir, utt_id)).astype(np.int64)
+            if len(self._cache) < 200_000:
+                self._cache[utt_id] = c
+        return c
+
+    def example(self, idx: int, rng: Optional[random.Random] = None) -> Example:
+        rng = rng or self.rng
+        it = self.items[idx]
+        rec = it["rec"]
+        T = it["T"]
+        q = self.cfg.n_acoustic_codebooks
+        ac = self.load_codes(rec["id"])[:q]
+        if ac.shape[1] >= T:
+            ac = ac[:, :T]
+        else:
+            ac = np.concatenate([ac, np.repeat(ac[:, -1:], T - ac.shape[1], axis=1)], axis=1)
+        codes = np.zeros((1 + q, T + 1), np.int64)
+        codes[0, :T] = rec["graphemes"]
+        codes[0, T] = G.EOS
+        codes[1:, :T] = ac
+        codes[1:, T] = ac[:, -1]  # beyond last_frame: never a target nor an input
+        last = np.array([T] + [T - 1] * q, np.int64)
+        enroll = self.enrollment(idx, rng)
+        ids, pos = it["text"]
+        return Example(codes, last, list(ids), list(pos), enroll, T + 1)
+
+    def enrollment(self, idx: int, rng: random.Random) -> np.ndarray:
+        rec = self.items[idx]["rec"]
+        cands = [j for j in self.by_voice.get(rec["voice"], []) if j != idx]
+        j = rng.choice(cands) if cands else idx
+        c = self.load_codes(self.items[j]["rec"]["id"])[: self.cfg.n_acoustic_codebooks]
+        n = int(rng.uniform(1.5, 4.0) * FRAME_RATE)
+        n = min(n, c.shape[1], self.cfg.enc_max_frames)
+        s = rng.randint(0, c.shape[1] - n)
+        return c[:, s:s + n]
+
+    def buckets(self, batch_frames: int, max_batch: int, rng: random.Random) -> list[list[int]]:
+        """Length-bucketed batches: sort by length (with jitter), cut by a frame budget,
+        shuffle the batches."""
+        order = sorted(range(len(self.items)), key=lambda i: self.items[i]["T"] + rng.random() * 20)
+        batches, cur, cur_max = [], [], 0
+        for i in order:
+            t = self.items[i]["T"]
+            m = max(cur_max, t)
+            if cur and (m * (len(cur) + 1) > batch_frames or len(cur) >= max_batch):
+                batches.append(cur)
+                cur, m = [], t
+            cur.append(i)
+            cur_max = m
+        if cur:
+            batches.append(cur)
+        rng.shuffle(batches)
+        return batches
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor  # [B, K, S]
+    targets: torch.Tensor
+    valid: torch.Tensor
+    enroll_codes: torch.Tensor  # [B, Q, E]
+    enroll_len: torch.Tensor  # [B]
+    text_ids: torch.Tensor  # [B, L]
+    text_pos: torch.Tensor  # [B, L]
+    text_valid: torch.Tensor  # [B, L]
+
+    def to(self, device) -> "Batch":
+        return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def collate(examples: Sequence[Example], model) -> Batch:
+    from models.delay import build_delayed
+
+    cfg = model.cfg
+    b = len(examples)
+    k = cfg.n_codebooks
+    f = max(e.n_frames for e in examples)
+    codes = torch.zeros(b, k, f, dtype=torch.long)
+    last = torch.zeros(b, k, dtype=torch.long)
+    for i, e in enumerate(examples):
+        codes[i, :, : e.n_frames] = torch.from_numpy(e.codes)
+        last[i] = torch.from_numpy(e.last_frame)
+    inputs, targets, valid = build_delayed(codes, last, cfg.delays, model.none_ids())
+    q = cfg.n_acoustic_codebooks
+    el = max(e.enroll.shape[1] for e in examples)
+    enroll = torch.zeros(b, q, el, dtype=torch.long)
+    elen = torch.zeros(b, dtype=torch.long)
+    for i, e in enumerate(examples):
+        enroll[i, :, : e.enroll.shape[1]] = torch.from_numpy(e.enroll)
+        elen[i] = e.enroll.shape[1]
+    ll = max(len(e.text_ids) for e in examples)
+    tid = torch.zeros(b, ll, dtype=torch.long)
+    tpos = torch.zeros(b, ll, dtype=torch.long)
+    tval = torch.zeros(b, ll, dtype=torch.bool)
+    for i, e in enumerate(examples):
+        n = len(e.text_ids)
+        tid[i, :n] = torch.tensor(e.text_ids)
+        tpos[i, :n] = torch.tensor(e.text_pos)
+        tval[i, :n] = True
+    return Batch(inputs, targets, valid, enroll, elen, tid, tpos, tval)
+
+
+def n_frames_for(duration_s: float) -> int:
+    return math.ceil(duration_s * FRAME_RATE)

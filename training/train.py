@@ -1,0 +1,333 @@
+"""Train the LiveSpeech 2 decoder (models/livespeech.py, preset 'tiny') on corpus codes.
+
+    python -m training.train --corpus data/corpus --codes data/codes --out runs/decoder \
+        [--resume] [--device cpu|cuda] [--steps N]
+    python -m training.train --smoke --out /tmp/smoke      # tiny synthetic run (tests)
+
+Examples follow the server's inference layout (training/dataset.py). Loss = sum over
+codebooks of w_k * CE_k with LiveSpeech's accuracy-based weights (CodebookLossWeights);
+AdamW with warmup + cosine decay, grad clip 1.0, length-bucketed batches under a frame
+budget. The text mask is the full context, or with probability --stream-p the A.5
+streaming dropout mask (Algorithm 2, r1/r2 drawn in [1, 3]).
+
+Writes to --out:
+  last.pt     resumable checkpoint (model, optimizer, step, loss weights, all RNG and
+              sampler state): `--resume` continues exactly where it stopped
+  best.pt     same format, lowest dev loss so far
+  log.jsonl   one JSON line per logged step / dev evaluation
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from models.attention import streaming_dropout_mask
+from models.config import ModelConfig, preset
+from models.livespeech import CodebookLossWeights, LiveSpeech2, codebook_losses
+
+from .dataset import Batch, DecoderData, collate
+
+
+def parse_overrides(s: Optional[str]) -> dict:
+    """'d_model=128,n_shared_layers=2' -> dict (ints/floats/tuples as written)."""
+    out = {}
+    if not s:
+        return out
+    for part in s.split(";") if ";" in s else s.split(","):
+        if not part.strip():
+            continue
+        k, v = part.split("=")
+        v = v.strip()
+        if "/" in v:
+            out[k.strip()] = tuple(int(x) for x in v.split("/"))
+        else:
+            try:
+                out[k.strip()] = int(v)
+            except ValueError:
+                out[k.strip()] = float(v)
+    return out
+
+
+def lr_at(step: int, base: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    p = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+class Sampler:
+    """Epochs of length-bucketed batches of utterance ids; its state is plain data so a
+    resume continues with the same batches."""
+
+    def __init__(self, seed: int, batch_frames: int, max_batch: int):
+        self.rng = random.Random(seed)
+        self.batch_frames = batch_frames
+        self.max_batch = max_batch
+        self.epoch = 0
+        self.batches: list[list[str]] = []
+        self.pos = 0
+
+    def next(self, data: DecoderData) -> list[int]:
+        while True:
+            if self.pos >= len(self.batches):
+                self.batches = [[data.items[i]["rec"]["id"] for i in b]
+                                for b in data.buckets(self.batch_frames, self.max_batch, self.rng)]
+                self.pos = 0
+                self.epoch += 1
+            ids = self.batches[self.pos]
+            self.pos += 1
+            idx = [data.index[u] for u in ids if u in data.index]
+            if idx:
+                return idx
+
+    def state(self) -> dict:
+        return {"rng": self.rng.getstate(), "epoch": self.epoch, "batches": self.batches, "pos": self.pos}
+
+    def load(self, st: dict) -> None:
+        self.rng.setstate(_tuplify(st["rng"]))
+        self.epoch, self.batches, self.pos = st["epoch"], st["batches"], st["pos"]
+
+
+def _tuplify(x):
+    return tuple(_tuplify(i) for i in x) if isinstance(x, (list, tuple)) else x
+
+
+def text_mask_for(batch: Batch, stream: bool, gen: torch.Generator, r1: int, r2: int) -> torch.Tensor:
+    if not stream:
+        return batch.text_valid
+    b, _, s = batch.inputs.shape
+    qpos = torch.arange(s, device=batch.inputs.device).unsqueeze(0).expand(b, s)
+    return streaming_dropout_mask(qpos, batch.text_pos, batch.text_valid, r1, r2, generator=gen)
+
+
+def forward_loss(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, weights: torch.Tensor):
+    enroll = model.encode_enrollment(batch.enroll_codes, batch.enroll_len)
+    logits = model(batch.inputs, enroll, batch.text_ids, batch.text_pos, text_mask)
+    losses, accs = codebook_losses(logits, batch.targets, batch.valid)
+    total = (weights.to(losses.device) * losses).sum()
+    return total, losses, accs
+
+
+@torch.no_grad()
+def evaluate(model: LiveSpeech2, batches: list[Batch], device) -> dict:
+    model.eval()
+    k = model.cfg.n_codebooks
+    sl, sa, n = torch.zeros(k), torch.zeros(k), 0
+    for b in batches:
+        b = b.to(device)
+        _, losses, accs = forward_loss(model, b, b.text_valid, torch.ones(k))
+        sl += losses.cpu()
+        sa += accs.cpu()
+        n += 1
+    model.train()
+    sl, sa = sl / max(n, 1), sa / max(n, 1)
+    return {"dev_loss": float(sl.sum()), "dev_loss_graph": float(sl[0]), "dev_loss_acoustic": float(sl[1:].mean()),
+            "dev_acc_graph": float(sa[0]), "dev_acc_acoustic": float(sa[1:].mean()),
+            "dev_loss_k": [round(float(x), 4) for x in sl], "dev_acc_k": [round(float(x), 4) for x in sa]}
+
+
+def dev_batches(data: DecoderData, model: LiveSpeech2, n_batches: int, batch_size: int) -> list[Batch]:
+    rng = random.Random(1234)
+    idx = sorted(range(len(data)), key=lambda i: data.items[i]["rec"]["id"])
+    rng.shuffle(idx)
+    idx = idx[: n_batches * batch_size]
+    idx.sort(key=lambda i: data.items[i]["T"])
+    out = []
+    for j in range(0, len(idx), batch_size):
+        out.append(collate([data.example(i, rng) for i in idx[j:j + batch_size]], model))
+    return out
+
+
+def save_checkpoint(path: str, model, opt, step: int, lw: CodebookLossWeights, sampler: Sampler,
+                    mask_gen: torch.Generator, py_rng: random.Random, best: float, args: dict, extra: dict) -> None:
+    obj = {
+        "config": model.cfg.to_dict(), "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+        "loss_acc": lw.acc.clone(), "sampler": sampler.state(), "mask_gen": mask_gen.get_state(),
+        "py_rng": py_rng.getstate(), "torch_rng": torch.get_rng_state(), "np_rng": np.random.get_state(),
+        "best": best, "args": args, **extra,
+    }
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def build_model(cfg: ModelConfig, device) -> LiveSpeech2:
+    return LiveSpeech2(cfg).to(device)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", default="data/corpus")
+    p.add_argument("--codes", default="data/codes")
+    p.add_argument("--out", default="runs/decoder")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=2000, help="total steps (also sets the LR schedule)")
+    p.add_argument("--stop-at", type=int, default=None, help="stop at this step (schedule still uses --steps)")
+    p.add_argument("--smoke", action="store_true", help="tiny synthetic corpus + small model, a few steps")
+    p.add_argument("--model-overrides", default=None, help="preset('tiny', **overrides), e.g. d_model=128")
+    p.add_argument("--batch-frames", type=int, default=3000, help="padded frames per batch")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--max-seconds", type=float, default=8.0, help="skip longer utterances")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--stream-p", type=float, default=0.5, help="probability of the A.5 streaming text mask")
+    p.add_argument("--ckpt-minutes", type=float, default=3.0)
+    p.add_argument("--ckpt-every", type=int, default=None, help="also checkpoint every N steps")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--dev-batches", type=int, default=4)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--rescan-every", type=int, default=200, help="re-read codes dir (encoding may still run)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None)
+    a = p.parse_args(argv)
+
+    torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    os.makedirs(a.out, exist_ok=True)
+    overrides = parse_overrides(a.model_overrides)
+    if a.smoke:
+        from .smoke import make_smoke_corpus
+
+        a.corpus, a.codes = make_smoke_corpus(os.path.join(a.out, "smoke_data"), n_q=preset("tiny").n_acoustic_codebooks)
+        overrides = {**dict(d_model=64, n_shared_layers=1, n_group_layers=1, n_heads=2, enc_d_model=64,
+                            enc_layers=1, enc_heads=2, n_enroll=8), **overrides}
+        a.batch_frames, a.max_batch, a.eval_every, a.dev_batches = 400, 4, 5, 1
+        a.warmup, a.log_every, a.rescan_every = 2, 1, 10**9
+        a.max_seconds = 30.0
+    cfg = preset("tiny", **overrides)
+
+    last_path = os.path.join(a.out, "last.pt")
+    st = None
+    if a.resume and os.path.exists(last_path):
+        st = torch.load(last_path, map_location="cpu", weights_only=False)
+        cfg = ModelConfig.from_dict(st["config"])
+    torch.manual_seed(a.seed)
+    model = build_model(cfg, device)
+    n_params = sum(x.numel() for x in model.parameters())
+    decay = [p_ for n, p_ in model.named_parameters() if p_.dim() >= 2 and "emb" not in n]
+    no_decay = [p_ for n, p_ in model.named_parameters() if not (p_.dim() >= 2 and "emb" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.98),
+                            fused=device.type in ("cpu", "cuda"))
+    lw = CodebookLossWeights(cfg.n_codebooks, cfg.cb_loss_lambda)
+    sampler = Sampler(a.seed, a.batch_frames, a.max_batch)
+    mask_gen = torch.Generator().manual_seed(a.seed + 1)
+    py_rng = random.Random(a.seed + 2)
+    step, best = 0, float("inf")
+    if st is not None:
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step, best = st["step"], st["best"]
+        lw.acc = st["loss_acc"].clone()
+        sampler.load(st["sampler"])
+        mask_gen.set_state(st["mask_gen"])
+        py_rng.setstate(_tuplify(st["py_rng"]))
+        torch.set_rng_state(st["torch_rng"])
+        np.random.set_state(st["np_rng"])
+        print(f"resumed from {last_path} at step {step}", flush=True)
+
+    from models.tokenizer import get_tokenizer
+    tok = get_tokenizer()
+
+    def load_data():
+        d = DecoderData(a.corpus, a.codes, cfg, "train", a.max_seconds, tokenizer=tok)
+        d.index = {it["rec"]["id"]: i for i, it in enumerate(d.items)}
+        return d
+
+    data = load_data()
+    dev = DecoderData(a.corpus, a.codes, cfg, "dev", a.max_seconds, tokenizer=tok)
+    if len(dev) == 0:
+        dev = data
+    devb = dev_batches(dev, model, a.dev_batches, 8)
+    print(f"decoder tiny{overrides or ''}: {n_params / 1e6:.2f} M params; train {len(data)} utt "
+          f"({data.skipped} skipped), dev {len(dev)}; device {device}", flush=True)
+    if len(data) == 0:
+        print("no training examples (encode the corpus first)", file=sys.stderr)
+        return 1
+
+    log = open(os.path.join(a.out, "log.jsonl"), "a")
+    stop_at = min(a.steps, a.stop_at) if a.stop_at else a.steps
+    t0 = time.time()
+    t_ckpt = t0
+    t_log = t0
+    frames_acc = 0
+    accum: dict[str, float] = {}
+    n_acc = 0
+    model.train()
+
+    def ckpt(path: str) -> None:
+        save_checkpoint(path, model, opt, step, lw, sampler, mask_gen, py_rng, best, vars(a),
+                        {"n_train": len(data)})
+
+    while step < stop_at:
+        if step > 0 and step % a.rescan_every == 0:
+            data = load_data()
+        idx = sampler.next(data)
+        batch = collate([data.example(i, py_rng) for i in idx], model).to(device)
+        stream = py_rng.random() < a.stream_p
+        r1, r2 = py_rng.randint(1, 3), py_rng.randint(1, 3)
+        mask = text_mask_for(batch, stream, mask_gen, r1, r2)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, a.lr, a.warmup, a.steps)
+        w = lw.weights()
+        total, losses, accs = forward_loss(model, batch, mask, w)
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        lw.update(accs)
+        step += 1
+        frames_acc += int(batch.inputs.shape[0] * batch.inputs.shape[2])
+        for k, v in (("loss", float(total.detach())), ("ce_sum", float(losses.detach().sum())),
+                     ("ce_graph", float(losses[0].detach())), ("ce_acoustic", float(losses[1:].detach().mean())),
+                     ("acc_graph", float(accs[0])), ("acc_acoustic", float(accs[1:].mean())),
+                     ("acc_cb1", float(accs[1])), ("grad_norm", float(gn))):
+            accum[k] = accum.get(k, 0.0) + v
+        n_acc += 1
+        if step % a.log_every == 0 or step == 1:
+            now = time.time()
+            row = {"step": step, "time_s": round(now - t0, 1), "lr": round(opt.param_groups[0]["lr"], 7),
+                   "s_per_step": round((now - t_log) / n_acc, 3), "frames_per_s": round(frames_acc / (now - t_log), 1),
+                   "epoch": sampler.epoch, "n_train": len(data),
+                   **{k: round(v / n_acc, 5) for k, v in accum.items()}}
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            print(json.dumps(row), flush=True)
+            accum, n_acc, t_log, frames_acc = {}, 0, now, 0
+        done = step >= stop_at or (a.max_minutes is not None and time.time() - t0 > a.max_minutes * 60)
+        if step % a.eval_every == 0 or done:
+            ev = evaluate(model, devb, device)
+            is_best = ev["dev_loss"] < best
+            if is_best:
+                best = ev["dev_loss"]
+            row = {"step": step, "eval": True, "best": is_best, "loss_weights": [round(float(x), 3) for x in lw.weights()],
+                   **ev}
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            print(json.dumps(row), flush=True)
+            if is_best:
+                ckpt(os.path.join(a.out, "best.pt"))
+        if done or time.time() - t_ckpt > a.ckpt_minutes * 60 or (a.ckpt_every and step % a.ckpt_every == 0):
+            ckpt(last_path)
+            t_ckpt = time.time()
+        if done:
+            break
+    print(f"done at step {step}, best dev loss {best:.4f}, {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
