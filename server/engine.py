@@ -42,7 +42,8 @@ class EngineConfig:
     max_sessions: int = 16
     # a session this far ahead of its playback is skipped for a step (others go first)
     max_lead_s: float = 2.0
-    # runaway guard: speech may run this long past the expected end of its text
+    # runaway guard: once the text is complete, speech may run this long past the
+    # expected end of its text, or this long without transcript progress
     max_overrun_s: float = 3.0
     max_session_s: float = 600.0
     max_text_piece_chars: int = 4096
@@ -211,7 +212,7 @@ class Engine:
         if s.text_complete and not s.eos_added and s.chunks:
             from .chunker import TextChunk
             eos = s.register_chunk(TextChunk(len(s.chunks), [], time.monotonic()), [self.bundle.tokenizer.eos_id])
-            s.eos_tau = s.timeline.add(eos.n_chars, s.step_count)
+            s.timeline.add(eos.n_chars, s.step_count)
             s.guidance.input_complete = True
             s.eos_added = True
             self._fill_memory(s)
@@ -251,8 +252,7 @@ class Engine:
             n_mem[s.slot] = n
             _, lo, hi = s.window(n)
             windows.append((lo, hi))
-            overrun = s.eos_tau is not None and s.step_count > s.eos_tau + self.config.max_overrun_s * FRAME_RATE
-            force.append(overrun or s.step_count >= self.config.max_session_s * FRAME_RATE)
+            force.append(self._must_end(s))
         results = self.runner.step(
             [s.slot for s in batch], windows, [s.guidance for s in batch],
             [s.config.guidance_lambda for s in batch], [s.config.top_k for s in batch], force,
@@ -274,6 +274,8 @@ class Engine:
     def _after_step(self, s: EngineSession, r) -> bool:
         """Book one step's result for a session; True when it has a packet to decode."""
         s.guidance.observe(r.grapheme)
+        if s.guidance.progress != s.last_progress:
+            s.last_progress, s.progress_step = s.guidance.progress, s.step_count
         s.track_words(s.step_count)  # words are sent once their audio is (_emit_words)
         s.step_count += 1
         for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count):
@@ -295,6 +297,16 @@ class Engine:
         elif not s.lookahead_ready():
             s.phase = Phase.WAITING  # text ran dry: wait for more
         return False
+
+    def _must_end(self, s: EngineSession) -> bool:
+        """Runaway guard once the text is complete: speech running past the (re-placed)
+        end of the text, or no transcript progress for a while, ends with EOS."""
+        if s.step_count >= self.config.max_session_s * FRAME_RATE:
+            return True
+        if not s.eos_added:
+            return False
+        limit = self.config.max_overrun_s * FRAME_RATE
+        return s.step_count > s.timeline.chunks[-1].tau + limit or s.step_count - s.progress_step > limit
 
     def _packet_frames(self, s: EngineSession) -> int:
         return max(1, math.ceil(s.config.packet_ms * FRAME_RATE / 1000))

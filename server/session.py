@@ -85,7 +85,8 @@ class EngineSession:
         self.n_chars = 0  # collapsed transcript length so far
         self.input_ended = False  # engine's view (after the queued command ran)
         self.eos_added = False
-        self.eos_tau: Optional[int] = None
+        self.last_progress = 0  # guidance progress, and the step it last changed at
+        self.progress_step = 0
         self.step_count = 0
         self.frames_done = 0
         self.pending_frames: list[list[int]] = []
