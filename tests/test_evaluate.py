@@ -1,0 +1,229 @@
+"""training.evaluate: error rates, normalisation, report tables, corpus selection and a
+tiny end-to-end run (random model, metric backends skipped) on a synthetic corpus."""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from training import evaluate
+from training.eval import report
+from training.eval.backends import MOSPredictor, SpeakerEncoder, WhisperASR, cosine
+from training.eval.text import (Normalizer, corpus_rates, edit_distance, error_counts, get_normalizer,
+                                load_whisper_normalizer, simple_normalize)
+
+
+# --- error rates ---------------------------------------------------------------------------------
+def test_edit_distance_known_cases():
+    assert edit_distance([], []) == 0
+    assert edit_distance("abc".split(), []) == 0 + 1  # one word "abc"
+    assert edit_distance(list("kitten"), list("sitting")) == 3
+    assert edit_distance("the cat sat".split(), "the cat sat".split()) == 0
+    assert edit_distance("the cat sat".split(), "the bat sat down".split()) == 2  # 1 sub + 1 ins
+    assert edit_distance("a b c d".split(), "a d".split()) == 2  # 2 deletions
+    assert edit_distance([], "x y".split()) == 2
+
+
+def test_error_counts_with_simple_normaliser():
+    c = error_counts("Hello, World! It's me.", "hello world its me", simple_normalize)
+    assert (c.word_errors, c.ref_words) == (0, 4)
+    c = error_counts("The quick brown fox.", "the quick brown box jumps", simple_normalize)
+    assert (c.word_errors, c.ref_words) == (2, 4)
+    assert c.wer == pytest.approx(0.5)
+    assert c.char_errors == edit_distance("the quick brown fox", "the quick brown box jumps")
+    assert c.ref_chars == len("the quick brown fox")
+    empty = error_counts("", "something", simple_normalize)
+    assert empty.ref_words == 0 and empty.word_errors == 1
+
+
+def test_corpus_rates_pool_errors_over_reference_words():
+    a = error_counts("one two three four", "one two three four", simple_normalize)  # 0/4
+    b = error_counts("five six", "five seven eight", simple_normalize)  # 2/2
+    wer, cer = corpus_rates([a, b])
+    assert wer == pytest.approx(2 / 6)  # not the mean of per-utterance rates (0.5)
+    assert 0 < cer < 1
+
+
+def test_simple_normaliser():
+    assert simple_normalize("  Café—ROCKS!  It’s  fine.. ") == "cafe rocks its fine"
+
+
+def test_punctuation_only_tokens_are_not_words():
+    n = Normalizer("test", lambda s: s.lower())
+    assert n("Peabody here .") == "peabody here"
+
+
+def test_whisper_normaliser_when_installed():
+    try:
+        norm = load_whisper_normalizer()
+    except ImportError as exc:
+        assert "not installed" in str(exc)
+        assert get_normalizer().name.startswith("simple")
+        pytest.skip(f"Whisper normaliser unavailable: {exc}")
+    n = Normalizer("whisper", norm)
+    assert n("Mr. Smith has twenty-one colours, doesn't he?") == "mister smith has 21 colors does not he"
+    assert n("Hello again, Peabody here...") == "hello again peabody here"
+    assert error_counts("It's twenty five past ten.", "it is 25 past 10", n).word_errors == 0
+    assert "whisper" not in sys.modules  # loaded from its files, not through whisper/__init__
+
+
+# --- backends ------------------------------------------------------------------------------------
+def test_missing_packages_give_na_reasons(monkeypatch):
+    monkeypatch.setitem(sys.modules, "faster_whisper", None)
+    monkeypatch.setitem(sys.modules, "resemblyzer", None)
+    monkeypatch.setitem(sys.modules, "webrtcvad", None)
+    monkeypatch.setitem(sys.modules, "xls_r_sqa", None)
+    monkeypatch.setitem(sys.modules, "xls_r_sqa.config", None)
+    asr, sim, mos = WhisperASR("tiny.en"), SpeakerEncoder(), MOSPredictor()
+    assert not asr.available() and asr.reason == "n/a (package faster-whisper not installed)"
+    assert not sim.available() and sim.reason == "n/a (package webrtcvad-wheels not installed)"
+    assert not mos.available() and mos.reason == "n/a (package xls-r-sqa not installed)"
+    skipped = WhisperASR("tiny.en", enabled=False)
+    assert not skipped.available() and skipped.reason == "n/a (skipped)"
+
+
+def test_cosine():
+    assert cosine(np.array([1.0, 0.0]), np.array([2.0, 0.0])) == pytest.approx(1.0)
+    assert cosine(np.array([1.0, 0.0]), np.array([0.0, 3.0])) == pytest.approx(0.0)
+    assert cosine(None, np.array([1.0])) is None
+
+
+# --- tables --------------------------------------------------------------------------------------
+def _rec(system, heldout, we, rw, sim, mos, **kw):
+    return dict(system=system, heldout_voice=heldout, word_errors=we, ref_words=rw, char_errors=we, ref_chars=5 * rw,
+                sim=sim, mos=mos, audio_s=2.0, ref_duration_s=2.0, **kw)
+
+
+def test_aggregate_and_table_rendering():
+    gt = [_rec(report.GT, False, 1, 10, 0.9, 3.0),
+          _rec(report.GT, True, 0, 10, 0.8, 2.0, id_correct=True, id_rank=1, id_margin=0.1)]
+    model = [
+        _rec(report.MODEL, False, 2, 10, 0.7, 2.5, compute_s=1.0, ttfa_s=0.2),
+        _rec(report.MODEL, True, 4, 10, 0.5, 2.5, compute_s=0.5, ttfa_s=0.4, id_correct=False, id_rank=7, id_margin=-0.05),
+        dict(system=report.MODEL, heldout_voice=True, error="timeout"),
+    ]
+    rows = [report.aggregate(report.GT, gt), report.aggregate("online (λ=1)", model)]
+    assert rows[0].wer == pytest.approx(0.05) and rows[0].sim_train == pytest.approx(0.9)
+    assert rows[0].id_acc == 1.0 and rows[0].mos == pytest.approx(2.5)
+    m = rows[1]
+    assert m.wer == pytest.approx(0.3) and m.n == 2 and m.n_failed == 1
+    assert m.rtf == pytest.approx(1.5 / 4.0) and m.ttfa_ms == pytest.approx(300.0) and m.id_acc == 0.0
+    md = report.table2(rows, {"mos": "n/a (package distillmos not installed)"})
+    lines = md.splitlines()
+    assert lines[0].startswith("| System | WER % | CER % | SIM train voices | SIM held-out voices")
+    gt_line = next(line for line in lines if line.startswith("| ground truth"))
+    assert "| 5.0 |" in gt_line and "0.900 (1)" in gt_line and "0.800 (1)" in gt_line and "| 100.0 / 100.0 / – |" in gt_line
+    assert "n/a (package distillmos not installed)" in gt_line
+    model_line = next(line for line in lines if line.startswith("| online"))
+    assert "| 30.0 |" in model_line and "| 0.375 |" in model_line and "| 300 |" in model_line
+    assert "2 (+1 failed)" in model_line
+    ab = report.table3([("online", "1", m), ("online", "0", rows[0])], {})
+    assert ab.splitlines()[0].startswith("| Mode | guidance λ | WER %")
+    assert len(ab.splitlines()) == 4
+
+
+# --- synthetic corpus ----------------------------------------------------------------------------
+def _write_corpus(root):
+    from models.loading import write_wav
+
+    rng = np.random.default_rng(0)
+    rows = []
+
+    def add(uid, split, voice, heldout, text, seconds):
+        t = np.arange(int(24000 * seconds)) / 24000
+        audio = (0.3 * np.sin(2 * np.pi * (120 + 40 * len(rows)) * t) + 0.02 * rng.standard_normal(t.size))
+        rel = f"wav/{uid}.wav"
+        (root / "wav").mkdir(parents=True, exist_ok=True)
+        write_wav(root / rel, audio.astype(np.float32), 24000)
+        words = text.split()
+        step = seconds / (len(words) + 1)
+        rows.append(dict(
+            id=uid, split=split, voice=voice, heldout_voice=heldout, text=text,
+            words=[[w, round(step * (i + 0.5), 3), round(step * (i + 1.5), 3)] for i, w in enumerate(words)],
+            audio=rel, duration_s=seconds,
+            chunks=[[0, 2, 0], [2, len(words) - 2, int(75 * step * 2.5)]],
+        ))
+
+    add("u1", "test", "voice-a", False, "Hello there, good friend.", 1.0)
+    add("u2", "train", "voice-a", False, "Another sentence for enrollment.", 1.2)
+    add("u3", "test", "voice-b", True, "The quick brown fox.", 0.9)
+    add("u4", "dev", "voice-b", True, "Some other held out words.", 1.1)
+    add("u5", "dev", "voice-c", True, "A third voice speaks.", 1.0)
+    with open(root / "manifest.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return rows
+
+
+def test_selection_balances_voices_and_never_enrolls_with_the_target(tmp_path):
+    rows = _write_corpus(tmp_path)
+    utts = evaluate.select_utterances(rows, tmp_path, limit=None)
+    assert [u.id for u in utts] == ["u1", "u3"]
+    assert [u.heldout for u in utts] == [False, True]
+    assert utts[0].enroll_id == "u2"  # training voice: a training utterance
+    assert utts[1].enroll_id == "u4"  # held-out voice: its own other dev/test utterance
+    refs = evaluate.heldout_references(rows, tmp_path)
+    assert set(refs) == {"voice-b", "voice-c"}
+    assert evaluate.select_utterances(rows, tmp_path, limit=1)[0].id == "u1"
+
+
+def test_end_to_end_random_model_without_backends(tmp_path):
+    _write_corpus(tmp_path / "corpus")
+    out = tmp_path / "docs" / "eval.md"
+    rc = evaluate.main([
+        "--corpus", str(tmp_path / "corpus"), "--model", "random:tiny", "--out", str(out), "--limit", "2",
+        "--modes", "online", "--lambdas", "1", "--skip", "all", "--threads", "1", "--max-overrun-s", "0.5",
+        "--quiet",
+    ])
+    assert rc == 0
+    md = out.read_text()
+    assert "python -m training.evaluate --corpus" in md and "random:tiny" in md
+    assert "load average" in md
+    for label in ("| ground truth |", "| codec resynthesis |", "| online (λ=1) |"):
+        assert label in md
+    assert "## Semantic guidance ablation" in md
+    assert "n/a (skipped)" in md
+    data = json.loads(out.with_suffix(".json").read_text())
+    recs = data["utterances"]
+    assert {(r["system"], r["mode"]) for r in recs} == {
+        ("ground truth", None), ("codec resynthesis", None), ("model", "online")}
+    model = [r for r in recs if r["system"] == "model"]
+    assert len(model) == 2 and not any(r.get("error") for r in model)
+    assert all(r["audio_s"] > 0 and r["compute_s"] > 0 and r["ttfa_s"] is not None for r in model)
+    assert data["meta"]["n_heldout"] == 1
+
+
+class _Fake:
+    """A backend stand-in that is always available."""
+
+    def __init__(self, **methods):
+        self.reason = None
+        self.description = "fake"
+        self.__dict__.update(methods)
+
+    def available(self):
+        return True
+
+
+def test_scorer_wer_similarity_and_heldout_identification(tmp_path):
+    rows = _write_corpus(tmp_path)
+    (tmp_path / "voices.json").write_text(json.dumps({"voices": [
+        {"id": "voice-a", "variant": "alex"}, {"id": "voice-b", "variant": "annie"},
+        {"id": "voice-c", "variant": "Annie"}]}))
+    utt = evaluate.select_utterances(rows, tmp_path, limit=None)[1]  # u3, held-out voice-b, enrolled with u4
+    # embeddings keyed by clip length: the clip is closer to voice-c's reference than to its own enrollment
+    embs = {24000: np.array([1.0, 0.0]),  # voice-c reference (u5, 1.0 s)
+            int(24000 * 1.1): np.array([0.6, 0.8])}  # own enrollment (u4)
+    backends = {
+        "asr": _Fake(transcribe=lambda audio, sr: "the quick brown box"),
+        "sim": _Fake(embed=lambda audio, sr: embs.get(len(audio), np.array([0.9, 0.1]))),
+        "mos": _Fake(score=lambda audio, sr: 3.5),
+    }
+    scorer = evaluate.Scorer(backends, Normalizer("simple", simple_normalize),
+                             evaluate.heldout_references(rows, tmp_path), evaluate.voice_variants(tmp_path))
+    out = scorer.score(np.zeros(12000, np.float32) + 0.1, utt)
+    assert (out["word_errors"], out["ref_words"]) == (1, 4)
+    assert out["sim"] == pytest.approx(cosine(np.array([0.9, 0.1]), np.array([0.6, 0.8])))
+    assert out["id_best_other"] == "voice-c" and out["id_rank"] == 2 and not out["id_correct"]
+    assert "id_variant_correct" not in out  # voice-c is the same variant (annie): no other variant to beat
+    assert out["mos"] == 3.5
