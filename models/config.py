@@ -6,7 +6,7 @@ measured decode-step times (docs/model.md).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import graphemes

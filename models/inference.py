@@ -10,7 +10,7 @@ runs on a `view` of any subset of slots (a plain slice when the slots are contig
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 

@@ -10,16 +10,19 @@ Two ways to run it, with the same weights:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import CrossAttention, apply_rope, rope_angles
+from .attention import CrossAttention, rope_angles
 from .config import ModelConfig
 from .mamba import make_mamba
 from .speech_encoder import SpeechEncoder
+
+if TYPE_CHECKING:
+    from .inference import DecodeStateView
 
 
 class DecoderLayer(nn.Module):

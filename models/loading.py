@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .codec import CodecConfig, CodecModel
+from .codec import CodecModel
 from .codec import preset as codec_preset
 from .config import SAMPLE_RATE, ModelConfig, preset
 from .livespeech import LiveSpeech2

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import math
 import threading
@@ -21,9 +20,10 @@ from typing import Optional
 
 import numpy as np
 
-from models.config import FRAME_RATE, SAMPLE_RATE
+from models.config import FRAME_RATE
 from models.loading import ModelBundle
 
+from .chunker import TextChunk
 from .metrics import Metrics
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
@@ -210,7 +210,6 @@ class Engine:
 
     def _maybe_add_eos(self, s: EngineSession) -> None:
         if s.text_complete and not s.eos_added and s.chunks:
-            from .chunker import TextChunk
             eos = s.register_chunk(TextChunk(len(s.chunks), [], time.monotonic()), [self.bundle.tokenizer.eos_id])
             s.timeline.add(eos.n_chars, s.step_count)
             s.guidance.input_complete = True
@@ -241,16 +240,13 @@ class Engine:
         t0 = time.perf_counter()
         now = time.monotonic()
         windows, force = [], []
-        n_mem = {}
         for s in batch:
             if s.phase is Phase.WAITING:
                 s.phase = Phase.RUNNING
                 if s.started_at is None:
                     s.started_at = now
                     self.metrics.lookahead_wait_seconds.observe(now - (s.first_text_at or now))
-            n = sum(c.in_memory for c in s.chunks)
-            n_mem[s.slot] = n
-            _, lo, hi = s.window(n)
+            _, lo, hi = s.window(sum(c.in_memory for c in s.chunks))
             windows.append((lo, hi))
             force.append(self._must_end(s))
         results = self.runner.step(
@@ -375,7 +371,6 @@ class Engine:
             return
         if not cancelled:
             self._emit_words(s, final=True)
-        now = time.monotonic()
         audio_s = s.audio_sent_s
         summary = Summary(
             frames=s.frames_done,

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional
 
