@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     # no prefix matching (as ServerConfig.from_args): "--auth-tokens X" is no flag of ours
-    serve = sub.add_parser("serve", help="run the gRPC server (the embedded default model unless --model)",
+    serve = sub.add_parser("serve", help="run the gRPC server (the embedded default model unless --model-path)",
                            allow_abbrev=False)
     ServerConfig.add_arguments(serve)
 
