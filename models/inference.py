@@ -108,9 +108,8 @@ class DecodeState(DecodeStateView):
 
     def view(self, slots: Sequence[int]) -> DecodeStateView:
         """The batch of `slots` (a slice, not a copy, when they are contiguous)."""
-        a, n = slots[0], len(slots)
-        if list(slots) == list(range(a, a + n)):
-            sel = slice(a, a + n)
+        if _contiguous(slots):
+            sel = slice(slots[0], slots[0] + len(slots))
             pick = lambda name, t: t[:, sel] if name in DecodeStateView.LAYERED else t[sel]  # noqa: E731
         else:
             idx = torch.tensor(slots, device=self.step.device)
@@ -121,10 +120,9 @@ class DecodeState(DecodeStateView):
 
     def write_back(self, view: DecodeStateView) -> None:
         """Scatter a gathered view's mutable tensors back (no-op for slices)."""
-        slots = view.slots
-        if slots == list(range(slots[0], slots[0] + len(slots))):
+        if _contiguous(view.slots):
             return
-        idx = torch.tensor(slots, device=self.step.device)
+        idx = torch.tensor(view.slots, device=self.step.device)
         for name in DecodeStateView.MUTABLE:
             dst = getattr(self, name)
             dst.index_copy_(1 if name in DecodeStateView.LAYERED else 0, idx, getattr(view, name))
@@ -213,6 +211,11 @@ class DecodeState(DecodeStateView):
         view.inputs.copy_(tokens)
         view.step.add_(1)
         return StepResult(frames=frames, frame_index=done_frame, has_frame=has, done=done)
+
+
+def _contiguous(slots: Sequence[int]) -> bool:
+    """Whether slots are consecutive, so the batch is a slice of the state (no copy)."""
+    return list(slots) == list(range(slots[0], slots[0] + len(slots)))
 
 
 def enrollment_kv(model: LiveSpeech2, enroll: torch.Tensor) -> torch.Tensor:

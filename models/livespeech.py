@@ -127,6 +127,11 @@ class LiveSpeech2(nn.Module):
                 h = self.layers[i](h, qpos, enr[i], txt[i], text_pos, text_mask)
             return h
 
+        return self._grouped_logits(h, run)
+
+    def _grouped_logits(self, h: torch.Tensor, run) -> list[torch.Tensor]:
+        """Shared layers, then each codebook group's branch, norm and heads; `run(h, ids)`
+        applies layers `ids` (whole sequences in training, one step in inference)."""
         shared = run(h, range(self.cfg.n_shared_layers))
         logits: list[torch.Tensor] = []
         for g, (a, z) in enumerate(self.cfg.group_slices()):
@@ -156,11 +161,7 @@ class LiveSpeech2(nn.Module):
                 h = self.layers[i].step(h, state.conv[i], state.ssm[i], q_cos, q_sin, state.mem_k[i], state.mem_v[i], bias)
             return h
 
-        shared = run(h, range(self.cfg.n_shared_layers))
-        outs = []
-        for g, (a, z) in enumerate(self.cfg.group_slices()):
-            hg = self.group_norms[g](run(shared, self.group_layer_ids(g)))
-            outs.extend(self.heads[k](hg) for k in range(a, z))
+        outs = self._grouped_logits(h, run)
         return StepLogits(graphemes=outs[0], acoustic=torch.stack(outs[1:], dim=1))
 
 

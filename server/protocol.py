@@ -132,16 +132,16 @@ def _message_class(descriptor) -> Any:
     return getattr(pb, descriptor.name)
 
 
+def _cardinality(m: Any) -> str:
+    """grpc's name for a method's shape: unary_unary, unary_stream, stream_unary, stream_stream."""
+    return f"{'stream' if m.client_streaming else 'unary'}_{'stream' if m.server_streaming else 'unary'}"
+
+
 def method_handlers(servicer: object) -> grpc.GenericRpcHandler:
     """A generic handler routing each method of the service to `servicer.<Method>`."""
     handlers = {}
     for m in SERVICE.methods:
-        kind = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(m.client_streaming, m.server_streaming)]
+        kind = getattr(grpc, f"{_cardinality(m)}_rpc_method_handler")
         handlers[m.name] = kind(
             getattr(servicer, m.name),
             request_deserializer=_message_class(m.input_type).FromString,
@@ -155,12 +155,7 @@ class Stub:
 
     def __init__(self, channel: Any) -> None:
         for m in SERVICE.methods:
-            factory = {
-                (False, False): channel.unary_unary,
-                (False, True): channel.unary_stream,
-                (True, False): channel.stream_unary,
-                (True, True): channel.stream_stream,
-            }[(m.client_streaming, m.server_streaming)]
+            factory = getattr(channel, _cardinality(m))
             setattr(
                 self,
                 m.name,
