@@ -194,7 +194,7 @@ def codebook_losses(logits: list[torch.Tensor], targets: torch.Tensor, valid: to
         lk = lg[m]
         if tgt.numel() == 0:
             losses.append(lg.sum() * 0.0)
-            accs.append(torch.tensor(0.0))
+            accs.append(lg.new_zeros(()))
             continue
         losses.append(F.cross_entropy(lk.float(), tgt))
         accs.append((lk.argmax(-1) == tgt).float().mean())

@@ -97,7 +97,7 @@ class ModelRunner:
             g_logits = g_logits.masked_fill(bad[:, None], 0.0)
             a_logits = a_logits.masked_fill(bad[:, None, None], 0.0)
         # the speech may not end while more text can still arrive
-        open_text = torch.tensor([not st.input_complete for st in guidance])
+        open_text = torch.tensor([not st.input_complete for st in guidance], device=g_logits.device)
         g_logits[:, graphemes.EOS] = g_logits[:, graphemes.EOS].masked_fill(open_text, -math.inf)
         gens = [self.generators[s] for s in slots]
         g = sample_graphemes(g_logits, list(guidance), list(lambdas), list(top_ks), gens)

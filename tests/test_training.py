@@ -14,6 +14,7 @@ from models import graphemes as G
 from models.codec import CodecModel
 from models.tokenizer import get_tokenizer
 from training import codec_train, encode_corpus, train
+from training.schedule import Schedule, lr_at
 from training.dataset import DecoderData, codes_path, collate, read_manifest, text_tokens
 from training.smoke import make_smoke_corpus
 
@@ -70,6 +71,34 @@ def test_encode_corpus_writes_codes_for_every_utterance(pipeline):
     mtimes = {r["id"]: os.path.getmtime(codes_path(codes_dir, r["id"])) for r in recs}
     assert encode_corpus.main(["--corpus", corpus, "--codec", os.path.join(codec_dir, "best.pt"), "--out", codes_dir]) == 0
     assert mtimes == {r["id"]: os.path.getmtime(codes_path(codes_dir, r["id"])) for r in recs}
+
+
+def test_sharded_encoding_covers_the_corpus_once(pipeline, tmp_path):
+    _, corpus, codec_dir, codes_dir = pipeline
+    recs = read_manifest(corpus)
+    out = str(tmp_path / "codes")
+    args = ["--corpus", corpus, "--codec", os.path.join(codec_dir, "best.pt"), "--out", out]
+    assert encode_corpus.main(args + ["--shard", "0/2"]) == 0
+    first = {r["id"] for r in recs if os.path.exists(codes_path(out, r["id"]))}
+    assert 0 < len(first) < len(recs)
+    assert encode_corpus.main(args + ["--shard", "1/2"]) == 0
+    for r in recs:  # the two shards together: every utterance, the same codes as one process
+        np.testing.assert_array_equal(np.load(codes_path(out, r["id"])), np.load(codes_path(codes_dir, r["id"])))
+    assert not [f for _, _, fs in os.walk(out) for f in fs if ".tmp" in f]
+    with pytest.raises(SystemExit):
+        encode_corpus.main(args + ["--shard", "2/2"])
+
+
+def test_time_budget_schedule():
+    s = Schedule(1e-3, warmup=10, steps=1, minutes=2.0)
+    assert s.lr(0, 0.0) == pytest.approx(1e-4)  # warmup counts steps
+    assert s.lr(10, 0.0) == pytest.approx(1e-3)  # decay counts training time
+    assert s.lr(10, 60.0) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
+    assert s.lr(10_000, 120.0) == pytest.approx(1e-4)
+    assert not s.finished(10_000, 119.9) and s.finished(1, 120.0)
+    steps = Schedule(1e-3, warmup=10, steps=110)
+    assert steps.lr(60) == pytest.approx(lr_at(60, 1e-3, 10, 110)) == pytest.approx(1e-3 * 0.55)
+    assert not steps.finished(109, 1e9) and steps.finished(110, 0.0)
 
 
 def test_example_layout_matches_the_server(pipeline):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -27,6 +26,7 @@ from models.codec.losses import reconstruction_losses
 from models.config import SAMPLE_RATE
 
 from .dataset import AudioCrops, read_manifest, read_wav_segment
+from .schedule import Schedule, setup_device
 
 
 def _atomic_save(obj, path: str) -> None:
@@ -85,13 +85,6 @@ def evaluate(model: CodecModel, wav: torch.Tensor, batch: int = 8) -> dict[str, 
     return out
 
 
-def lr_at(step: int, base: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
-    if step < warmup:
-        return base * (step + 1) / warmup
-    p = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.codec_train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,9 +107,12 @@ def main(argv=None) -> int:
                    help="torch threads (1 measured 3x faster than 2 on the shared 2-core CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None, help="stop (with a checkpoint) after this long")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="run length in training minutes instead of --steps (the LR decays over it)")
+    p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
 
-    torch.set_num_threads(a.threads)
+    device = setup_device(a.device, a.threads)
     os.makedirs(a.out, exist_ok=True)
     records = read_manifest(a.corpus)
     train = [r for r in records if r["split"] == "train"]
@@ -128,28 +124,31 @@ def main(argv=None) -> int:
 
     cfg = preset(a.preset, kmeans_iters=a.kmeans_iters)
     torch.manual_seed(a.seed)
-    model = CodecModel(cfg)
+    model = CodecModel(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.8, 0.99), weight_decay=0.0)
     state_path = os.path.join(a.out, "last_state.pt")
-    step, best = 0, float("inf")
+    step, best, train_s = 0, float("inf"), 0.0
+    sched = Schedule(a.lr, a.warmup, a.steps, a.minutes)
     crops = AudioCrops(a.corpus, train, int(a.crop_s * SAMPLE_RATE), seed=a.seed)
     if a.resume and os.path.exists(state_path):
         st = torch.load(state_path, map_location="cpu", weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
-        step, best = st["step"], st["best"]
+        step, best, train_s = st["step"], st["best"], st.get("train_s", 0.0)
         torch.set_rng_state(st["torch_rng"])
         crops.rng.setstate(st["data_rng"])
         print(f"resumed at step {step} (best dev mel {best:.4f})", flush=True)
-    devwav = dev_set(a.corpus, records, a.dev_n, a.dev_seconds)
+    devwav = dev_set(a.corpus, records, a.dev_n, a.dev_seconds).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"codec {a.preset}: {n_params / 1e6:.2f} M params; dev {tuple(devwav.shape)}", flush=True)
 
     log = open(os.path.join(a.out, "log.jsonl"), "a")
+    with open(os.path.join(a.out, "args.json"), "w") as f:  # for the model card
+        json.dump(vars(a), f)
 
     def checkpoint() -> None:
         _atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
-                      "torch_rng": torch.get_rng_state(), "data_rng": crops.rng.getstate(),
+                      "train_s": train_s, "torch_rng": torch.get_rng_state(), "data_rng": crops.rng.getstate(),
                       "config": cfg.to_dict(), "args": vars(a)}, state_path)
         _save_codec(model, os.path.join(a.out, "last.pt"))
 
@@ -158,16 +157,18 @@ def main(argv=None) -> int:
     acc: dict[str, float] = {}
     n_acc = 0
     model.train()
-    while step < a.steps:
+    t_resume = time.time() - train_s  # training time carried over from earlier runs
+    while not sched.finished(step, train_s):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, a.lr, a.warmup, a.steps)
-        wav = crops.batch(a.batch)
+            g["lr"] = sched.lr(step, train_s)
+        wav = crops.batch(a.batch).to(device, non_blocking=True)
         losses = model.train_losses(wav)
         opt.zero_grad(set_to_none=True)
         losses["total"].backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        train_s = time.time() - t_resume
         for k, v in losses.items():
             acc[k] = acc.get(k, 0.0) + float(v.detach())
         n_acc += 1
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
             log.flush()
             print(json.dumps(row), flush=True)
             acc, n_acc, t_last = {}, 0, now
-        done = step >= a.steps or (a.max_minutes is not None and time.time() - t0 > a.max_minutes * 60)
+        done = sched.finished(step, train_s) or (a.max_minutes is not None and time.time() - t0 > a.max_minutes * 60)
         if step % a.eval_every == 0 or done:
             ev = evaluate(model, devwav)
             is_best = ev["dev_mel"] < best

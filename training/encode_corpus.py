@@ -23,6 +23,7 @@ from models.config import SAMPLE_RATE
 from models.loading import load_codec
 
 from .dataset import codes_path, read_manifest, read_wav_segment
+from .schedule import setup_device
 
 
 def main(argv=None) -> int:
@@ -36,11 +37,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-utterances", type=int, default=None, help="stop after this many (all splits)")
     p.add_argument("--max-seconds", type=float, default=None, help="skip utterances longer than this")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--shard", default="0/1",
+                   help="K/N: encode every N-th utterance of the order starting at K (run N processes in parallel)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
-    torch.set_num_threads(a.threads)
-    codec = load_codec(a.codec, a.n_q)
+    device = setup_device(a.device, a.threads)
+    codec = load_codec(a.codec, a.n_q).to(device)
     n_q = min(a.n_q, codec.config.n_q)
     recs = read_manifest(a.corpus)
     order = []
@@ -53,9 +57,15 @@ def main(argv=None) -> int:
         order = [r for r in order if r["duration_s"] <= a.max_seconds]
     if a.max_utterances is not None:
         order = order[: a.max_utterances]
+    k, n = (int(x) for x in a.shard.split("/"))
+    if not 0 <= k < n:
+        p.error("--shard K/N needs 0 <= K < N")
+    order = order[k::n]
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "info.json"), "w") as f:
+    info_tmp = os.path.join(a.out, f"info.json.{os.getpid()}.tmp")
+    with open(info_tmp, "w") as f:
         json.dump({"codec": os.path.abspath(a.codec), "n_q": n_q, "corpus": os.path.abspath(a.corpus)}, f)
+    os.replace(info_tmp, os.path.join(a.out, "info.json"))
     t0 = time.time()
     done = skipped = 0
     audio_s = 0.0
@@ -66,9 +76,9 @@ def main(argv=None) -> int:
             continue
         wav = read_wav_segment(os.path.join(a.corpus, r["audio"]))
         with torch.no_grad():
-            codes = codec.encode(torch.from_numpy(wav).view(1, 1, -1), n_q)[0]
+            codes = codec.encode(torch.from_numpy(wav).view(1, 1, -1).to(device), n_q)[0].cpu()
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp.npy"
+        tmp = f"{path}.{os.getpid()}.tmp.npy"  # unique: shards may overlap after a restart
         np.save(tmp, codes.numpy().astype(np.int16))
         os.replace(tmp, path)
         done += 1

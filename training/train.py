@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -35,6 +34,7 @@ from models.config import ModelConfig, preset
 from models.livespeech import CodebookLossWeights, LiveSpeech2, codebook_losses
 
 from .dataset import Batch, DecoderData, collate
+from .schedule import Schedule, setup_device
 
 
 def parse_overrides(s: Optional[str]) -> dict:
@@ -55,13 +55,6 @@ def parse_overrides(s: Optional[str]) -> dict:
             except ValueError:
                 out[k.strip()] = float(v)
     return out
-
-
-def lr_at(step: int, base: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
-    if step < warmup:
-        return base * (step + 1) / warmup
-    p = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
 class Sampler:
@@ -191,11 +184,12 @@ def main(argv=None) -> int:
     p.add_argument("--rescan-every", type=int, default=200, help="re-read codes dir (encoding may still run)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop (with a checkpoint) after this long")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="run length in training minutes instead of --steps (the LR decays over it)")
     a = p.parse_args(argv)
 
-    torch.set_num_threads(a.threads)
-    device = torch.device(a.device)
+    device = setup_device(a.device, a.threads)
     os.makedirs(a.out, exist_ok=True)
     overrides = parse_overrides(a.model_overrides)
     if a.smoke:
@@ -226,11 +220,11 @@ def main(argv=None) -> int:
     sampler = Sampler(a.seed, a.batch_frames, a.max_batch)
     mask_gen = torch.Generator().manual_seed(a.seed + 1)
     py_rng = random.Random(a.seed + 2)
-    step, best = 0, float("inf")
+    step, best, train_s = 0, float("inf"), 0.0
     if st is not None:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
-        step, best = st["step"], st["best"]
+        step, best, train_s = st["step"], st["best"], st.get("train_s", 0.0)
         lw.acc = st["loss_acc"].clone()
         sampler.load(st["sampler"])
         mask_gen.set_state(st["mask_gen"])
@@ -259,7 +253,8 @@ def main(argv=None) -> int:
         return 1
 
     log = open(os.path.join(a.out, "log.jsonl"), "a")
-    stop_at = min(a.steps, a.stop_at) if a.stop_at else a.steps
+    sched = Schedule(a.lr, a.warmup, a.steps, a.minutes)
+    stop_at = a.stop_at
     t0 = time.time()
     t_ckpt = t0
     t_log = t0
@@ -270,18 +265,21 @@ def main(argv=None) -> int:
 
     def ckpt(path: str) -> None:
         save_checkpoint(path, model, opt, step, lw, sampler, mask_gen, py_rng, best, vars(a),
-                        {"n_train": len(data)})
+                        {"n_train": len(data), "train_s": train_s})
 
-    while step < stop_at:
+    t_resume = time.time() - train_s  # training time carried over from earlier runs
+    while not sched.finished(step, train_s) and not (stop_at and step >= stop_at):
         if step > 0 and step % a.rescan_every == 0:
             data = load_data()
         idx = sampler.next(data)
-        batch = collate([data.example(i, py_rng) for i in idx], model).to(device)
+        batch = collate([data.example(i, py_rng) for i in idx], model)
         stream = py_rng.random() < a.stream_p
         r1, r2 = py_rng.randint(1, 3), py_rng.randint(1, 3)
-        mask = text_mask_for(batch, stream, mask_gen, r1, r2)
+        # drawn on the CPU from the CPU generator: the same masks on every device
+        mask = text_mask_for(batch, stream, mask_gen, r1, r2).to(device)
+        batch = batch.to(device)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, a.lr, a.warmup, a.steps)
+            g["lr"] = sched.lr(step, train_s)
         w = lw.weights()
         total, losses, accs = forward_loss(model, batch, mask, w)
         opt.zero_grad(set_to_none=True)
@@ -290,6 +288,7 @@ def main(argv=None) -> int:
         opt.step()
         lw.update(accs)
         step += 1
+        train_s = time.time() - t_resume
         frames_acc += int(batch.inputs.shape[0] * batch.inputs.shape[2])
         for k, v in (("loss", float(total.detach())), ("ce_sum", float(losses.detach().sum())),
                      ("ce_graph", float(losses[0].detach())), ("ce_acoustic", float(losses[1:].detach().mean())),
@@ -307,7 +306,8 @@ def main(argv=None) -> int:
             log.flush()
             print(json.dumps(row), flush=True)
             accum, n_acc, t_log, frames_acc = {}, 0, now, 0
-        done = step >= stop_at or (a.max_minutes is not None and time.time() - t0 > a.max_minutes * 60)
+        done = (sched.finished(step, train_s) or bool(stop_at and step >= stop_at)
+                or (a.max_minutes is not None and time.time() - t0 > a.max_minutes * 60))
         if step % a.eval_every == 0 or done:
             ev = evaluate(model, devb, device)
             is_best = ev["dev_loss"] < best

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The whole default-model training on one CUDA machine, in a fixed wall-clock budget:
+# corpus -> codec -> encoding (in the background) -> decoder -> export.
+#
+#   scripts/train_gpu.sh WORK_DIR [CORPUS_DEFINITION_DIR]
+#
+# CORPUS_DEFINITION_DIR (optional) holds config.json, sentences.jsonl and voices.json of
+# an existing corpus (data/corpus): the corpus is then re-synthesised from that definition
+# (same sentences, splits and voices), so the machine needs eSpeak NG but not the Debian
+# sentence packages. Every stage resumes: re-running the script continues where it stopped.
+# Knobs (environment): HOURS (40), WORKERS (nproc), CODEC_MIN (6.5), DECODER_MIN (10.5),
+# DEVICE (cuda), CODEC_BATCH (32), BATCH_FRAMES (80000), MAX_BATCH (256), ENCODERS (12),
+# PY (python3). Logs: WORK_DIR/{corpus,codec,encode,decoder,export}.log.
+set -euo pipefail
+W=${1:?usage: scripts/train_gpu.sh WORK_DIR [CORPUS_DEFINITION_DIR]}
+DEF=${2:-}
+PY=${PY:-python3}
+HOURS=${HOURS:-40}
+WORKERS=${WORKERS:-$(nproc)}
+CODEC_MIN=${CODEC_MIN:-6.5}
+DECODER_MIN=${DECODER_MIN:-10.5}
+DEVICE=${DEVICE:-cuda}
+CODEC_BATCH=${CODEC_BATCH:-32}
+BATCH_FRAMES=${BATCH_FRAMES:-80000}
+MAX_BATCH=${MAX_BATCH:-256}
+ENCODERS=${ENCODERS:-12}
+mkdir -p "$W"
+stamp() { echo "[$(date +%T)] $*"; }
+
+if [ -n "$DEF" ] && [ ! -e "$W/corpus/config.json" ]; then
+  mkdir -p "$W/corpus"
+  cp "$DEF"/sentences.jsonl "$DEF"/voices.json "$W/corpus/"
+  cp "$DEF"/config.json "$W/corpus/"  # last: its presence means the definition is complete
+fi
+stamp "corpus: $HOURS h on $WORKERS processes"
+$PY -m training.corpus build --out "$W/corpus" --hours "$HOURS" --workers "$WORKERS" --no-progress \
+  > "$W/corpus.log" 2>&1
+tail -n 12 "$W/corpus.log"
+
+stamp "codec: $CODEC_MIN min"
+$PY -m training.codec_train --corpus "$W/corpus" --out "$W/codec" --device "$DEVICE" --resume \
+  --minutes "$CODEC_MIN" --steps 1000000 --batch "$CODEC_BATCH" --lr 8e-4 --warmup 100 --threads 4 \
+  --eval-every 500 --ckpt-every 500 --log-every 50 > "$W/codec.log" 2>&1
+tail -n 3 "$W/codec.log"
+
+# Encoding one utterance at a time is bound by the CPU (~17 utterances/s a process on an
+# H100 machine), so ENCODERS processes share the order; the decoder starts once dev, test
+# and half of train are there, and re-reads the codes directory as it grows (a first
+# GPU run that started on 15 % of train trained mostly on that slice).
+stamp "encoding ($ENCODERS processes, background)"
+ENC=()
+for k in $(seq 0 $((ENCODERS - 1))); do
+  $PY -m training.encode_corpus --corpus "$W/corpus" --codec "$W/codec/best.pt" --out "$W/codes" \
+    --device "$DEVICE" --max-seconds 8 --threads 1 --shard "$k/$ENCODERS" > "$W/encode$k.log" 2>&1 &
+  ENC+=($!)
+done
+want=$($PY -c "
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print(sum(r['split'] != 'train' for r in rows) + sum(r['split'] == 'train' and r['duration_s'] <= 8 for r in rows) // 2)
+" "$W/corpus/manifest.jsonl")
+while [ "$(find "$W/codes" -name '*.npy' 2>/dev/null | wc -l)" -lt "$want" ] && kill -0 "${ENC[@]}" 2>/dev/null; do
+  sleep 5
+done
+
+stamp "decoder: $DECODER_MIN min"
+$PY -m training.train --corpus "$W/corpus" --codes "$W/codes" --out "$W/decoder" --device "$DEVICE" --resume \
+  --minutes "$DECODER_MIN" --steps 1000000 --batch-frames "$BATCH_FRAMES" --max-batch "$MAX_BATCH" --lr 2e-3 --warmup 100 \
+  --rescan-every 50 --eval-every 100 --ckpt-minutes 2 --threads 4 > "$W/decoder.log" 2>&1
+wait "${ENC[@]}" || true
+tail -n 2 "$W/decoder.log"
+
+stamp "export"
+$PY -m training.export --codec "$W/codec/best.pt" --decoder "$W/decoder/best.pt" --corpus "$W/corpus" \
+  --codes "$W/codes" --out "$W/export" > "$W/export.log" 2>&1
+tail -n 5 "$W/export.log"
+stamp "done"
