@@ -20,20 +20,10 @@ from .codec import CodecModel
 from .codec import preset as codec_preset
 from .config import SAMPLE_RATE, ModelConfig, preset
 from .livespeech import LiveSpeech2
+from .resample import resample
 from .tokenizer import TextTokenizer, get_tokenizer
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "weights" / "default"
-
-
-def resample(audio: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
-    if sr_in == sr_out:
-        return audio.astype(np.float32, copy=False)
-    from math import gcd
-
-    from scipy.signal import resample_poly
-
-    g = gcd(sr_in, sr_out)
-    return resample_poly(audio, sr_out // g, sr_in // g).astype(np.float32)
 
 
 def read_wav(path: os.PathLike | str) -> tuple[np.ndarray, int]:

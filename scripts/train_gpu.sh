@@ -10,7 +10,8 @@
 # sentence packages. Every stage resumes: re-running the script continues where it stopped.
 # Knobs (environment): HOURS (40), WORKERS (nproc), CODEC_MIN (6.5), DECODER_MIN (10.5),
 # DEVICE (cuda), CODEC_BATCH (32), BATCH_FRAMES (80000), MAX_BATCH (256), ENCODERS (12),
-# PY (python3). Logs: WORK_DIR/{corpus,codec,encode,decoder,export}.log.
+# PY (python3); CODEC=path keeps that codec (no codec training), INIT_DECODER=path starts
+# the decoder from those weights (e.g. models/weights/default/{codec,decoder}.pt). Logs: WORK_DIR/{corpus,codec,encode,decoder,export}.log.
 set -euo pipefail
 W=${1:?usage: scripts/train_gpu.sh WORK_DIR [CORPUS_DEFINITION_DIR]}
 DEF=${2:-}
@@ -37,11 +38,16 @@ $PY -m training.corpus build --out "$W/corpus" --hours "$HOURS" --workers "$WORK
   > "$W/corpus.log" 2>&1
 tail -n 12 "$W/corpus.log"
 
-stamp "codec: $CODEC_MIN min"
-$PY -m training.codec_train --corpus "$W/corpus" --out "$W/codec" --device "$DEVICE" --resume \
-  --minutes "$CODEC_MIN" --steps 1000000 --batch "$CODEC_BATCH" --lr 8e-4 --warmup 100 --threads 4 \
-  --eval-every 500 --ckpt-every 500 --log-every 50 > "$W/codec.log" 2>&1
-tail -n 3 "$W/codec.log"
+if [ -n "${CODEC:-}" ]; then
+  mkdir -p "$W/codec" && cp "$CODEC" "$W/codec/best.pt"
+  stamp "codec: kept $CODEC"
+else
+  stamp "codec: $CODEC_MIN min"
+  $PY -m training.codec_train --corpus "$W/corpus" --out "$W/codec" --device "$DEVICE" --resume \
+    --minutes "$CODEC_MIN" --steps 1000000 --batch "$CODEC_BATCH" --lr 8e-4 --warmup 100 --threads 4 \
+    --eval-every 500 --ckpt-every 500 --log-every 50 > "$W/codec.log" 2>&1
+  tail -n 3 "$W/codec.log"
+fi
 
 # Encoding one utterance at a time is bound by the CPU (~17 utterances/s a process on an
 # H100 machine), so ENCODERS processes share the order; the decoder starts once dev, test
@@ -66,7 +72,8 @@ done
 stamp "decoder: $DECODER_MIN min"
 $PY -m training.train --corpus "$W/corpus" --codes "$W/codes" --out "$W/decoder" --device "$DEVICE" --resume \
   --minutes "$DECODER_MIN" --steps 1000000 --batch-frames "$BATCH_FRAMES" --max-batch "$MAX_BATCH" --lr 2e-3 --warmup 100 \
-  --rescan-every 50 --eval-every 100 --ckpt-minutes 2 --threads 4 > "$W/decoder.log" 2>&1
+  --rescan-every 50 --eval-every 100 --ckpt-minutes 2 --threads 4 ${INIT_DECODER:+--init "$INIT_DECODER"} \
+  > "$W/decoder.log" 2>&1
 wait "${ENC[@]}" || true
 tail -n 2 "$W/decoder.log"
 

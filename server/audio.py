@@ -2,23 +2,20 @@
 
 `AudioEncoder` turns the model's 24 kHz float32 stream into packets of exactly
 `packet_ms` (the last one may be shorter) in the session's sample rate and encoding.
-Resampling is streaming polyphase FIR with state carried across pushes, so pushing in
-pieces gives the same samples as resampling the whole signal, and the same as
-`scipy.signal.resample_poly(x, up, down)` (same Kaiser-windowed filter, same
-alignment: no delay is added, the filter's look-ahead is held back until input arrives
-or `flush()`).
+Resampling is models/resample.py's streaming polyphase FIR: pushing in pieces gives the
+same samples as resampling the whole signal.
 
 Also: G.711 mu-law, PCM16, WAV decoding/encoding helpers for enrollment audio.
 """
 from __future__ import annotations
 
-import functools
 import io
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+
+from models.resample import StreamingResampler
 
 from .session_api import Encoding
 
@@ -82,74 +79,6 @@ def pcm16_to_mulaw(x: np.ndarray) -> np.ndarray:
 
 def mulaw_to_pcm16(data: bytes) -> np.ndarray:
     return MULAW_DECODE[np.frombuffer(data, dtype=np.uint8)]
-
-
-# ------------------------------------------------------------------- resampling
-
-
-@functools.lru_cache(maxsize=None)
-def resample_filter(up: int, down: int) -> tuple[np.ndarray, int]:
-    """The FIR `scipy.signal.resample_poly` uses (windowed sinc, Kaiser beta 5, unit DC
-    gain, times `up`) and its half length; numpy only (importing scipy.signal takes
-    seconds, too long for the engine thread)."""
-    max_rate = max(up, down)
-    half_len = 10 * max_rate
-    cutoff = 1.0 / max_rate
-    n = np.arange(2 * half_len + 1) - half_len
-    h = cutoff * np.sinc(cutoff * n) * np.kaiser(2 * half_len + 1, 5.0)
-    h *= up / h.sum()
-    h.setflags(write=False)
-    return h, half_len
-
-
-class StreamingResampler:
-    """Rational resampling by up/down, fed in pieces; output == resample_poly(whole)."""
-
-    def __init__(self, up: int, down: int) -> None:
-        g = math.gcd(up, down)
-        self.up, self.down = up // g, down // g
-        h, self.half_len = resample_filter(self.up, self.down)
-        # polyphase: bank[p, m] = h[p + m*up]; output n at upsampled time t = n*down + half_len
-        # is sum_m bank[t % up, m] * x[t // up - m]
-        self.taps = -(-len(h) // self.up)
-        padded = np.zeros(self.taps * self.up)
-        padded[: len(h)] = h
-        self.bank = padded.reshape(self.taps, self.up).T.copy()
-        self._buf = np.zeros(0, dtype=np.float64)
-        self._buf_start = 0  # global input index of _buf[0]
-        self._n_in = 0
-        self._n_out = 0  # next output index
-
-    def _emit(self, upto: int) -> np.ndarray:
-        """Outputs n in [_n_out, upto): inputs past _n_in count as zeros."""
-        if upto <= self._n_out:
-            return np.zeros(0, dtype=np.float32)
-        n = np.arange(self._n_out, upto)
-        t = n * self.down + self.half_len
-        idx = (t // self.up)[:, None] - np.arange(self.taps)[None, :] - self._buf_start
-        valid = (idx >= 0) & (idx < len(self._buf))
-        vals = np.where(valid, self._buf[np.clip(idx, 0, max(len(self._buf) - 1, 0))] if len(self._buf) else 0.0, 0.0)
-        y = np.einsum("nm,nm->n", self.bank[t % self.up], vals)
-        self._n_out = upto
-        # keep only the history the next output needs
-        keep_from = (self._n_out * self.down + self.half_len) // self.up - self.taps + 1
-        drop = min(max(keep_from - self._buf_start, 0), len(self._buf))
-        self._buf = self._buf[drop:]
-        self._buf_start += drop
-        return y.astype(np.float32)
-
-    def push(self, x: np.ndarray) -> np.ndarray:
-        x = np.asarray(x, dtype=np.float64).reshape(-1)
-        self._buf = np.concatenate([self._buf, x])
-        self._n_in += len(x)
-        # output n is final once its newest tap t//up has arrived: t//up <= n_in - 1
-        ready = (self._n_in * self.up - self.half_len - 1) // self.down + 1
-        total = -(-self._n_in * self.up // self.down)
-        return self._emit(max(min(ready, total), self._n_out))
-
-    def flush(self) -> np.ndarray:
-        total = -(-self._n_in * self.up // self.down)
-        return self._emit(total)
 
 
 # ------------------------------------------------------------------- packetising
@@ -235,12 +164,3 @@ def encode_wav(samples: np.ndarray, sample_rate: int) -> bytes:
         w.setframerate(sample_rate)
         w.writeframes(float_to_pcm16(samples).tobytes())
     return buf.getvalue()
-
-
-def resample(x: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
-    """Whole-signal resampling (enrollment audio)."""
-    if sr_in == sr_out:
-        return np.asarray(x, dtype=np.float32)
-    r = StreamingResampler(sr_out, sr_in)
-    block = 1 << 14  # bounds the (outputs x taps) work matrix
-    return np.concatenate([r.push(x[i : i + block]) for i in range(0, len(x), block)] + [r.flush()])

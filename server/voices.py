@@ -28,7 +28,9 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from .audio import MODEL_SAMPLE_RATE, decode_wav, encode_wav, resample
+from models.resample import resample
+
+from .audio import MODEL_SAMPLE_RATE, decode_wav, encode_wav
 from .session_api import ConfigError, EngineAPI, Voice
 
 log = logging.getLogger(__name__)

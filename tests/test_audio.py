@@ -12,15 +12,13 @@ from hypothesis import strategies as st
 from server.audio import (
     MULAW_DECODE,
     AudioEncoder,
-    StreamingResampler,
     decode_wav,
     encode_wav,
     float_to_pcm16,
     mulaw_to_pcm16,
     pcm16_to_mulaw,
-    resample,
-    resample_filter,
 )
+from models.resample import StreamingResampler, resample, resample_filter
 from server.session_api import Encoding
 
 RATIOS = [(1, 3), (2, 3), (2, 1)]  # 24 kHz -> 8, 16, 48 kHz

@@ -89,6 +89,25 @@ def test_sharded_encoding_covers_the_corpus_once(pipeline, tmp_path):
         encode_corpus.main(args + ["--shard", "2/2"])
 
 
+def test_decoder_init_from_exported_weights(tmp_path):
+    from models.loading import load_decoder, save_decoder
+
+    first = str(tmp_path / "a")
+    assert train.main(["--smoke", "--out", first, "--steps", "2", "--threads", "1"]) == 0
+    st = torch.load(os.path.join(first, "last.pt"), map_location="cpu", weights_only=False)
+    src = train.build_model(train.ModelConfig.from_dict(st["config"]), "cpu")
+    src.load_state_dict(st["model"])
+    save_decoder(src, str(tmp_path / "decoder.pt"))
+    # one step at a negligible learning rate: the weights stay those given (not the seed's
+    # fresh initialisation, which differs from them by the first run's two updates)
+    second = str(tmp_path / "b")
+    assert train.main(["--smoke", "--out", second, "--steps", "1", "--threads", "1", "--lr", "1e-12",
+                       "--init", str(tmp_path / "decoder.pt")]) == 0
+    got = torch.load(os.path.join(second, "last.pt"), map_location="cpu", weights_only=False)["model"]
+    want = load_decoder(str(tmp_path / "decoder.pt")).state_dict()
+    assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+
+
 def test_time_budget_schedule():
     s = Schedule(1e-3, warmup=10, steps=1, minutes=2.0)
     assert s.lr(0, 0.0) == pytest.approx(1e-4)  # warmup counts steps

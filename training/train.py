@@ -164,6 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--codes", default="data/codes")
     p.add_argument("--out", default="runs/decoder")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--init", default=None,
+                   help="start from these weights (an exported decoder.pt) with a fresh optimizer; ignored on --resume")
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=int, default=2000, help="total steps (also sets the LR schedule)")
     p.add_argument("--stop-at", type=int, default=None, help="stop at this step (schedule still uses --steps)")
@@ -221,6 +223,14 @@ def main(argv=None) -> int:
     mask_gen = torch.Generator().manual_seed(a.seed + 1)
     py_rng = random.Random(a.seed + 2)
     step, best, train_s = 0, float("inf"), 0.0
+    if st is None and a.init:
+        from models.loading import load_decoder
+
+        init = load_decoder(a.init)
+        if init.cfg.to_dict() != cfg.to_dict():
+            raise SystemExit(f"--init {a.init}: its model config differs from the one asked for")
+        model.load_state_dict(init.state_dict())
+        print(f"initialised from {a.init}", flush=True)
     if st is not None:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
