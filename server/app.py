@@ -11,7 +11,8 @@ is draining", in-flight sessions get `drain_grace_s` to finish (then UNAVAILABLE
 
 Security (server/auth.py, docs/reliability.md): TLS when `tls_cert` is set (mutual TLS
 with `tls_client_ca`), bearer tokens when configured; both are loaded before the engine
-starts, so a bad certificate or token file stops startup. At most `rpc_limit` RPCs are
+starts, so a bad certificate or token file stops startup; SIGHUP re-reads the tokens
+(`App.reload_tokens`: rotation and revocation without a restart). At most `rpc_limit` RPCs are
 in flight; gRPC refuses the excess before any handler runs.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 from .protocol import SERVICE_NAME, method_handlers
 from .service import LiveSpeechService
-from .session_api import EngineAPI
+from .session_api import ConfigError, EngineAPI
 from .voices import VoiceStore
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class App:
         health: health.aio.HealthServicer,
         port: int,
         metrics_port: Optional[int],
+        auth: Optional[AuthInterceptor] = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -61,6 +63,7 @@ class App:
         self.health = health
         self.port = port
         self.metrics_port = metrics_port
+        self.auth = auth
         self._stopped: Optional[asyncio.Task] = None
 
     @property
@@ -87,6 +90,25 @@ class App:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
         self.metrics.stop_http_server()
         log.info("stopped")
+
+    def reload_tokens(self) -> bool:
+        """Re-read the bearer tokens (SIGHUP): new calls are checked against the new table;
+        sessions already open keep running. A table that does not load (or would turn
+        authentication off) is refused and the old one kept. Returns whether it changed."""
+        if self.auth is None:
+            log.warning("token reload: authentication is off (it can only be enabled at startup)")
+            return False
+        try:
+            tokens = load_tokens(self.config)
+        except ConfigError as e:
+            log.error("token reload refused, keeping the old tokens: %s", e)
+            return False
+        if tokens is None:
+            log.error("token reload refused: no tokens configured any more (would turn authentication off)")
+            return False
+        self.auth.tokens = tokens
+        log.info("token reload: %r", tokens)
+        return True
 
     async def stop(self) -> None:
         """Shut down now (no grace for running sessions)."""
@@ -133,9 +155,10 @@ async def build_server(
             )
         await voices.load()
         service = LiveSpeechService(config, engine, voices, metrics)
+        auth = AuthInterceptor(tokens, metrics) if tokens is not None else None
         server = grpc.aio.server(
             options=grpc_options(config),
-            interceptors=[AuthInterceptor(tokens, metrics)] if tokens is not None else None,
+            interceptors=[auth] if auth is not None else None,
             maximum_concurrent_rpcs=config.rpc_limit,
         )
         server.add_generic_rpc_handlers((method_handlers(service),))
@@ -162,7 +185,7 @@ async def build_server(
         ("mutual TLS" if config.tls_client_ca else "TLS") if credentials else "plaintext",
         f"bearer tokens for {len(tokens.tenants)} tenants" if tokens else "no authentication",
     )
-    return App(config, engine, metrics, voices, service, server, health_servicer, port, metrics_port)
+    return App(config, engine, metrics, voices, service, server, health_servicer, port, metrics_port, auth)
 
 
 # ------------------------------------------------------------------ process
@@ -216,6 +239,7 @@ async def _serve(config: ServerConfig, engine: Optional[EngineAPI]) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, app.reload_tokens)
     await app.wait_closed()
 
 

@@ -34,6 +34,7 @@ class ServerConfig:
     model_path: Optional[Path] = None  # None = the embedded default model
     device: str = "cpu"  # cpu | cuda | cuda:N
     max_sessions: int = 16
+    max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
     voices_dir: Optional[Path] = None  # None = voices kept in memory only
     # limits
     max_text_piece_chars: int = 2_000
@@ -48,6 +49,7 @@ class ServerConfig:
     # timeouts
     config_timeout_s: float = 10.0  # first message -> DEADLINE_EXCEEDED
     idle_timeout_s: float = 60.0  # no message and nothing to generate -> DEADLINE_EXCEEDED
+    max_session_wall_s: float = 3_600.0  # a session open this long -> DEADLINE_EXCEEDED (frees its slot)
     drain_grace_s: float = 30.0  # SIGTERM: in-flight sessions may finish for this long
     max_buffered_packets: int = 256  # per session; more and the client "is not reading"
     torch_threads: int = 0  # 0 = torch's default
@@ -92,6 +94,8 @@ class ServerConfig:
         need(self.max_voices >= 0, "max_voices must be >= 0")
         need(self.config_timeout_s > 0, "config_timeout_s must be > 0")
         need(self.idle_timeout_s > 0, "idle_timeout_s must be > 0")
+        need(self.max_session_wall_s > 0, "max_session_wall_s must be > 0")
+        need(self.max_sessions_per_tenant >= 0, "max_sessions_per_tenant must be >= 0 (0 = no limit)")
         need(self.drain_grace_s >= 0, "drain_grace_s must be >= 0")
         need(self.max_buffered_packets >= 1, "max_buffered_packets must be >= 1")
         need(self.torch_threads >= 0, "torch_threads must be >= 0")

@@ -151,6 +151,8 @@ class _Stream:
         self.requests_broken = False
         self.ending = False  # shutdown began: the reader drains, forwards nothing
         self.request_seen = asyncio.Event()  # set by the reader at each client message
+        self.tenant = current_tenant()
+        self.opened_at = time.monotonic()
 
     # ------------------------------------------------------------ engine side
 
@@ -186,6 +188,7 @@ class _Stream:
         self.closed = True
         if self.handle is not None and not self.released:
             self.released = True
+            self.service.tenant_session_ended(self.tenant)
             # the service ending a session with an error is a failure, not a disconnect
             failed = (self.outcome.done() and not self.outcome.cancelled()
                       and self.outcome.exception() is None and self.outcome.result() is not None)
@@ -240,8 +243,10 @@ class _Stream:
         if self.service.draining:
             raise RpcError(Code.UNAVAILABLE, "server is draining")
         effective = cfg.replace(voice_id=voice_id)
+        self.service.check_tenant_quota(self.tenant)
         try:
             self.handle = self.service.engine.open_session(effective, voice, self.sink)
+            self.service.tenant_session_started(self.tenant)
         except CapacityError as e:
             self.capacity_rejected = True  # the engine counted it as a rejected session
             raise RpcError(
@@ -332,17 +337,21 @@ class _Stream:
     # ------------------------------------------------------------ engine -> client
 
     async def _next_event(self) -> SessionEvent:
-        idle = self.config.idle_timeout_s
+        idle, wall = self.config.idle_timeout_s, self.config.max_session_wall_s
         while True:
+            now = time.monotonic()
+            wall_left = self.opened_at + wall - now
+            if wall_left <= 0:  # checked first: a session that is generating has events ready
+                raise RpcError(Code.DEADLINE_EXCEEDED, f"session open for {wall:g} s (max_session_wall_s)")
             if not self.events.empty():
                 return self.events.get_nowait()
-            remaining = self.last_activity + idle - time.monotonic()
+            remaining = self.last_activity + idle - now
             if remaining <= 0:
                 raise RpcError(
                     Code.DEADLINE_EXCEEDED, f"session idle for {idle:g} s (no message and nothing to generate)"
                 )
             try:
-                return await asyncio.wait_for(self.events.get(), remaining)
+                return await asyncio.wait_for(self.events.get(), min(remaining, wall_left))
             except asyncio.TimeoutError:
                 continue
 
@@ -391,10 +400,30 @@ class LiveSpeechService:
         self.draining = False
         self._streams: set[_Stream] = set()
         self._changed = asyncio.Event()
+        self._tenant_sessions: dict[str, int] = {}  # open engine sessions per tenant
 
     @property
     def in_flight(self) -> int:
         return len(self._streams)
+
+    def check_tenant_quota(self, tenant: str) -> None:
+        limit = self.config.max_sessions_per_tenant
+        if limit and self._tenant_sessions.get(tenant, 0) >= limit:
+            raise RpcError(
+                Code.RESOURCE_EXHAUSTED,
+                f"tenant has {limit} sessions open (max_sessions_per_tenant); retry when one ends",
+                (("retry-after-ms", str(self.config.retry_after_ms)),),
+            )
+
+    def tenant_session_started(self, tenant: str) -> None:
+        self._tenant_sessions[tenant] = self._tenant_sessions.get(tenant, 0) + 1
+
+    def tenant_session_ended(self, tenant: str) -> None:
+        n = self._tenant_sessions.get(tenant, 0) - 1
+        if n > 0:
+            self._tenant_sessions[tenant] = n
+        else:
+            self._tenant_sessions.pop(tenant, None)
 
     # ------------------------------------------------------------ Synthesize
 

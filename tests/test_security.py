@@ -490,3 +490,123 @@ def test_cli_with_tls_and_token(server_factory, certs, tmp_path, capsys, monkeyp
     assert cli_main(["voices", "list", *common, "--token", WRONG]) == 1
     err = capsys.readouterr().err
     assert "UNAUTHENTICATED" in err and WRONG not in err
+
+
+# ---------------------------------------------------------------- per-tenant quota, wall-clock cap
+
+
+async def _open(address: str, token: str):
+    """A Synthesize stream with text but no end of input (the session stays open).
+    Returns (channel, call, first response or the refusal's (code, details, trailing))."""
+    ch = grpc.aio.insecure_channel(address)
+    call = Stub(ch).Synthesize(metadata=bearer(token), timeout=30)
+    await call.write(config_msg())
+    await call.write(text_msg("hello there, this stays open"))
+    try:
+        first = await call.read()
+    except grpc.aio.AioRpcError:
+        first = None
+    if first is None or first is grpc.aio.EOF:
+        return ch, call, (await call.code(), await call.details(), dict(await call.trailing_metadata() or ()))
+    return ch, call, first
+
+
+def test_sessions_per_tenant_are_capped(server_factory, tmp_path, client) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice:{ALICE}\nbob:{BOB}\n")
+    tokens.chmod(0o600)
+    h = server_factory(auth_tokens_file=tokens, max_sessions=4, max_sessions_per_tenant=1, retry_after_ms=250)
+    for tenant in ("alice", "bob"):
+        h.run(h.app.voices.register("default", _noise(1.0), tenant=tenant))
+
+    async def go():
+        ch1, a1, first = await _open(h.address, ALICE)
+        assert not isinstance(first, tuple), first
+        assert first.WhichOneof("response") == "started"
+        ch2, a2, refused = await _open(h.address, ALICE)  # alice's second session
+        code, details, trailing = refused
+        assert code == C.RESOURCE_EXHAUSTED and "max_sessions_per_tenant" in details
+        assert trailing.get("retry-after-ms") == "250"
+        ch3, b1, first_b = await _open(h.address, BOB)  # another tenant is not affected
+        assert first_b.WhichOneof("response") == "started"
+        a1.cancel()  # alice's session ends: her quota is free again
+        for _ in range(50):
+            ch4, a3, again = await _open(h.address, ALICE)
+            if not isinstance(again, tuple):
+                break
+            await ch4.close()
+            await asyncio.sleep(0.1)
+        assert again.WhichOneof("response") == "started"
+        for c in (a3, b1):
+            c.cancel()
+        for c in (ch1, ch2, ch3, ch4):
+            await c.close()
+
+    client.run(go())
+    assert h.wait_idle()
+    assert h.app.service._tenant_sessions == {}  # every count returned
+
+
+def test_a_session_open_too_long_is_ended(server_factory, client) -> None:
+    """Text every 0.2 s keeps the idle timeout away; the wall-clock cap still ends it."""
+    h = server_factory(max_session_wall_s=1.5, idle_timeout_s=30)
+
+    async def go():
+        async with grpc.aio.insecure_channel(h.address) as ch:
+            call = Stub(ch).Synthesize(timeout=30)
+            await call.write(config_msg())
+            t0 = asyncio.get_running_loop().time()
+
+            async def keep_talking():
+                try:
+                    for i in range(100):
+                        await call.write(text_msg(f"word{i} "))
+                        await asyncio.sleep(0.2)
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+                    pass
+
+            talker = asyncio.ensure_future(keep_talking())
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError:
+                pass
+            talker.cancel()
+            return await call.code(), await call.details(), asyncio.get_running_loop().time() - t0
+
+    code, details, took = client.run(go())
+    assert code == C.DEADLINE_EXCEEDED and "max_session_wall_s" in details, (code, details)
+    assert took >= 1.4  # not before the cap
+    assert h.wait_idle()
+
+
+def test_tokens_reload_without_a_restart(server_factory, tmp_path, client) -> None:
+    """What SIGHUP does (`livespeech serve` wires it to App.reload_tokens): revoke alice,
+    add bob; a token file that does not load keeps the old table."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice:{ALICE}\n")
+    tokens.chmod(0o600)
+    h = server_factory(auth_tokens_file=tokens)
+
+    def list_voices(token: str) -> grpc.StatusCode:
+        async def go():
+            async with grpc.aio.insecure_channel(h.address) as ch:
+                try:
+                    await Stub(ch).ListVoices(pb.ListVoicesRequest(), metadata=bearer(token), timeout=10)
+                    return C.OK
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+
+        return client.run(go())
+
+    assert (list_voices(ALICE), list_voices(BOB)) == (C.OK, C.UNAUTHENTICATED)
+    tokens.write_text(f"bob:{BOB}\n")
+    assert h.app.reload_tokens()
+    assert (list_voices(ALICE), list_voices(BOB)) == (C.UNAUTHENTICATED, C.OK)
+    for broken in ("bob-without-a-colon\n", "# nothing but a comment\n"):
+        tokens.write_text(broken)
+        assert not h.app.reload_tokens()
+        assert (list_voices(ALICE), list_voices(BOB)) == (C.UNAUTHENTICATED, C.OK)
+    tokens.unlink()
+    assert not h.app.reload_tokens()
+    assert list_voices(BOB) == C.OK
