@@ -10,7 +10,7 @@ runs on a `view` of any subset of slots (a plain slice when the slots are contig
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -82,6 +82,7 @@ class DecodeState(DecodeStateView):
         st.delays = torch.tensor(cfg.delays, device=device)
         st.none = torch.tensor(model.none_ids(), device=device)
         st.txt_len = [0] * capacity
+        st.unrotated = [set() for _ in range(capacity)]  # re-placed chunks awaiting rotate_window
         return st
 
     @property
@@ -102,6 +103,7 @@ class DecodeState(DecodeStateView):
         self.txt_chunk[slot] = -1
         self.txt_pos[slot] = 0
         self.txt_len[slot] = 0
+        self.unrotated[slot].clear()
         self.inputs[slot] = self.none
         self.step[slot] = 0
         self.eos_frame[slot] = NO_EOS
@@ -170,15 +172,32 @@ class DecodeState(DecodeStateView):
             t[slot, :n] = t[slot, keep].clone()
             t[slot, n:] = empty
         self.txt_len[slot] = n
+        self.unrotated[slot] = {c for c in self.unrotated[slot] if c >= chunk}
+
+    def _chunk_span(self, slot: int, chunk: int) -> Optional[tuple[int, int]]:
+        sel = (self.txt_chunk[slot] == chunk).nonzero().flatten()
+        return (int(sel[0]), int(sel[-1]) + 1) if sel.numel() else None
 
     def set_chunk_positions(self, slot: int, chunk: int, first_position: float) -> None:
-        """Re-place a cached chunk on the speech timeline: its keys are re-rotated from
-        the cached unrotated ones, nothing is re-projected."""
-        sel = (self.txt_chunk[slot] == chunk).nonzero().flatten()
-        if sel.numel():
-            a, b = int(sel[0]), int(sel[-1]) + 1
+        """Re-place a cached chunk on the speech timeline. Its keys are re-rotated (from
+        the cached unrotated ones, nothing is re-projected) by `rotate_window` once a
+        step can see it: a chunk far ahead of the speech moves at almost every step, and
+        while it is outside the np/nf window its keys are masked anyway."""
+        span = self._chunk_span(slot, chunk)
+        if span is not None:
+            a, b = span
             self.txt_pos[slot, a:b] = first_position + torch.arange(b - a, dtype=torch.float32)
-            self._rotate(slot, a, b)
+            self.unrotated[slot].add(chunk)
+
+    def rotate_window(self, slot: int, lo: int, hi: int) -> None:
+        """Bring the keys of re-placed chunks lo..hi up to date (before a step whose
+        window is lo..hi)."""
+        pending = self.unrotated[slot]
+        for chunk in [c for c in pending if lo <= c <= hi]:
+            span = self._chunk_span(slot, chunk)
+            if span is not None:
+                self._rotate(slot, *span)
+            pending.discard(chunk)
 
     def window_mask(self, view: DecodeStateView, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
         """[B, L] keys of chunks lo[b]..hi[b] (the np/nf window)."""

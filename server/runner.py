@@ -87,6 +87,8 @@ class ModelRunner:
         top_ks: Sequence[int],
         force_eos: Sequence[bool],
     ) -> list[SlotStep]:
+        for slot, (lo, hi) in zip(slots, windows):
+            self.state.rotate_window(slot, lo, hi)
         view = self.state.view(slots)
         mask = self.state.window_mask(view, [w[0] for w in windows], [w[1] for w in windows])
         logits = self.model.step(view.inputs, view.step, view, mask)
@@ -102,7 +104,7 @@ class ModelRunner:
         gens = [self.generators[s] for s in slots]
         g = sample_graphemes(g_logits, list(guidance), list(lambdas), list(top_ks), gens)
         if any(force_eos):
-            g = torch.where(torch.tensor(force_eos), torch.full_like(g, graphemes.EOS), g)
+            g = torch.where(torch.tensor(force_eos, device=g.device), torch.full_like(g, graphemes.EOS), g)
         a = sample_top_k(a_logits, list(top_ks), gens)
         res = self.state.commit(view, torch.cat((g.unsqueeze(1), a), dim=1))
         self.state.write_back(view)

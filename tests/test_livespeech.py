@@ -168,6 +168,37 @@ def test_window_mask_selects_chunks(model):
     assert st.txt_pos[0, :3].tolist() == [20.0, 40.0, 41.0]
 
 
+def test_replaced_chunks_are_rotated_when_a_window_sees_them(model):
+    """A re-placed chunk's keys are re-rotated lazily (rotate_window), only once a window
+    includes it; the step then sees exactly the keys of a chunk added at the new place."""
+    enroll = torch.randn(model.n_layers, 2, 4, 4, 16)
+    chunks = [[5, 6], [7, 8, 9], [10], [11, 12]]
+    lazy, ref = DecodeState.allocate(model, capacity=1), DecodeState.allocate(model, capacity=1)
+    for st in (lazy, ref):
+        st.reset_slot(0, enroll)
+    new_tau = {1: 23.0, 3: 57.0}
+    for c, ids in enumerate(chunks):
+        lazy.append_text(0, ids, [10.0 * c + i for i in range(len(ids))], chunk=c)
+        tau = new_tau.get(c, 10.0 * c)
+        ref.append_text(0, ids, [tau + i for i in range(len(ids))], chunk=c)
+    for c, tau in new_tau.items():
+        lazy.set_chunk_positions(0, c, tau)
+    n = model.cfg.n_enroll
+    assert torch.equal(lazy.txt_pos, ref.txt_pos)
+    assert not torch.equal(lazy.mem_k[:, 0, :, n + 2 : n + 5], ref.mem_k[:, 0, :, n + 2 : n + 5])  # not yet
+    lazy.rotate_window(0, 0, 2)  # chunk 1 enters a window; chunk 3 is still outside
+    assert torch.allclose(lazy.mem_k[:, 0, :, : n + 6], ref.mem_k[:, 0, :, : n + 6], atol=1e-6)
+    assert not torch.allclose(lazy.mem_k[:, 0, :, n + 6 : n + 8], ref.mem_k[:, 0, :, n + 6 : n + 8])
+    assert lazy.unrotated[0] == {3}
+    with torch.no_grad():  # what a step with window 0..2 computes is the same
+        outs = [model.step(v.inputs, v.step, v, st.window_mask(v, [0], [2]))
+                for st in (lazy, ref) for v in [st.view([0])]]
+    assert torch.allclose(outs[0].graphemes, outs[1].graphemes, atol=1e-5)
+    lazy.evict_chunks_before(0, 2)
+    lazy.rotate_window(0, 0, 9)
+    assert lazy.unrotated[0] == set()
+
+
 def test_delay_pattern_round_trip():
     codes = torch.arange(3 * 6).view(1, 3, 6)
     last = torch.tensor([[5, 4, 4]])
