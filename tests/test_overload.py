@@ -5,11 +5,15 @@ The excess is refused quickly with RESOURCE_EXHAUSTED and a `retry-after-ms` tra
 before any engine work; every admitted session completes with its whole text; clients
 that honour `retry-after-ms` all get through. Underruns (packets sent after their
 playback time) of the admitted sessions are recorded, not asserted: on a shared 2-core
-CPU with an untrained model they depend on the machine's load.
+CPU with an untrained model they depend on the machine's load. At the rated capacity
+(docs/loadtest.md: 1 session on the 2-core CI machine) run
+`LIVESPEECH_OVERLOAD_SLOTS=1 pytest -q -s tests/test_overload.py` in a quiet window for
+the "admitted sessions keep zero underruns" figure (docs/reliability.md).
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -23,7 +27,7 @@ from reliability_helpers import ClientLoop, leaks, record, server_tasks
 from server.protocol import Stub
 
 C = grpc.StatusCode
-MAX_SESSIONS = 4
+MAX_SESSIONS = int(os.environ.get("LIVESPEECH_OVERLOAD_SLOTS", "4"))  # CI: 4 (more of the code runs)
 RETRY_AFTER_MS = 300
 TEXT = "Hello there, this is an overload test of the streaming server."
 PIECE_RATE = 100.0  # pieces per second: faster than speech, so underruns measure compute, not a text-starved lookahead
