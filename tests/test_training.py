@@ -14,7 +14,7 @@ from models import graphemes as G
 from models.codec import CodecModel
 from models.tokenizer import get_tokenizer
 from training import codec_train, encode_corpus, train
-from training.schedule import Schedule, lr_at
+from training.schedule import Schedule
 from training.dataset import DecoderData, codes_path, collate, read_manifest, text_tokens
 from training.smoke import make_smoke_corpus
 
@@ -116,7 +116,7 @@ def test_time_budget_schedule():
     assert s.lr(10_000, 120.0) == pytest.approx(1e-4)
     assert not s.finished(10_000, 119.9) and s.finished(1, 120.0)
     steps = Schedule(1e-3, warmup=10, steps=110)
-    assert steps.lr(60) == pytest.approx(lr_at(60, 1e-3, 10, 110)) == pytest.approx(1e-3 * 0.55)
+    assert steps.lr(60) == pytest.approx(1e-3 * 0.55)  # half way through the cosine
     assert not steps.finished(109, 1e9) and steps.finished(110, 0.0)
 
 

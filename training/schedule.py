@@ -46,11 +46,6 @@ class Schedule:
         return step >= self.steps
 
 
-def lr_at(step: int, base: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
-    """Step-based warmup + cosine (the CPU default)."""
-    return Schedule(base, warmup, total, None, min_ratio).lr(step)
-
-
 def setup_device(name: str, threads: int) -> torch.device:
     """The training device; on CUDA, TF32 matmuls/convolutions (fp32 accuracy is not
     needed for training and TF32 is several times faster on Ampere and later)."""
