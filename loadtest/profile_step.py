@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -429,13 +430,16 @@ def counted_cost(bundle, batch: int, packet_frames: int) -> dict:
         with Count():
             bundle.model.step(view.inputs, view.step, view, mask)
         out["aten_ops_model_step"] = Count.n
-        q = bundle.model.cfg.n_acoustic_codebooks
-        frames = [[[1] * q] * max(packet_frames, runner.min_first_frames)] * batch
+        # the codec's FLOPs do not depend on the device: counted on a CPU copy (on CUDA the
+        # counter's dispatch mode broke the streaming state's update, seen on an H100)
+        n_frames = max(packet_frames, runner.min_first_frames)
+        codec = copy.deepcopy(bundle.codec).cpu()
+        codes = torch.ones(batch, bundle.model.cfg.n_acoustic_codebooks, n_frames, dtype=torch.long)
         fc = FlopCounterMode(display=False)
         with fc:
-            runner.decode(slots, frames)
+            codec.decode_step(codes, codec.streaming_state(batch))
         out["codec_packet_flops"] = fc.get_total_flops()
-        out["codec_packet_frames"] = len(frames[0])
+        out["codec_packet_frames"] = n_frames
     return out
 
 
