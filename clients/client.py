@@ -40,13 +40,11 @@ from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator, Option
 
 import grpc
 
-from server.protocol import Enrollment, Stub, config_from_proto, config_to_proto, pb
+from server.protocol import BEARER_TOKEN_RE, Enrollment, Stub, config_from_proto, config_to_proto, pb
 from server.session_api import AudioPacket, Encoding, SessionConfig, Summary, WordTiming
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 log = logging.getLogger(__name__)
-# RFC 6750 b64token, as the server checks it (server/auth.py)
-_TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 Pem = Union[str, Path, bytes]  # a PEM file's path, or its contents
 
 
@@ -68,7 +66,7 @@ class ClientSecurity:
             raise ValueError("tls_cert and tls_key go together (mutual TLS)")
         if any(v is not None for v in (self.tls_ca, self.tls_cert)):
             object.__setattr__(self, "tls", True)
-        if self.token is not None and not _TOKEN_RE.fullmatch(self.token):
+        if self.token is not None and not BEARER_TOKEN_RE.fullmatch(self.token):
             raise ValueError("token must be an RFC 6750 b64token ([A-Za-z0-9-._~+/]+=*), without 'Bearer '")
 
     @property

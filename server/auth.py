@@ -37,16 +37,17 @@ import grpc
 
 from .config import ServerConfig
 from .metrics import Metrics
+from .protocol import BEARER_TOKEN_RE, rpc_method_handler
 from .session_api import ConfigError
+from .voices import VOICE_ID_RE
 
 log = logging.getLogger(__name__)
 
-# RFC 6750 b64token: what may follow "Bearer " in a header
-TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+TOKEN_RE = BEARER_TOKEN_RE
 MIN_TOKEN_CHARS = 16  # a guessable token is a configuration error, not a weak default
 MAX_TOKEN_CHARS = 4096
 # a tenant names a directory under voices_dir: the voice id alphabet
-TENANT_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+TENANT_RE = VOICE_ID_RE
 # methods open without a token (probes); exact names, not prefixes
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
@@ -211,10 +212,4 @@ def _refusal(handler: Optional[grpc.RpcMethodHandler], method: str, code: grpc.S
             await drain_requests(request.__aiter__())
         await context.abort(code, reason)
 
-    kind = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(streaming_in, streaming_out)]
-    return kind(refuse)
+    return rpc_method_handler(refuse, streaming_in, streaming_out)

@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ import grpc
 from .session_api import ChunkingConfig, ConfigError, Encoding, SessionConfig
 
 PROTO_REL = "livespeech/v1/livespeech.proto"
+# what may follow "Bearer " in the `authorization` metadata (RFC 6750 b64token); the
+# server (server/auth.py) and the client library check tokens against it
+BEARER_TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 SERVICE_NAME = "livespeech.v1.LiveSpeech"
 _MODULE_NAME = "server.gen.livespeech_pb2"
 
@@ -132,18 +136,24 @@ def _message_class(descriptor) -> Any:
     return getattr(pb, descriptor.name)
 
 
-def _cardinality(m: Any) -> str:
+def rpc_shape(client_streaming: bool, server_streaming: bool) -> str:
     """grpc's name for a method's shape: unary_unary, unary_stream, stream_unary, stream_stream."""
-    return f"{'stream' if m.client_streaming else 'unary'}_{'stream' if m.server_streaming else 'unary'}"
+    return f"{'stream' if client_streaming else 'unary'}_{'stream' if server_streaming else 'unary'}"
+
+
+def rpc_method_handler(behavior: Any, client_streaming: bool, server_streaming: bool, **kw: Any) -> grpc.RpcMethodHandler:
+    """`grpc.<shape>_rpc_method_handler(behavior, **kw)` for a method of that shape."""
+    return getattr(grpc, f"{rpc_shape(client_streaming, server_streaming)}_rpc_method_handler")(behavior, **kw)
 
 
 def method_handlers(servicer: object) -> grpc.GenericRpcHandler:
     """A generic handler routing each method of the service to `servicer.<Method>`."""
     handlers = {}
     for m in SERVICE.methods:
-        kind = getattr(grpc, f"{_cardinality(m)}_rpc_method_handler")
-        handlers[m.name] = kind(
+        handlers[m.name] = rpc_method_handler(
             getattr(servicer, m.name),
+            m.client_streaming,
+            m.server_streaming,
             request_deserializer=_message_class(m.input_type).FromString,
             response_serializer=_message_class(m.output_type).SerializeToString,
         )
@@ -155,7 +165,7 @@ class Stub:
 
     def __init__(self, channel: Any) -> None:
         for m in SERVICE.methods:
-            factory = getattr(channel, _cardinality(m))
+            factory = getattr(channel, rpc_shape(m.client_streaming, m.server_streaming))
             setattr(
                 self,
                 m.name,

@@ -228,7 +228,7 @@ class VoiceStore:
 
     def _tenant_dir(self, tenant: str) -> Path:
         assert self.dir is not None
-        if tenant and not VOICE_ID_RE.fullmatch(tenant):  # auth.TENANT_RE; never from a client
+        if tenant and not VOICE_ID_RE.fullmatch(tenant):  # auth.TENANT_RE is this alphabet; never from a client
             raise ValueError(f"bad tenant name {tenant!r}")
         return self.dir / tenant if tenant else self.dir
 
