@@ -188,7 +188,6 @@ class _Stream:
         self.closed = True
         if self.handle is not None and not self.released:
             self.released = True
-            self.service.tenant_session_ended(self.tenant)
             # the service ending a session with an error is a failure, not a disconnect
             failed = (self.outcome.done() and not self.outcome.cancelled()
                       and self.outcome.exception() is None and self.outcome.result() is not None)
@@ -246,7 +245,6 @@ class _Stream:
         self.service.check_tenant_quota(self.tenant)
         try:
             self.handle = self.service.engine.open_session(effective, voice, self.sink)
-            self.service.tenant_session_started(self.tenant)
         except CapacityError as e:
             self.capacity_rejected = True  # the engine counted it as a rejected session
             raise RpcError(
@@ -400,30 +398,24 @@ class LiveSpeechService:
         self.draining = False
         self._streams: set[_Stream] = set()
         self._changed = asyncio.Event()
-        self._tenant_sessions: dict[str, int] = {}  # open engine sessions per tenant
 
     @property
     def in_flight(self) -> int:
         return len(self._streams)
 
+    def tenant_sessions(self, tenant: str) -> int:
+        """Engine sessions `tenant` holds now (a stream's slot is held from open_session
+        until release)."""
+        return sum(s.tenant == tenant and s.handle is not None and not s.released for s in self._streams)
+
     def check_tenant_quota(self, tenant: str) -> None:
         limit = self.config.max_sessions_per_tenant
-        if limit and self._tenant_sessions.get(tenant, 0) >= limit:
+        if limit and self.tenant_sessions(tenant) >= limit:
             raise RpcError(
                 Code.RESOURCE_EXHAUSTED,
                 f"tenant has {limit} sessions open (max_sessions_per_tenant); retry when one ends",
                 (("retry-after-ms", str(self.config.retry_after_ms)),),
             )
-
-    def tenant_session_started(self, tenant: str) -> None:
-        self._tenant_sessions[tenant] = self._tenant_sessions.get(tenant, 0) + 1
-
-    def tenant_session_ended(self, tenant: str) -> None:
-        n = self._tenant_sessions.get(tenant, 0) - 1
-        if n > 0:
-            self._tenant_sessions[tenant] = n
-        else:
-            self._tenant_sessions.pop(tenant, None)
 
     # ------------------------------------------------------------ Synthesize
 

@@ -544,7 +544,7 @@ def test_sessions_per_tenant_are_capped(server_factory, tmp_path, client) -> Non
 
     client.run(go())
     assert h.wait_idle()
-    assert h.app.service._tenant_sessions == {}  # every count returned
+    assert h.app.service.tenant_sessions("alice") == h.app.service.tenant_sessions("bob") == 0  # every slot returned
 
 
 def test_a_session_open_too_long_is_ended(server_factory, client) -> None:
