@@ -50,6 +50,7 @@ import numpy as np
 
 from training.eval import report
 from training.eval.backends import Backend, cosine, make_backends
+from training.dataset import read_manifest
 from training.eval.text import error_counts, get_normalizer
 
 SR = 24000
@@ -88,11 +89,6 @@ class Utterance:
 
 
 # --- corpus ----------------------------------------------------------------------------------
-def load_manifest(corpus: Path) -> list[dict]:
-    with open(corpus / "manifest.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _to_utt(row: dict, corpus: Path) -> Utterance:
     words = [w[0] for w in row.get("words") or []] or row["text"].split()
     starts = [float(w[1]) for w in row.get("words") or []] or [0.0] * len(words)
@@ -411,7 +407,7 @@ def main(argv=None) -> int:
         asr_model = "base" if have_base else "tiny.en"
 
     corpus = Path(a.corpus)
-    rows = load_manifest(corpus)
+    rows = read_manifest(str(corpus))
     utts = select_utterances(rows, corpus, a.limit or None, a.split, a.seed)
     if not utts:
         print(f"no {a.split} utterances with an enrollment in {corpus}", file=sys.stderr)

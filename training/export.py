@@ -27,6 +27,7 @@ from models.livespeech import LiveSpeech2
 from models.loading import load_bundle, load_decoder, save_decoder, write_wav
 
 from .dataset import read_manifest, read_wav_segment
+from .plot import read_log
 
 VOICE_IDS = ["default", "voice-a", "voice-b", "voice-c"]
 
@@ -94,17 +95,11 @@ def fp16_check(model: LiveSpeech2, path: str, corpus: str, codes: str | None) ->
     return {"max_abs_logit_diff": diff, "argmax_agreement": agree}
 
 
-def read_log(run_dir: str) -> tuple[list[dict], list[dict]]:
-    path = os.path.join(run_dir, "log.jsonl")
-    steps, evals = [], []
-    if os.path.exists(path):
-        for line in open(path):
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            (evals if r.get("eval") else steps).append(r)
-    return steps, evals
+def _run_log(run_dir: str) -> tuple[list[dict], list[dict]]:
+    """(steps, evals) of a run's log.jsonl; none for a checkpoint that has no run beside it."""
+    if not os.path.exists(os.path.join(run_dir, "log.jsonl")):
+        return [], []
+    return read_log(run_dir)
 
 
 def _read_json(path: str) -> dict:
@@ -119,8 +114,8 @@ def model_card(out: str, dec_obj: dict, dec_path: str, codec_path: str, corpus: 
                voices, check: dict, sizes: dict, shown_out: str | None = None) -> None:
     dec_run = os.path.dirname(os.path.abspath(dec_path))
     codec_run = os.path.dirname(os.path.abspath(codec_path))
-    dsteps, devals = read_log(dec_run)
-    csteps, cevals = read_log(codec_run)
+    dsteps, devals = _run_log(dec_run)
+    csteps, cevals = _run_log(codec_run)
     train = [r for r in records if r["split"] == "train"]
     cfg = dec_obj["config"]
     n_params = sum(v.numel() for v in dec_obj["model"].values()) if "model" in dec_obj else None
@@ -159,7 +154,7 @@ def model_card(out: str, dec_obj: dict, dec_path: str, codec_path: str, corpus: 
         f"partly held-out voices. English only, robotic speech.",
         "",
         "## Codec",
-        f"`python -m training.codec_train` ({codec_run}): {csteps[-1]['step'] if csteps else '?'} steps on "
+        f"`python -m training.codec_train` ({codec_run}): {max((r['step'] for r in csteps + cevals), default='?')} steps on "
         f"{cargs.get('device', '?')}, batch {cargs.get('batch', '?')} x {cargs.get('crop_s', '?')} s crops, AdamW lr "
         f"{cargs.get('lr', '?')}, L1 + multi-res STFT + mel, no discriminator.",
         f"Dev resynthesis (16 x 2 s dev crops, 8 codebooks): mel distance {cbest.get('dev_mel', float('nan')):.3f}, "
