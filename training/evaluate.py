@@ -218,12 +218,12 @@ class SynthResult:
     error: Optional[str] = None
 
 
-def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int, pacing: str,
-               timeout_s: float) -> SynthResult:
-    """Stream the utterance's text into an engine session chunk by chunk (the whole text
-    at once, as a fast upstream LLM would; with pacing='speech-time' each chunk carries the
-    time it is spoken in the ground truth, as in the paper's simulated streams)."""
-    from server.session_api import AudioPacket, ChunkingConfig, Failed, Finished, SessionConfig, WordTiming
+def run_session(engine, cfg, voice, pieces, timeout_s: float):
+    """One engine session driven as the gRPC service drives it: push `pieces` ((text,
+    client_time_s or None, flush) each), end the input, collect the events until Finished
+    or Failed. Returns (events, handle); events is None on a timeout (the session is
+    then cancelled)."""
+    from server.session_api import Failed, Finished
 
     events: list = []
     done = threading.Event()
@@ -232,6 +232,32 @@ def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int,
         events.append(ev)
         if isinstance(ev, (Finished, Failed)):
             done.set()
+
+    handle = engine.open_session(cfg, voice, sink)
+    for text, t, flush in pieces:
+        handle.push_text(text, client_time_s=t, flush=flush)
+    handle.end_input()
+    if not done.wait(timeout_s):
+        handle.cancel()
+        done.wait(10)
+        return None, handle
+    return events, handle
+
+
+def session_audio(events: list) -> np.ndarray:
+    """The session's audio packets joined, float32 (the session's rate)."""
+    from server.audio import pcm16_to_float
+    from server.session_api import AudioPacket
+
+    return pcm16_to_float(b"".join(e.data for e in events if isinstance(e, AudioPacket)))
+
+
+def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int, pacing: str,
+               timeout_s: float) -> SynthResult:
+    """Stream the utterance's text into an engine session chunk by chunk (the whole text
+    at once, as a fast upstream LLM would; with pacing='speech-time' each chunk carries the
+    time it is spoken in the ground truth, as in the paper's simulated streams)."""
+    from server.session_api import ChunkingConfig, Failed, Finished, SessionConfig, WordTiming
 
     speech_time = pacing == "speech-time"
     cfg = SessionConfig(
@@ -249,22 +275,17 @@ def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int,
     for first, n, tau in chunks:
         t = (tau / 75.0) if tau is not None else (utt.word_starts[first] if first < len(utt.word_starts) else 0.0)
         pieces.append((" ".join(utt.words[first:first + n]), t))
-    t0 = time.perf_counter()
-    handle = engine.open_session(cfg, voice, sink)
-    last_t = 0.0
+    sends, last_t = [], 0.0
     for text, t in pieces:
         last_t = max(last_t, t)
-        handle.push_text(text + " ", client_time_s=last_t if speech_time else None, flush=True)
-    handle.end_input()
-    if not done.wait(timeout_s):
-        handle.cancel()
-        done.wait(10)
-        return SynthResult(np.zeros(0, np.float32), wall_s=time.perf_counter() - t0,
-                           error=f"timeout after {timeout_s:.0f} s")
+        sends.append((text + " ", last_t if speech_time else None, True))
+    t0 = time.perf_counter()
+    events, handle = run_session(engine, cfg, voice, sends, timeout_s)
     wall = time.perf_counter() - t0
+    if events is None:
+        return SynthResult(np.zeros(0, np.float32), wall_s=wall, error=f"timeout after {timeout_s:.0f} s")
     failed = [e for e in events if isinstance(e, Failed)]
-    pcm = b"".join(e.data for e in events if isinstance(e, AudioPacket))
-    audio = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+    audio = session_audio(events)
     fin = [e for e in events if isinstance(e, Finished)]
     summary = fin[0].summary if fin else None
     return SynthResult(

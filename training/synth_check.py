@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -28,7 +27,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from models.loading import load_bundle, write_wav
     from server.engine import Engine, EngineConfig
-    from server.session_api import AudioPacket, Failed, Finished, SessionConfig, WordTiming
+    from server.session_api import Failed, SessionConfig, WordTiming
+
+    from .evaluate import run_session, session_audio
 
     t = time.time()
     bundle = load_bundle(a.model)
@@ -40,24 +41,14 @@ def main(argv=None) -> int:
         for vid in a.voices.split(","):
             voice = eng.make_voice(vid, bundle.builtin_voices[vid], 24000)
             for i, text in enumerate(SENTENCES):
-                events, done = [], threading.Event()
-
-                def sink(ev, events=events, done=done):
-                    events.append(ev)
-                    if isinstance(ev, (Finished, Failed)):
-                        done.set()
-
                 t0 = time.time()
-                h = eng.open_session(SessionConfig(seed=0, guidance_lambda=a.guidance), voice, sink)
-                for piece in text.split(" "):
-                    h.push_text(piece + " ")
-                h.end_input()
-                if not done.wait(120):
+                cfg = SessionConfig(seed=0, guidance_lambda=a.guidance)
+                events, _ = run_session(eng, cfg, voice, [(piece + " ", None, False) for piece in text.split(" ")], 120)
+                if events is None:
                     print("timeout", flush=True)
                     continue
                 el = time.time() - t0
-                pcm = b"".join(e.data for e in events if isinstance(e, AudioPacket))
-                audio = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+                audio = session_audio(events)
                 path = os.path.join(a.out, f"{vid}_{i}.wav")
                 write_wav(path, audio, 24000)
                 words = [e.word for e in events if isinstance(e, WordTiming)]
