@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     say.add_argument("--sample-rate", type=int, default=24000)
     say.add_argument("--encoding", choices=("pcm16", "mulaw"), default="pcm16")
     say.add_argument("--packet-ms", type=int, default=None)
+    say.add_argument("--min-packet-ms", type=int, default=None,
+                     help="shortest packet but the last (server default 20; = --packet-ms for fixed sizes)")
     say.add_argument("--np", dest="n_past_chunks", type=int, default=None, help="past chunks (-1 unbounded)")
     say.add_argument("--nf", dest="n_future_chunks", type=int, default=None, help="future chunks")
     say.add_argument("--seed", type=int, default=None)
@@ -144,7 +146,7 @@ def _say(args: argparse.Namespace) -> int:
     source = paced(split_pieces(text), args.llm_rate, jitter=args.jitter) if args.llm_rate else text
     kw = dict(
         voice_id=args.voice, sample_rate=args.sample_rate, encoding=args.encoding, packet_ms=args.packet_ms,
-        n_past_chunks=args.n_past_chunks, n_future_chunks=args.n_future_chunks, seed=args.seed,
+        min_packet_ms=args.min_packet_ms, n_past_chunks=args.n_past_chunks, n_future_chunks=args.n_future_chunks, seed=args.seed,
     )
     enrollment = None
     if args.enroll:

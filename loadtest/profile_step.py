@@ -16,7 +16,7 @@ behaves the same. Each scope's exclusive time is reported per step:
           mamba            MambaBlock.step (every layer)
           cross-attention  CrossAttention.attend_step (every layer)
           layernorm        norm1/norm2 and the group norms
-          heads            the per-codebook output projections
+          heads            the output projections (one stacked matmul per codebook group)
         sampling.graphemes sample_graphemes (semantic guidance + top-k)
           guidance.set     GuidanceState.guiding_set (Python)
         sampling.acoustic  sample_top_k over the acoustic codebooks
@@ -190,8 +190,7 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
         p.wrap(scopes, "layernorm", layer.norm2, "forward")
     for gn in m.group_norms:
         p.wrap(scopes, "layernorm", gn, "forward")
-    for h in m.heads:
-        p.wrap(scopes, "heads", h, "forward")
+    p.wrap(scopes, "heads", m, "_fused_heads")  # the step's heads: one matmul per codebook group
     p.wrap(scopes, "sampling.graphemes", runner_mod, "sample_graphemes")
     p.wrap(scopes, "sampling.acoustic", runner_mod, "sample_top_k")
     p.wrap(scopes, "guidance.set", GuidanceState, "guiding_set")

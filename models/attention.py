@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .derived import derived, transposed
+
 
 def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape positions.shape + (head_dim // 2,)."""
@@ -83,10 +85,19 @@ class CrossAttention(nn.Module):
         [B, H, N+L, hd]; bias [B, 1, 1, N+L] (0 or -inf: the np/nf window).
         """
         b = x.shape[0]
-        q = self.q_proj(x).view(b, self.n_heads, 1, self.head_dim)
+        w_q, w_out = derived(self, "_step_weights", (self.q_proj.weight, self.out_proj.weight),
+                             lambda: (transposed(self.q_proj.weight), transposed(self.out_proj.weight)))
+        q = torch.mm(x, w_q).view(b, self.n_heads, 1, self.head_dim)
         q2 = torch.cat((q, apply_rope(q, q_cos, q_sin)), dim=-1)
-        out = F.scaled_dot_product_attention(q2, mem_k, mem_v, attn_mask=bias, scale=1.0 / math.sqrt(self.head_dim))
-        return self.out_proj(out.view(b, -1))
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if x.device.type == "cpu":
+            # one query per head: on CPU, SDPA takes its unfused math path here, which
+            # measured ~1.7x slower than these three ops (docs/loadtest.md)
+            s = torch.matmul(q2, mem_k.transpose(-1, -2)).mul_(scale).add_(bias)
+            out = torch.matmul(torch.softmax(s, dim=-1), mem_v)
+        else:
+            out = F.scaled_dot_product_attention(q2, mem_k, mem_v, attn_mask=bias, scale=scale)
+        return torch.mm(out.view(b, -1), w_out)
 
 
 def window_chunk_range(c: int, n_past: Optional[int], n_future: int, n_chunks: int) -> tuple[int, int]:

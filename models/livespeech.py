@@ -18,6 +18,7 @@ from torch import nn
 
 from .attention import CrossAttention, rope_angles
 from .config import ModelConfig
+from .derived import derived, transposed
 from .mamba import make_mamba
 from .speech_encoder import SpeechEncoder
 
@@ -129,15 +130,39 @@ class LiveSpeech2(nn.Module):
 
         return self._grouped_logits(h, run)
 
-    def _grouped_logits(self, h: torch.Tensor, run) -> list[torch.Tensor]:
+    def _grouped_logits(self, h: torch.Tensor, run, fused_heads: bool = False) -> list[torch.Tensor]:
         """Shared layers, then each codebook group's branch, norm and heads; `run(h, ids)`
-        applies layers `ids` (whole sequences in training, one step in inference)."""
+        applies layers `ids` (whole sequences in training, one step in inference).
+        `fused_heads`: a group's heads as one matmul over their stacked weights (the
+        same numbers; one op instead of one per codebook, for the decode step)."""
         shared = run(h, range(self.cfg.n_shared_layers))
         logits: list[torch.Tensor] = []
         for g, (a, z) in enumerate(self.cfg.group_slices()):
             hg = self.group_norms[g](run(shared, self.group_layer_ids(g)))
-            logits.extend(self.heads[k](hg) for k in range(a, z))
+            if fused_heads:
+                logits.extend(self._fused_heads(g, hg))
+            else:
+                logits.extend(self.heads[k](hg) for k in range(a, z))
         return logits
+
+    def _fused_heads(self, g: int, hg: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Group g's heads on hg [B, D] as one matmul with their stacked, transposed weights."""
+        a, z = self.cfg.group_slices()[g]
+        heads = [self.heads[k].weight for k in range(a, z)]
+        w_t = derived(self, f"_group_heads_{g}", heads, lambda: transposed(torch.cat(heads)))
+        return torch.mm(hg, w_t).split(self.vocab_sizes[a:z], dim=-1)
+
+    def _embed_step(self, inputs: torch.Tensor) -> torch.Tensor:
+        """inputs [B, K] -> summed code embeddings [B, D], as one lookup in the stacked
+        tables (K lookups and adds otherwise)."""
+        tables = [e.weight for e in self.code_emb]
+
+        def build():
+            sizes = torch.tensor([t.shape[0] for t in tables])
+            offsets = torch.cumsum(sizes, 0) - sizes
+            return torch.cat([t.detach() for t in tables]), offsets.to(tables[0].device)
+        table, offsets = derived(self, "_step_embedding", tables, build)
+        return F.embedding(inputs + offsets, table).sum(1)
 
     # --- inference ---------------------------------------------------------------
     def step(self, inputs: torch.Tensor, frame: torch.Tensor, state: "DecodeStateView",
@@ -146,22 +171,26 @@ class LiveSpeech2(nn.Module):
 
         inputs [B, K] previous tokens (none id where empty); frame [B] query positions;
         state: the batch's view of the caller-owned DecodeState (recurrent parts updated
-        in place); text_mask [B, L] the np/nf window.
+        in place); text_mask [B, L] the np/nf window over the first L text slots (L may
+        be less than the memory's: slots past L are not read, so a caller that knows
+        they are all masked saves their memory traffic).
         """
-        h = sum(emb(inputs[:, k]) for k, emb in enumerate(self.code_emb))
+        h = self._embed_step(inputs)
         cfg = self.cfg
         q_cos, q_sin = rope_angles(frame, cfg.d_model // cfg.n_heads, cfg.rope_base)
         q_cos, q_sin = q_cos[:, None, None, :], q_sin[:, None, None, :]
         # additive window mask: enrollment always visible, text keys by the np/nf window
-        bias = torch.zeros(h.shape[0], 1, 1, cfg.n_enroll + text_mask.shape[1], dtype=h.dtype, device=h.device)
+        m = cfg.n_enroll + text_mask.shape[1]
+        bias = torch.zeros(h.shape[0], 1, 1, m, dtype=h.dtype, device=h.device)
         bias[:, 0, 0, cfg.n_enroll:].masked_fill_(~text_mask, float("-inf"))
 
         def run(h, ids):
             for i in ids:
-                h = self.layers[i].step(h, state.conv[i], state.ssm[i], q_cos, q_sin, state.mem_k[i], state.mem_v[i], bias)
+                h = self.layers[i].step(h, state.conv[i], state.ssm[i], q_cos, q_sin,
+                                        state.mem_k[i][:, :, :m], state.mem_v[i][:, :, :m], bias)
             return h
 
-        outs = self._grouped_logits(h, run)
+        outs = self._grouped_logits(h, run, fused_heads=True)
         return StepLogits(graphemes=outs[0], acoustic=torch.stack(outs[1:], dim=1))
 
 

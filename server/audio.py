@@ -1,7 +1,7 @@
 """Audio encoding for the wire (numpy only; called from the engine thread).
 
 `AudioEncoder` turns the model's 24 kHz float32 stream into packets of exactly
-`packet_ms` (the last one may be shorter) in the session's sample rate and encoding.
+`packet_ms` (the last one may be shorter, and so may a packet the engine asks for early) in the session's sample rate and encoding.
 Resampling is models/resample.py's streaming polyphase FIR: pushing in pieces gives the
 same samples as resampling the whole signal.
 
@@ -118,12 +118,18 @@ class AudioEncoder:
             self._emitted += len(chunk)
         return out
 
-    def push(self, samples: np.ndarray) -> list[EncodedPacket]:
+    def push(self, samples: np.ndarray, min_short_s: Optional[float] = None) -> list[EncodedPacket]:
+        """Whole packets of the audio so far; with `min_short_s`, also what is left
+        over as one shorter packet if it lasts at least that long (the engine asks for
+        one when the listener's buffer is low)."""
         x = np.asarray(samples, dtype=np.float32).reshape(-1)
         if self._resampler is not None:
             x = self._resampler.push(x)
         self._pending = np.concatenate([self._pending, x])
-        return self._packets(final=False)
+        out = self._packets(final=False)
+        if min_short_s is not None and len(self._pending) >= max(1, round(min_short_s * self.sample_rate)):
+            out += self._packets(final=True)
+        return out
 
     def flush(self) -> list[EncodedPacket]:
         if self._resampler is not None:

@@ -49,12 +49,17 @@ class EngineConfig:
     max_text_piece_chars: int = 4096
     max_session_text_chars: int = 100_000
     idle_poll_s: float = 0.01
+    # a packet shorter than packet_ms goes out early when the listener has less than this
+    # many step periods of audio left (the next step and its codec decode must land first)
+    low_water_steps: float = 3.0
 
     def validate(self) -> "EngineConfig":
         if not 1 <= self.max_sessions <= 4096:
             raise ConfigError("max_sessions must be in [1, 4096]")
         if self.max_lead_s <= 0 or self.max_overrun_s <= 0 or self.max_session_s <= 0:
             raise ConfigError("engine time limits must be positive")
+        if not 0 <= self.low_water_steps <= 100:
+            raise ConfigError("low_water_steps must be in [0, 100]")
         return self
 
 
@@ -73,6 +78,10 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._admit_lock = threading.Lock()
         self._n_active = 0
+        # time from one step's start to the next while stepping back to back (EMA): what
+        # a listener waits for the next frames of its session
+        self._step_period_s = 0.02
+        self._last_step_at: Optional[float] = None
 
     # --- EngineAPI ---------------------------------------------------------------------------
     @property
@@ -238,6 +247,9 @@ class Engine:
     # --- decoding --------------------------------------------------------------------------------
     def _step(self, batch: list[EngineSession]) -> None:
         t0 = time.perf_counter()
+        if self._last_step_at is not None and t0 - self._last_step_at < 0.5:  # not after idling
+            self._step_period_s += 0.1 * (t0 - self._last_step_at - self._step_period_s)
+        self._last_step_at = t0
         now = time.monotonic()
         windows, force = [], []
         for s in batch:
@@ -257,17 +269,18 @@ class Engine:
         self.metrics.step_seconds.observe(step_s)
         self.metrics.batch_size.observe(len(batch))
         to_decode = []
+        now = time.monotonic()
         for s, r in zip(batch, results):
             s.compute_s += step_s / len(batch)
             if r.failed:
                 self._fail(s, "INTERNAL", "numerical error in the decoder (non-finite logits)")
                 continue
             with self._isolated(s, "decoding"):
-                if self._after_step(s, r):
+                if self._after_step(s, r, now):
                     to_decode.append(s)
         self._decode(to_decode)
 
-    def _after_step(self, s: EngineSession, r) -> bool:
+    def _after_step(self, s: EngineSession, r, now: float) -> bool:
         """Book one step's result for a session; True when it has a packet to decode."""
         s.guidance.observe(r.grapheme)
         if s.guidance.progress != s.last_progress:
@@ -285,14 +298,33 @@ class Engine:
         if r.done:
             s.done_decoding = True
         self._evict_past(s)
-        need = self._packet_frames(s) if s.frames_done else max(self._packet_frames(s), self.runner.min_first_frames)
-        if s.pending_frames and (s.done_decoding or len(s.pending_frames) >= need):
+        if not s.done_decoding and not s.lookahead_ready():
+            s.phase = Phase.WAITING  # text ran dry: wait for more
+        if self._packet_due(s, now):
             return True
         if s.done_decoding:
             self._finish(s, cancelled=False)
-        elif not s.lookahead_ready():
-            s.phase = Phase.WAITING  # text ran dry: wait for more
         return False
+
+    def _packet_due(self, s: EngineSession, now: float) -> bool:
+        """Whether to decode the session's pending frames now (sets `s.short_packet`).
+        A full packet when packet_ms of frames are pending; a shorter one (at least
+        min_packet_ms) for the first audio, when the listener would run dry before the
+        next steps land, or when the text ran dry (nothing more comes for a while)."""
+        n = len(s.pending_frames)
+        s.short_packet = False
+        if n == 0:
+            return False
+        if s.done_decoding or n >= self._packet_frames(s):
+            return True
+        shortest = self._frames(s.config.min_packet_ms)
+        if s.frames_done == 0:
+            shortest = max(shortest, self.runner.min_first_frames)
+        if n < shortest:
+            return False
+        s.short_packet = (s.frames_done == 0 or s.phase is Phase.WAITING
+                          or s.audio_ahead_s(now) < self.config.low_water_steps * self._step_period_s)
+        return s.short_packet
 
     def _must_end(self, s: EngineSession) -> bool:
         """Runaway guard once the text is complete: speech running past the (re-placed)
@@ -305,7 +337,11 @@ class Engine:
         return s.step_count > s.timeline.chunks[-1].tau + limit or s.step_count - s.progress_step > limit
 
     def _packet_frames(self, s: EngineSession) -> int:
-        return max(1, math.ceil(s.config.packet_ms * FRAME_RATE / 1000))
+        return self._frames(s.config.packet_ms)
+
+    @staticmethod
+    def _frames(ms: int) -> int:
+        return max(1, math.ceil(ms * FRAME_RATE / 1000))
 
     def _evict_past(self, s: EngineSession) -> None:
         if s.phase is Phase.ENDED or s.config.n_past_chunks < 0:
@@ -329,7 +365,8 @@ class Engine:
                 s.compute_s += dt / len(group)
                 s.frames_done += n
                 s.pending_frames = []
-                self._emit_audio(s, s.encoder.push(wav), frames=n)
+                short = s.config.min_packet_ms / 1000 if s.short_packet else None
+                self._emit_audio(s, s.encoder.push(wav, min_short_s=short), frames=n)
                 if s.done_decoding:
                     self._emit_audio(s, s.encoder.flush(), frames=0)
                     self._finish(s, cancelled=False)

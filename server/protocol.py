@@ -226,6 +226,7 @@ def config_from_proto(msg: "pb.SynthesizeConfig") -> tuple[SessionConfig, Option
         sample_rate=opt(msg, "sample_rate", d.sample_rate),
         encoding=_ENCODINGS[msg.encoding],
         packet_ms=opt(msg, "packet_ms", d.packet_ms),
+        min_packet_ms=opt(msg, "min_packet_ms", d.min_packet_ms),
         n_past_chunks=opt(msg, "n_past_chunks", d.n_past_chunks),
         n_future_chunks=opt(msg, "n_future_chunks", d.n_future_chunks),
         chunking=ChunkingConfig(
@@ -249,6 +250,7 @@ def config_to_proto(cfg: SessionConfig, enrollment: Optional[Enrollment] = None)
         sample_rate=cfg.sample_rate,
         encoding=_ENCODINGS_BACK[cfg.encoding],
         packet_ms=cfg.packet_ms,
+        min_packet_ms=cfg.min_packet_ms,
         n_past_chunks=cfg.n_past_chunks,
         n_future_chunks=cfg.n_future_chunks,
         chunking=pb.ChunkingPolicy(

@@ -91,6 +91,10 @@ class ModelRunner:
             self.state.rotate_window(slot, lo, hi)
         view = self.state.view(slots)
         mask = self.state.window_mask(view, [w[0] for w in windows], [w[1] for w in windows])
+        # attention reads text slots only up to the last one any window shows: past chunks
+        # are evicted from the front, so the window sits near the start of the memory
+        shown = mask.any(0).nonzero()
+        mask = mask[:, : int(shown[-1]) + 1 if shown.numel() else 0]
         logits = self.model.step(view.inputs, view.step, view, mask)
         g_logits, a_logits = logits.graphemes.float(), logits.acoustic.float()
         # a row with non-finite logits fails alone; sample it from zeros so the batch goes on

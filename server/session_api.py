@@ -53,6 +53,9 @@ class SessionConfig:
     sample_rate: int = 24000
     encoding: Encoding = Encoding.PCM16
     packet_ms: int = 80
+    # the first packet and packets sent while the listener's buffer is low may be this
+    # short (not shorter, but the last): the first audio needs only this much decoded
+    min_packet_ms: int = 20
     n_past_chunks: int = 4  # np; -1 means unbounded (offline mode)
     n_future_chunks: int = 2  # nf
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
@@ -69,6 +72,8 @@ class SessionConfig:
             raise ConfigError(f"unknown encoding {self.encoding!r}")
         if not 20 <= self.packet_ms <= 1000:
             raise ConfigError("packet_ms must be in [20, 1000]")
+        if not 10 <= self.min_packet_ms <= self.packet_ms:
+            raise ConfigError(f"min_packet_ms must be in [10, packet_ms={self.packet_ms}]")
         if not (self.n_past_chunks == -1 or 0 <= self.n_past_chunks <= 64):
             raise ConfigError("n_past_chunks must be -1 (unbounded) or in [0, 64]")
         if not 0 <= self.n_future_chunks <= 8:

@@ -57,7 +57,7 @@ def say(engine, voice, text, **cfg):
 
 def test_session_streams_contiguous_packets_and_words(engine, voice):
     text = "Hello there, this is a short test."
-    c = say(engine, voice, text, sample_rate=16000, packet_ms=40)
+    c = say(engine, voice, text, sample_rate=16000, packet_ms=40, min_packet_ms=40)  # fixed-size packets
     packets = c.of(AudioPacket)
     assert packets and [p.seq for p in packets] == list(range(len(packets)))
     t = 0.0
@@ -77,9 +77,54 @@ def test_session_streams_contiguous_packets_and_words(engine, voice):
 
 
 def test_mulaw_packets_are_one_byte_per_sample(engine, voice):
-    c = say(engine, voice, "Short one.", sample_rate=8000, encoding=Encoding.MULAW, packet_ms=100)
+    c = say(engine, voice, "Short one.", sample_rate=8000, encoding=Encoding.MULAW, packet_ms=100, min_packet_ms=100)
     packets = c.of(AudioPacket)
     assert all(len(p.data) == 800 for p in packets[:-1])
+
+
+def packet_ms(packets):
+    return [round(p.duration_s * 1000, 3) for p in packets]
+
+
+def test_first_packet_is_short_then_packets_grow(engine, voice):
+    """The first audio needs only min_packet_ms decoded (two 13.3 ms frames for 20 ms);
+    once the session is ahead of its listener, packets are packet_ms."""
+    c = say(engine, voice, "The first packet comes early, the later ones are full size.", packet_ms=80)
+    ms = packet_ms(c.of(AudioPacket))
+    assert ms[0] == pytest.approx(2000 / 75, abs=0.01)
+    assert all(20 <= m <= 80 for m in ms[:-1]) and 80 in ms
+    t = 0.0
+    for p in c.of(AudioPacket):
+        assert p.start_s == pytest.approx(t)
+        t += p.duration_s
+    assert c.of(Finished)[0].summary.audio_s == pytest.approx(t)
+
+
+def test_low_buffer_sends_short_packets(voice):
+    """With a listener that is always 'about to run dry' (an absurd low-water mark),
+    every packet but the last goes out as soon as min_packet_ms is decoded; with the
+    mark at zero, only the first packet is short. Same seed, same audio either way."""
+    torch.set_num_threads(1)
+    runs = {}
+    for low_water in (100.0, 0.0):
+        eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=1, low_water_steps=low_water))
+        eng.start()
+        try:
+            v = eng.make_voice("test", (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32), 24000)
+            c = Collector()
+            h = eng.open_session(SessionConfig(**HARD, packet_ms=80, min_packet_ms=40), v, c)
+            h.push_text("Every packet is as short as it may be here.")
+            h.end_input()
+            assert c.done.wait(60)
+            runs[low_water] = c.of(AudioPacket)
+        finally:
+            eng.stop()
+    short, full = packet_ms(runs[100.0]), packet_ms(runs[0.0])
+    assert all(40 <= m < 80 for m in short[:-1]) and len(short) > len(full)
+    assert full[0] < 80 and all(m == 80 for m in full[1:-1])
+    # the streaming codec equals whole decoding to float rounding, whatever the packet split
+    a, b = (np.frombuffer(b"".join(p.data for p in runs[k]), dtype="<i2").astype(int) for k in (100.0, 0.0))
+    assert len(a) == len(b) and np.abs(a - b).max() <= 2
 
 
 def test_same_seed_same_audio(engine, voice):

@@ -264,3 +264,48 @@ def test_losses_and_weights(model):
     ws = w.weights()
     assert abs(float(ws.mean()) - 1) < 1e-6 and ws[0] < ws[1]
     (loss * ws).sum().backward()
+
+
+def _one_step(model, mask_len=None, seed=3):
+    """One decode step of a fresh slot with 6 text tokens (chunks 0 and 1), the window on
+    chunk 0; `mask_len` narrows the text mask to that many slots."""
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(seed)
+    enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (1, cfg.n_acoustic_codebooks, 10), generator=g))
+    st = DecodeState.allocate(model, capacity=1)
+    st.reset_slot(0, enrollment_kv(model, enroll[0]))
+    st.append_text(0, [5, 6, 7], [0, 1, 2], chunk=0)
+    st.append_text(0, [8, 9, 10], [3, 4, 5], chunk=1)
+    view = st.view([0])
+    mask = st.window_mask(view, [0], [0])
+    if mask_len is not None:
+        assert not mask[:, mask_len:].any()
+        mask = mask[:, :mask_len]
+    with torch.no_grad():
+        return model.step(view.inputs, view.step, view, mask)
+
+
+def test_step_reads_only_the_text_slots_its_mask_covers(model):
+    full, narrow = _one_step(model), _one_step(model, mask_len=3)
+    assert torch.allclose(full.graphemes, narrow.graphemes, atol=1e-6)
+    assert torch.allclose(full.acoustic, narrow.acoustic, atol=1e-6)
+
+
+def test_step_follows_in_place_weight_updates(model):
+    """The step keeps weights derived from the parameters (transposed, stacked heads,
+    exp(A_log)); an in-place update, as an optimiser makes, must show in the next step."""
+    import copy
+
+    warm = copy.deepcopy(model)
+    before = _one_step(warm)  # builds the derived tensors
+    with torch.no_grad():
+        for m in (warm, model_copy := copy.deepcopy(model)):
+            m.heads[1].weight.mul_(2.0)
+            m.layers[0].mamba.A_log.add_(0.5)
+            m.layers[0].mamba.in_proj.weight.mul_(0.5)
+            m.layers[1].xattn.q_proj.weight.mul_(3.0)
+            m.code_emb[2].weight.add_(0.1)
+    after, fresh = _one_step(warm), _one_step(model_copy)
+    assert not torch.allclose(before.acoustic, after.acoustic, atol=1e-3)
+    assert torch.allclose(after.graphemes, fresh.graphemes, atol=1e-6)
+    assert torch.allclose(after.acoustic, fresh.acoustic, atol=1e-6)

@@ -19,7 +19,7 @@ def srv(server_factory):
     return server_factory(max_sessions=8)
 
 
-def check_packets(r: SynthesisResult, rate: int, encoding: Encoding, packet_ms: int) -> None:
+def check_packets(r: SynthesisResult, rate: int, encoding: Encoding, packet_ms: int, min_packet_ms: int = 20) -> None:
     assert r.summary is not None and not r.summary.cancelled
     assert r.started.config.sample_rate == rate and r.started.config.encoding is encoding
     assert r.packets, "no audio"
@@ -32,27 +32,33 @@ def check_packets(r: SynthesisResult, rate: int, encoding: Encoding, packet_ms: 
         assert p.start_s == pytest.approx(t, abs=1e-6)
         t += p.duration_s
     total = 0
-    # sizes come from the joined audio: every packet but the last is exactly packet_ms
+    # sizes come from the joined audio: every packet is at most packet_ms, and every one
+    # but the last at least min_packet_ms (the first audio and a low listener buffer send
+    # packets early)
+    shortest = rate * min_packet_ms // 1000 * width
     for p in r.packets:
         sizes.append(round(p.duration_s * rate) * width)
         total += sizes[-1]
-    assert all(s == n for s in sizes[:-1]) and 0 < sizes[-1] <= n
+    assert all(shortest <= s <= n for s in sizes[:-1]) and 0 < sizes[-1] <= n
     assert total == len(r.audio)
     assert r.summary.audio_s == pytest.approx(t, abs=2 / rate + 1e-3)
 
 
 def test_audio_for_each_rate_and_encoding_concurrently(srv) -> None:
+    # (rate, encoding, packet_ms, min_packet_ms): None = the default (20 ms); equal to
+    # packet_ms = fixed-size packets
     cases = [
-        (8000, Encoding.MULAW, 20),
-        (16000, Encoding.PCM16, 40),
-        (24000, Encoding.PCM16, 80),
-        (48000, Encoding.MULAW, 100),
-        (48000, Encoding.PCM16, 60),
+        (8000, Encoding.MULAW, 20, None),
+        (16000, Encoding.PCM16, 40, 40),
+        (24000, Encoding.PCM16, 80, None),
+        (48000, Encoding.MULAW, 100, 100),
+        (48000, Encoding.PCM16, 60, None),
     ]
 
-    async def one(client, rate, enc, ms):
+    async def one(client, rate, enc, ms, min_ms):
         raw = []
-        stream = client.synthesize(TEXT, sample_rate=rate, encoding=enc, packet_ms=ms, **HARD)
+        sizes = {} if min_ms is None else {"min_packet_ms": min_ms}
+        stream = client.synthesize(TEXT, sample_rate=rate, encoding=enc, packet_ms=ms, **sizes, **HARD)
         result = SynthesisResult()
         async for ev in stream:
             result.add(ev)
@@ -66,10 +72,12 @@ def test_audio_for_each_rate_and_encoding_concurrently(srv) -> None:
 
     results = srv.run(go())
     ids = set()
-    for (rate, enc, ms), (r, raw) in zip(cases, results):
-        check_packets(r, rate, enc, ms)
+    for (rate, enc, ms, min_ms), (r, raw) in zip(cases, results):
+        check_packets(r, rate, enc, ms, min_ms or 20)
         width = 2 if enc is Encoding.PCM16 else 1
-        assert all(b == rate * ms // 1000 * width for b in raw[:-1]) and raw[-1] <= rate * ms // 1000 * width
+        assert raw == [round(p.duration_s * rate) * width for p in r.packets]
+        if min_ms == ms:
+            assert all(b == rate * ms // 1000 * width for b in raw[:-1]) and raw[-1] <= rate * ms // 1000 * width
         ids.add(r.started.session_id)
         words = r.words
         assert all(w.start_s <= w.end_s for w in words)

@@ -1,0 +1,43 @@
+"""Tensors derived from parameters for the decode step, built once and rebuilt only
+when a source changes.
+
+A decode step on CPU is dispatch- and lookup-bound (docs/loadtest.md): re-deriving a
+constant (exp(A_log), a stacked head matrix) or walking nn.Module attributes each step
+costs a measurable share of it. A training step changes a parameter in place (its
+`_version` moves) and `.to()` gives it new storage (its `data_ptr` moves); either one
+rebuilds the derived value, so a cached value is never stale.
+
+Weights are kept transposed ([in, out], contiguous) for the step: a one-row matmul
+against a weight that streams from memory ran up to 3x faster in that layout than
+`F.linear` on the [out, in] original (2-core EPYC, wide outputs; docs/loadtest.md).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence, TypeVar
+
+import torch
+from torch import nn
+
+T = TypeVar("T")
+
+
+def derived(owner: nn.Module, name: str, sources: Sequence[torch.Tensor], build: Callable[[], T]) -> T:
+    """`build()` cached on `owner` under `name`, keyed by the identity and version of
+    `sources` (every tensor the derived value is computed from)."""
+    key = tuple((t.data_ptr(), t._version) for t in sources)
+    hit = owner.__dict__.get(name)
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            hit = (key, build())
+        owner.__dict__[name] = hit
+    return hit[1]
+
+
+def transposed(w: torch.Tensor) -> torch.Tensor:
+    """A weight [out, in] as a contiguous [in, out] copy, for `matmul_t`."""
+    return w.detach().t().contiguous()
+
+
+def matmul_t(x: torch.Tensor, w_t: torch.Tensor, bias=None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` for x [B, in] with the transposed weight w_t [in, out]."""
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
