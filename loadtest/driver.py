@@ -287,10 +287,13 @@ async def ensure_voice(client, voice: Optional[str]) -> tuple[str, bool]:
 
 
 def session_overrides(*, voice_id: str, packet_ms: int, n_past: int, n_future: int, guidance_lambda: Optional[float],
-                      top_k: Optional[int], seed: Optional[int], min_packet_ms: Optional[int] = None) -> dict:
+                      top_k: Optional[int], seed: Optional[int], min_packet_ms: Optional[int] = None,
+                      start_future_chunks: Optional[int] = None) -> dict:
     cfg: dict = {"voice_id": voice_id, "packet_ms": packet_ms, "n_past_chunks": n_past, "n_future_chunks": n_future}
     if min_packet_ms is not None:
         cfg["min_packet_ms"] = min_packet_ms
+    if start_future_chunks is not None:
+        cfg["start_future_chunks"] = min(start_future_chunks, n_future)
     if guidance_lambda is not None:
         cfg["guidance_lambda"] = float(guidance_lambda)
     if top_k is not None:

@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("session config")
     g.add_argument("--packet-ms", type=int, default=80)
+    g.add_argument("--start-future-chunks", type=int, default=None,
+                   help="start policy (server default 0; = --nf for the paper's: wait for nf chunks)")
     g.add_argument("--min-packet-ms", type=int, default=None,
                    help="shortest early packet (server default 20; = --packet-ms for fixed-size packets)")
     g.add_argument("--np", dest="n_past", type=int, default=4)
@@ -228,6 +230,7 @@ async def _run(args: argparse.Namespace, result: dict, target: str, metrics_url:
         result["workload"]["voice_id"] = voice_id
         lam = result["workload"]["guidance_lambda"]
         base_cfg = dict(voice_id=voice_id, packet_ms=args.packet_ms, min_packet_ms=args.min_packet_ms,
+                        start_future_chunks=args.start_future_chunks,
                         n_past=args.n_past, n_future=args.n_future,
                         guidance_lambda=lam, top_k=args.top_k, seed=args.session_seed)
         cfg = session_overrides(**base_cfg)

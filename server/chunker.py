@@ -3,7 +3,7 @@
 An LLM sends sub-word pieces ("Hel", "lo", ","); BPE of a partial word differs from
 the word's, so only whole words leave the chunker. A word is whole once whitespace
 follows it, or on flush / end of input. Words are grouped into chunks of up to
-`max_words`; a chunk is released early at sentence punctuation, on a client flush, at
+`max_words` (the first chunk: `first_max_words`, so speech can start sooner); a chunk is released early at sentence punctuation, on a client flush, at
 end of input, or when its words have waited `timer_ms` for more (the LLM paused): the
 timer releases a chunk of at least `min_words`, or any pending words after twice that.
 """
@@ -84,7 +84,8 @@ class Chunker:
             self._first_word_ts = self._partial_ts
         self._words.append(word)
         self._last_word_at = now
-        if len(self._words) >= self.config.max_words or (
+        limit = self.config.first_chunk_words if self._next_index == 0 else self.config.max_words
+        if len(self._words) >= limit or (
             self.config.flush_on_punctuation and word.endswith(_PUNCT)
         ):
             return [self._release(now)]

@@ -308,22 +308,29 @@ class Engine:
 
     def _packet_due(self, s: EngineSession, now: float) -> bool:
         """Whether to decode the session's pending frames now (sets `s.short_packet`).
-        A full packet when packet_ms of frames are pending; a shorter one (at least
-        min_packet_ms) for the first audio, when the listener would run dry before the
-        next steps land, or when the text ran dry (nothing more comes for a while)."""
+
+        A full packet when packet_ms of frames are pending. Shorter ones (at least
+        min_packet_ms) only where they buy latency without costing capacity (every codec
+        call has a fixed cost, ~2 ms on the CPU default model): the first audio; the
+        ramp after it (a packet may be as long as all the audio sent before it, so the
+        listener's buffer covers its making; sooner if it would run dry first), which
+        ends once two full packets' worth were sent; and when the text ran dry."""
         n = len(s.pending_frames)
+        full = self._packet_frames(s)
         s.short_packet = False
         if n == 0:
             return False
-        if s.done_decoding or n >= self._packet_frames(s):
+        if s.done_decoding or n >= full:
             return True
         shortest = self._frames(s.config.min_packet_ms)
         if s.frames_done == 0:
             shortest = max(shortest, self.runner.min_first_frames)
         if n < shortest:
             return False
+        ramp = s.frames_done < 2 * full
         s.short_packet = (s.frames_done == 0 or s.phase is Phase.WAITING
-                          or s.audio_ahead_s(now) < self.config.low_water_steps * self._step_period_s)
+                          or (ramp and (n >= s.frames_done or s.audio_ahead_s(now)
+                                        < self.config.low_water_steps * self._step_period_s)))
         return s.short_packet
 
     def _must_end(self, s: EngineSession) -> bool:

@@ -188,14 +188,18 @@ class EngineSession:
         return c, lo, hi
 
     def lookahead_ready(self) -> bool:
-        """Generation of the current chunk waits for nf chunks after it, or the end of text."""
+        """The start policy: current chunk c is spoken once min(nf, start_future_chunks + c)
+        chunks after it are in memory, or the text has ended. Never past the text: once
+        the speech has covered every grapheme so far, it waits for more (or the end)."""
         n = sum(1 for ch in self.chunks if ch.in_memory)
         if n == 0:
             return False
         if self.eos_added:
             return True
+        if self.guidance.progress >= self.n_chars:
+            return False
         c = self.timeline.current_chunk(self.step_count)
-        return n - 1 >= c + self.config.n_future_chunks
+        return n - 1 >= c + min(self.config.n_future_chunks, self.config.start_future_chunks + c)
 
     def track_words(self, frame: int) -> None:
         """Update word start/end frames from the guidance progress."""

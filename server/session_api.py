@@ -39,10 +39,18 @@ class ChunkingConfig:
     # a pending partial chunk is released this long after its last word arrived
     timer_ms: int = 300
     flush_on_punctuation: bool = True
+    # the first chunk is released at this many words (None: min_words), so speech can start sooner
+    first_max_words: Optional[int] = None
+
+    @property
+    def first_chunk_words(self) -> int:
+        return self.min_words if self.first_max_words is None else self.first_max_words
 
     def validate(self) -> None:
         if not 1 <= self.min_words <= self.max_words <= 16:
             raise ConfigError("chunking: need 1 <= min_words <= max_words <= 16")
+        if not self.min_words <= self.first_chunk_words <= self.max_words:
+            raise ConfigError("chunking: need min_words <= first_max_words <= max_words")
         if not 0 <= self.timer_ms <= 10_000:
             raise ConfigError("chunking: timer_ms must be in [0, 10000]")
 
@@ -58,6 +66,8 @@ class SessionConfig:
     min_packet_ms: int = 20
     n_past_chunks: int = 4  # np; -1 means unbounded (offline mode)
     n_future_chunks: int = 2  # nf
+    # start policy: chunk k is spoken once min(nf, start_future_chunks + k) chunks after it arrived
+    start_future_chunks: int = 0
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     guidance_lambda: float = 1.0  # math.inf = hard guidance
     top_k: int = 20
@@ -78,6 +88,8 @@ class SessionConfig:
             raise ConfigError("n_past_chunks must be -1 (unbounded) or in [0, 64]")
         if not 0 <= self.n_future_chunks <= 8:
             raise ConfigError("n_future_chunks must be in [0, 8]")
+        if not 0 <= self.start_future_chunks <= self.n_future_chunks:
+            raise ConfigError(f"start_future_chunks must be in [0, n_future_chunks={self.n_future_chunks}]")
         if not self.guidance_lambda >= 0.0:
             raise ConfigError("guidance_lambda must be >= 0 (inf for hard guidance)")
         if not 1 <= self.top_k <= 1024:

@@ -8,12 +8,23 @@ def words(chunks):
 
 
 def test_partial_words_wait_for_whitespace():
-    ch = Chunker(ChunkingConfig(min_words=2, max_words=3))
+    ch = Chunker(ChunkingConfig(min_words=2, max_words=3, first_max_words=3))
     assert ch.push("Hel", 0.0) == []
     assert ch.push("lo wor", 0.1) == []
     assert ch.pending_words == 1
     out = ch.push("ld how ", 0.2)
     assert words(out) == [["Hello", "world", "how"]]
+
+
+def test_first_chunk_is_released_at_first_max_words():
+    """Speech can start after the first min_words words (the default first_max_words);
+    later chunks fill up to max_words."""
+    ch = Chunker(ChunkingConfig(min_words=2, max_words=4))
+    assert words(ch.push("one two three four five six seven eight ", 0.0)) == [
+        ["one", "two"], ["three", "four", "five", "six"]]
+    ch = Chunker(ChunkingConfig(min_words=2, max_words=4, first_max_words=3))
+    assert words(ch.push("one two three four five six seven ", 0.0)) == [
+        ["one", "two", "three"], ["four", "five", "six", "seven"]]
 
 
 def test_punctuation_flushes_and_indices_increase():
@@ -26,12 +37,12 @@ def test_punctuation_flushes_and_indices_increase():
 
 
 def test_punctuation_flush_can_be_disabled():
-    ch = Chunker(ChunkingConfig(min_words=1, max_words=3, flush_on_punctuation=False))
+    ch = Chunker(ChunkingConfig(min_words=1, max_words=3, flush_on_punctuation=False, first_max_words=3))
     assert words(ch.push("a, b. c d ", 0.0)) == [["a,", "b.", "c"]]
 
 
 def test_timer_releases_pending_words():
-    ch = Chunker(ChunkingConfig(min_words=2, max_words=4, timer_ms=300))
+    ch = Chunker(ChunkingConfig(min_words=2, max_words=4, timer_ms=300, first_max_words=4))
     ch.push("one two ", 0.0)
     assert ch.poll(0.2) == []
     assert ch.next_deadline() == 0.3
