@@ -1,7 +1,8 @@
 """Audio encoding for the wire (numpy only; called from the engine thread).
 
 `AudioEncoder` turns the model's 24 kHz float32 stream into packets of exactly
-`packet_ms` (the last one may be shorter, and so may a packet the engine asks for early) in the session's sample rate and encoding.
+`packet_ms` (the last one may be shorter, and so may one the engine asks for early) in
+the session's sample rate and encoding.
 Resampling is models/resample.py's streaming polyphase FIR: pushing in pieces gives the
 same samples as resampling the whole signal.
 
@@ -120,8 +121,8 @@ class AudioEncoder:
 
     def push(self, samples: np.ndarray, min_short_s: Optional[float] = None) -> list[EncodedPacket]:
         """Whole packets of the audio so far; with `min_short_s`, also what is left
-        over as one shorter packet if it lasts at least that long (the engine asks for
-        one when the listener's buffer is low)."""
+        over as one shorter packet if it lasts at least that long (`Engine._packet_due`
+        asks for one)."""
         x = np.asarray(samples, dtype=np.float32).reshape(-1)
         if self._resampler is not None:
             x = self._resampler.push(x)

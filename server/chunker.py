@@ -3,9 +3,10 @@
 An LLM sends sub-word pieces ("Hel", "lo", ","); BPE of a partial word differs from
 the word's, so only whole words leave the chunker. A word is whole once whitespace
 follows it, or on flush / end of input. Words are grouped into chunks of up to
-`max_words` (the first chunk: `first_max_words`, so speech can start sooner); a chunk is released early at sentence punctuation, on a client flush, at
-end of input, or when its words have waited `timer_ms` for more (the LLM paused): the
-timer releases a chunk of at least `min_words`, or any pending words after twice that.
+`max_words` (the first chunk: `first_max_words`, so speech can start sooner); a chunk
+is released early at sentence punctuation, on a client flush, at end of input, or when
+its words have waited `timer_ms` for more (the LLM paused): the timer releases a chunk
+of at least `min_words`, or any pending words after twice that.
 """
 from __future__ import annotations
 

@@ -49,8 +49,8 @@ class EngineConfig:
     max_text_piece_chars: int = 4096
     max_session_text_chars: int = 100_000
     idle_poll_s: float = 0.01
-    # a packet shorter than packet_ms goes out early when the listener has less than this
-    # many step periods of audio left (the next step and its codec decode must land first)
+    # while a session's packets ramp up to packet_ms, a shorter one goes out as soon as
+    # its listener has less than this many step periods of audio left
     low_water_steps: float = 3.0
 
     def validate(self) -> "EngineConfig":
@@ -311,7 +311,8 @@ class Engine:
 
         A full packet when packet_ms of frames are pending. Shorter ones (at least
         min_packet_ms) only where they buy latency without costing capacity (every codec
-        call has a fixed cost, ~2 ms on the CPU default model): the first audio; the
+        call has a fixed cost, ~2 ms on the CPU default model): the first audio (at
+        least `low_water_steps` step periods of it, so it lasts until the next); the
         ramp after it (a packet may be as long as all the audio sent before it, so the
         listener's buffer covers its making; sooner if it would run dry first), which
         ends once two full packets' worth were sent; and when the text ran dry."""
@@ -324,7 +325,9 @@ class Engine:
             return True
         shortest = self._frames(s.config.min_packet_ms)
         if s.frames_done == 0:
-            shortest = max(shortest, self.runner.min_first_frames)
+            # the first packet must also last until the next one is made: longer under load
+            shortest = max(shortest, self.runner.min_first_frames,
+                           math.ceil(self.config.low_water_steps * self._step_period_s * FRAME_RATE))
         if n < shortest:
             return False
         ramp = s.frames_done < 2 * full

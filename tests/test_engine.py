@@ -103,8 +103,9 @@ def test_first_packet_is_short_then_packets_grow(engine, voice):
 def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice):
     """After the first packet (min_packet_ms), a packet may be as long as all the audio
     sent before it (40, 40, then 80 ms) until two full packets' worth were sent. With a
-    listener always 'about to run dry' (an absurd low-water mark) the ramp's packets go
-    out at min_packet_ms instead. Full packets after the ramp; the same audio either way."""
+    listener always 'about to run dry' (an absurd low-water mark) the first packet must
+    cover that mark (a full packet here) and the ramp's packets go out at min_packet_ms.
+    Full packets after the ramp; the same audio either way."""
     torch.set_num_threads(1)
     runs = {}
     for low_water in (100.0, 0.0):
@@ -121,8 +122,8 @@ def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice)
         finally:
             eng.stop()
     low, ramp = packet_ms(runs[100.0]), packet_ms(runs[0.0])
-    assert low[:5] == [40, 40, 40, 40, 80] and ramp[:4] == [40, 40, 80, 80]
-    assert all(m == 80 for m in low[4:-1] + ramp[2:-1])
+    assert low[:4] == [80, 40, 40, 80] and ramp[:4] == [40, 40, 80, 80]
+    assert all(m == 80 for m in low[3:-1] + ramp[2:-1])
     # the streaming codec equals whole decoding to float rounding, whatever the packet split
     a, b = (np.frombuffer(b"".join(p.data for p in runs[k]), dtype="<i2").astype(int) for k in (100.0, 0.0))
     assert len(a) == len(b) and np.abs(a - b).max() <= 2
