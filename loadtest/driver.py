@@ -293,7 +293,7 @@ def session_overrides(*, voice_id: str, packet_ms: int, n_past: int, n_future: i
     if min_packet_ms is not None:
         cfg["min_packet_ms"] = min_packet_ms
     if start_future_chunks is not None:
-        cfg["start_future_chunks"] = min(start_future_chunks, n_future)
+        cfg["start_future_chunks"] = start_future_chunks
     if guidance_lambda is not None:
         cfg["guidance_lambda"] = float(guidance_lambda)
     if top_k is not None:

@@ -74,7 +74,7 @@ def test_unknown_voice(srv) -> None:
         (dict(packet_ms=5), "packet_ms"),
         (dict(packet_ms=40, min_packet_ms=60), "min_packet_ms"),
         (dict(min_packet_ms=5), "min_packet_ms"),
-        (dict(n_future_chunks=1, start_future_chunks=2), "start_future_chunks"),
+        (dict(start_future_chunks=9), "start_future_chunks"),
         (dict(start_future_chunks=-1), "start_future_chunks"),
         (dict(chunking=pb.ChunkingPolicy(min_words=2, max_words=4, first_max_words=5)), "first_max_words"),
         (dict(n_past_chunks=-2), "n_past_chunks"),
