@@ -1,8 +1,9 @@
 """Which sessions run in the next decode step.
 
-A session runs when it has text to speak and its lookahead is satisfied (the chunk
-being spoken has `nf` chunks after it, or the text has ended: the start policy of
-DESIGN.md point 3, also used to restart after the text ran dry). Sessions far ahead
+A session runs when it has text to speak and its lookahead is satisfied (the start
+policy of DESIGN.md point 3, `EngineSession.lookahead_ready`: chunk k has min(nf,
+start_future_chunks + k) chunks after it, or the text has ended; also used to restart
+after the text ran dry). Sessions far ahead
 of their playback yield the step to the others, so a newly started session gets its
 first packet quickly even under load.
 """
