@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("session config")
     g.add_argument("--packet-ms", type=int, default=80)
     g.add_argument("--start-future-chunks", type=int, default=None,
-                   help="start policy (server default 0; = --nf for the paper's: wait for nf chunks)")
+                   help="start policy (server default 1; = --nf for the paper's: wait for nf chunks)")
     g.add_argument("--min-packet-ms", type=int, default=None,
                    help="shortest early packet (server default 20; = --packet-ms for fixed-size packets)")
     g.add_argument("--np", dest="n_past", type=int, default=4)

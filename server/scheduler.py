@@ -3,9 +3,8 @@
 A session runs when it has text to speak and its lookahead is satisfied (the start
 policy of DESIGN.md point 3, `EngineSession.lookahead_ready`: chunk k has min(nf,
 start_future_chunks + k) chunks after it, or the text has ended; also used to restart
-after the text ran dry). Sessions far ahead
-of their playback yield the step to the others, so a newly started session gets its
-first packet quickly even under load.
+after the text ran dry). Sessions far ahead of their playback yield the step to the
+others, so a newly started session gets its first packet quickly even under load.
 """
 from __future__ import annotations
 

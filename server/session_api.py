@@ -61,7 +61,7 @@ class SessionConfig:
     sample_rate: int = 24000
     encoding: Encoding = Encoding.PCM16
     packet_ms: int = 80
-    # the first packet and packets sent while the listener's buffer is low may be this
+    # the first packet, the ramp after it and packets of a text that ran dry may be this
     # short (not shorter, but the last): the first audio needs only this much decoded
     min_packet_ms: int = 20
     n_past_chunks: int = 4  # np; -1 means unbounded (offline mode)
