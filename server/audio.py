@@ -88,10 +88,12 @@ def mulaw_to_pcm16(data: bytes) -> np.ndarray:
 class AudioEncoder:
     """24 kHz float32 -> packets of `packet_ms` in the session's rate and encoding."""
 
-    def __init__(self, sample_rate: int, encoding: Encoding, packet_ms: int) -> None:
+    def __init__(self, sample_rate: int, encoding: Encoding, packet_ms: int, min_packet_ms: Optional[int] = None) -> None:
         self.sample_rate = sample_rate
         self.encoding = encoding
         self.packet_samples = sample_rate * packet_ms // 1000
+        # the shortest packet `push(short=True)` sends (but the last); default packet_ms
+        self.min_packet_samples = max(1, sample_rate * (packet_ms if min_packet_ms is None else min_packet_ms) // 1000)
         if self.packet_samples <= 0 or sample_rate * packet_ms % 1000:
             raise ValueError(f"packet_ms={packet_ms} is not a whole number of samples at {sample_rate} Hz")
         self._resampler: Optional[StreamingResampler] = (
@@ -119,16 +121,16 @@ class AudioEncoder:
             self._emitted += len(chunk)
         return out
 
-    def push(self, samples: np.ndarray, min_short_s: Optional[float] = None) -> list[EncodedPacket]:
-        """Whole packets of the audio so far; with `min_short_s`, also what is left
-        over as one shorter packet if it lasts at least that long (`Engine._packet_due`
+    def push(self, samples: np.ndarray, short: bool = False) -> list[EncodedPacket]:
+        """Whole packets of the audio so far; with `short`, also what is left over as
+        one shorter packet if it lasts at least min_packet_ms (`Engine._packet_due`
         asks for one)."""
         x = np.asarray(samples, dtype=np.float32).reshape(-1)
         if self._resampler is not None:
             x = self._resampler.push(x)
         self._pending = np.concatenate([self._pending, x])
         out = self._packets(final=False)
-        if min_short_s is not None and len(self._pending) >= max(1, round(min_short_s * self.sample_rate)):
+        if short and len(self._pending) >= self.min_packet_samples:
             out += self._packets(final=True)
         return out
 

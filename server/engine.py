@@ -326,15 +326,18 @@ class Engine:
         shortest = self._frames(s.config.min_packet_ms)
         if s.frames_done == 0:
             # the first packet must also last until the next one is made: longer under load
-            shortest = max(shortest, self.runner.min_first_frames,
-                           math.ceil(self.config.low_water_steps * self._step_period_s * FRAME_RATE))
+            shortest = max(shortest, self.runner.min_first_frames, math.ceil(self._low_water_s * FRAME_RATE))
         if n < shortest:
             return False
         ramp = s.frames_done < 2 * full
         s.short_packet = (s.frames_done == 0 or s.phase is Phase.WAITING
-                          or (ramp and (n >= s.frames_done or s.audio_ahead_s(now)
-                                        < self.config.low_water_steps * self._step_period_s)))
+                          or (ramp and (n >= s.frames_done or s.audio_ahead_s(now) < self._low_water_s)))
         return s.short_packet
+
+    @property
+    def _low_water_s(self) -> float:
+        """Audio a listener needs in hand to outlast the making of the next packet."""
+        return self.config.low_water_steps * self._step_period_s
 
     def _must_end(self, s: EngineSession) -> bool:
         """Runaway guard once the text is complete: speech running past the (re-placed)
@@ -375,8 +378,7 @@ class Engine:
                 s.compute_s += dt / len(group)
                 s.frames_done += n
                 s.pending_frames = []
-                short = s.config.min_packet_ms / 1000 if s.short_packet else None
-                self._emit_audio(s, s.encoder.push(wav, min_short_s=short), frames=n)
+                self._emit_audio(s, s.encoder.push(wav, short=s.short_packet), frames=n)
                 if s.done_decoding:
                     self._emit_audio(s, s.encoder.flush(), frames=0)
                     self._finish(s, cancelled=False)
