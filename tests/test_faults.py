@@ -109,7 +109,9 @@ def test_disconnect_at_every_stage_frees_everything(srv, client, baseline) -> No
         client.run(hang_up(stage))
         at_rest(srv, baseline)
     # every stream that held a slot was counted as disconnected (the first never had one)
-    assert disconnected(srv) - before >= len(stages) - 1 + 3
+    outcomes = {o: srv.metrics.sessions_total.labels(outcome=o)._value.get()
+                for o in ("disconnected", "failed", "completed", "cancelled", "rejected")}
+    assert disconnected(srv) - before >= len(stages) - 1 + 3, (before, outcomes)
 
     # a client process killed mid-stream: the kernel closes its socket, nobody says goodbye
     script = f"""
