@@ -100,18 +100,26 @@ def test_disconnect_at_every_stage_frees_everything(srv, client, baseline) -> No
                 for c in others:
                     assert (await c.read()).WhichOneof("response") == "started"
                 return  # leaving the block closes the connection under all four calls
-            await asyncio.sleep(0.05)
+            # after_config: give the server time to read the text; a cancel that overtakes
+            # unread messages ends the request stream exactly like a half-close (grpc aio
+            # flags the cancel only later), so the server takes it as "end of input, nothing
+            # to say" and counts a completed session (docs/reliability.md, known issues)
+            await asyncio.sleep(0.3 if stage == "after_config" else 0.05)
             call.cancel()
 
     stages = ["before_config", "after_config", "after_started", "mid_audio", "blocked_writer", "channel_close"]
+    def outcomes() -> dict:
+        return {o: srv.metrics.sessions_total.labels(outcome=o)._value.get()
+                for o in ("disconnected", "failed", "completed", "cancelled", "rejected")}
+
     before = disconnected(srv)
+    seen = {}
     for stage in stages:
         client.run(hang_up(stage))
         at_rest(srv, baseline)
+        seen[stage] = outcomes()
     # every stream that held a slot was counted as disconnected (the first never had one)
-    outcomes = {o: srv.metrics.sessions_total.labels(outcome=o)._value.get()
-                for o in ("disconnected", "failed", "completed", "cancelled", "rejected")}
-    assert disconnected(srv) - before >= len(stages) - 1 + 3, (before, outcomes)
+    assert disconnected(srv) - before >= len(stages) - 1 + 3, (before, seen)
 
     # a client process killed mid-stream: the kernel closes its socket, nobody says goodbye
     script = f"""
