@@ -296,12 +296,15 @@ class SynthesisStream:
 
     async def _send(self, msg: "pb.SynthesizeRequest", last: bool = False) -> None:
         async with self._lock:
-            if self._closed_writing or self._call.done():
-                return  # nothing more to say: the call ended (its status is what matters)
-            await self._call.write(msg)
-            if last:
-                self._closed_writing = True
-                await self._call.done_writing()
+            await self._send_locked(msg, last)
+
+    async def _send_locked(self, msg: "pb.SynthesizeRequest", last: bool) -> None:
+        if self._closed_writing or self._call.done():
+            return  # nothing more to say: the call ended (its status is what matters)
+        await self._call.write(msg)
+        if last:
+            self._closed_writing = True
+            await self._call.done_writing()
 
     async def _pump_text(self) -> None:
         try:
@@ -355,12 +358,15 @@ class SynthesisStream:
 
     async def cancel(self) -> None:
         """Barge-in: stop sending text; the server ends with a cancelled summary."""
-        if self._pump is not None:
-            self._pump.cancel()
-        try:
-            await self._send(pb.SynthesizeRequest(cancel=pb.Cancel()), last=True)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-            pass
+        # the pump is stopped between writes: grpc cancels the whole call when a task is
+        # cancelled inside `write`
+        async with self._lock:
+            if self._pump is not None:
+                self._pump.cancel()
+            try:
+                await self._send_locked(pb.SynthesizeRequest(cancel=pb.Cancel()), last=True)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+                pass
 
     def abort(self) -> None:
         """Hang up (the server frees the session at once)."""

@@ -433,15 +433,17 @@ class Engine:
         if audio_s > 0:
             self.metrics.rtf.observe(s.compute_s / audio_s)
             self.metrics.audio_seconds_total.inc(audio_s)
-        s.sink(Finished(summary))
+        # the slot is free before the client hears of the end: a client that opens its next
+        # session on the summary must find the slot
         self._end(s, "cancelled" if cancelled else "completed")
+        s.sink(Finished(summary))
 
     def _fail(self, s: EngineSession, code: str, message: str) -> None:
         if s.phase is Phase.ENDED:
             return
-        s.sink(Failed(code, message))
         self.metrics.errors_total.labels(code=code).inc()
         self._end(s, "failed")
+        s.sink(Failed(code, message))
 
     def _end(self, s: EngineSession, outcome: str) -> None:
         if s.phase is Phase.ENDED:

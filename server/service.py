@@ -16,7 +16,8 @@ Status choices (see also the .proto):
 - no config within `config_timeout_s`: DEADLINE_EXCEEDED;
 - a session's total text over `max_session_text_chars`: RESOURCE_EXHAUSTED (a single
   piece over `max_text_piece_chars` is INVALID_ARGUMENT);
-- the client half-closes without `end_of_input`: treated as end of input;
+- the client half-closes without `end_of_input`: treated as end of input, HALF_CLOSE_S
+  later (see there);
 - messages after `cancel` are ignored (a text pump may race the cancel).
 
 Tenants: with authentication on (server/auth.py), calls reach this servicer only with a
@@ -73,6 +74,20 @@ REFUSE_READ_S = 0.25
 QUIET_S = 0.15
 MIN_GAP_S = 0.02
 REFUSE_MAX_S = 2.0
+# grpc's asyncio server ends the request iterator the same way for a half-close and for a
+# client's cancel (or a closed connection), and a cancel drops the messages not read yet:
+# taken at its word, a cancel right after "config, text" reads as "config, end of input"
+# and the session completes with nothing said. The cancel itself is delivered to the
+# handler in the same batch of completions, so a stream end is acted on only after this
+# pause; a cancel ends the stream first (`confirm_half_close`).
+HALF_CLOSE_S = 0.005
+
+
+async def confirm_half_close() -> None:
+    """Called when the request iterator ends without `end_of_input`: returns if that was
+    a half-close; raises CancelledError (the handler's cancel reaches this task through
+    `_Stream.close()`) if it was the client going away."""
+    await asyncio.sleep(HALF_CLOSE_S)
 
 
 async def drain(next_message: Callable[[], Awaitable[Any]], limit_s: float = REFUSE_READ_S) -> None:
@@ -87,7 +102,8 @@ async def drain(next_message: Callable[[], Awaitable[Any]], limit_s: float = REF
             wait = min(max(deadline - now, 0.0) + QUIET_S, start + REFUSE_MAX_S - now)
             if wait <= 0:
                 return
-            await asyncio.wait_for(next_message(), wait)
+            async with asyncio.timeout(wait):
+                await next_message()
             now = loop.time()
             gap, last = now - last, now
             if now >= deadline and gap >= MIN_GAP_S:
@@ -281,11 +297,15 @@ class _Stream:
     async def _first_message(self, it: AsyncIterator) -> Any:
         timeout = self.config.config_timeout_s
         try:
-            return await asyncio.wait_for(it.__anext__(), timeout)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancel that comes as the
+            # read ends, and a client's cancel comes exactly then (see HALF_CLOSE_S)
+            async with asyncio.timeout(timeout):
+                return await it.__anext__()
         except asyncio.TimeoutError:
             self.requests_broken = True  # the interrupted read leaves the iterator unusable
             raise RpcError(Code.DEADLINE_EXCEEDED, f"no config received within {timeout:g} s") from None
         except StopAsyncIteration:
+            await confirm_half_close()
             raise RpcError(Code.INVALID_ARGUMENT, "first message must be config (the stream ended)") from None
 
     # ------------------------------------------------------------ client -> engine
@@ -307,7 +327,10 @@ class _Stream:
                 continue
             ended = ended or kind == "end_of_input"
             cancelled = kind == "cancel"
-        if not ended and not cancelled and not self.ending:  # half-close = end of input
+        if ended or cancelled or self.ending:
+            return
+        await confirm_half_close()
+        if not self.ending:  # half-close = end of input
             with _handle_errors():
                 self.handle.end_input()
 
@@ -349,7 +372,8 @@ class _Stream:
                     Code.DEADLINE_EXCEEDED, f"session idle for {idle:g} s (no message and nothing to generate)"
                 )
             try:
-                return await asyncio.wait_for(self.events.get(), min(remaining, wall_left))
+                async with asyncio.timeout(min(remaining, wall_left)):
+                    return await self.events.get()
             except asyncio.TimeoutError:
                 continue
 
@@ -492,7 +516,8 @@ class LiveSpeechService:
         while self._streams and time.monotonic() < deadline:
             self._changed.clear()
             try:
-                await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    await self._changed.wait()
             except asyncio.TimeoutError:
                 break
         left = list(self._streams)

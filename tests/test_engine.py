@@ -29,13 +29,17 @@ def voice(engine):
 
 
 class Collector:
-    def __init__(self):
+    def __init__(self, engine=None):
         self.events = []
         self.done = threading.Event()
+        self.engine = engine
+        self.active_at_end = None  # the engine's open sessions when the end was delivered
 
     def __call__(self, ev):
         self.events.append(ev)
         if isinstance(ev, (Finished, Failed)):
+            if self.engine is not None:
+                self.active_at_end = self.engine.active_sessions
             self.done.set()
 
     def of(self, cls):
@@ -46,7 +50,7 @@ HARD = dict(guidance_lambda=math.inf, seed=1)  # an untrained model follows the 
 
 
 def say(engine, voice, text, **cfg):
-    c = Collector()
+    c = Collector(engine)
     h = engine.open_session(SessionConfig(**{**HARD, **cfg}), voice, c)
     for piece in text.split(" "):
         h.push_text(piece + " ")
@@ -73,7 +77,8 @@ def test_session_streams_contiguous_packets_and_words(engine, voice):
     words = c.of(WordTiming)
     assert [w.word for w in words] == text.split(" ")
     assert all(a.start_s <= a.end_s <= b.start_s + 1e-9 for a, b in zip(words, words[1:]))
-    assert engine.active_sessions == 0
+    # the slot was free before the summary went out: a client may open its next session on it
+    assert c.active_at_end == 0
 
 
 def test_mulaw_packets_are_one_byte_per_sample(engine, voice):
@@ -208,6 +213,13 @@ def test_numerical_failure_ends_only_that_session(engine, voice):
     assert c_bad.done.wait(60) and c_ok.done.wait(60)
     assert c_bad.of(Failed)[0].code == "INTERNAL"
     assert c_ok.of(Finished) and not c_ok.of(Failed)
+
+    alone = Collector(engine)  # a failure, too, frees the slot before it is delivered
+    h = engine.open_session(SessionConfig(**HARD), bad, alone)
+    h.push_text("fails at once.")
+    h.end_input()
+    assert alone.done.wait(60) and alone.of(Failed)
+    assert alone.active_at_end == 0
 
 
 def test_empty_input_finishes_immediately(engine, voice):
