@@ -1,6 +1,7 @@
-"""CPU timings for models/mamba.py: training step of a Mamba stack, and decode `step`.
+"""Timings for models/mamba.py: training step of a Mamba stack, and decode `step`.
 
     python -m loadtest.bench_mamba [--threads 1] [--chunks auto,8,16] [--naive] [--no-train]
+    python -m loadtest.bench_mamba --device cuda --batch 256 --frames 600 --tiling cpu,cuda --no-step
 
 Training: n_layers residual MambaBlocks (pre-RMSNorm), fwd + bwd + AdamW on [B, T, d].
 `--naive` also times one layer with plain autograd through a per-step Python loop.
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models import mamba
 from models.mamba import MambaBlock
 
 
@@ -51,15 +53,18 @@ def naive_forward(m: MambaBlock, x: torch.Tensor) -> torch.Tensor:
 
 def time_train(model, x, fwd, steps: int) -> tuple[float, float]:
     """(median wall s, median CPU s) per fwd + bwd + AdamW step; CPU time is what other
-    processes on a shared machine inflate least."""
+    processes on a shared machine inflate least (on CUDA, wall time is the figure)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     wall, cpu = [], []
     for i in range(steps + 1):
+        sync()
         t0, c0 = time.perf_counter(), time.process_time()
         loss = fwd(x).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         if i:  # the first step warms the allocator and AdamW state
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
@@ -93,25 +98,38 @@ def main() -> None:
     ap.add_argument("--chunks", default="auto", help="scan chunk sizes to compare; auto = default")
     ap.add_argument("--naive", action="store_true")
     ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--no-step", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tiling", default="", help="scan tiling rules to compare on --device, e.g. cpu,cuda "
+                    "(models.mamba._TILING); default: the device's own")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {a.threads} thread(s)")
+    dev = torch.device(a.device)
+    print(f"torch {torch.__version__}, {a.threads} thread(s), {dev}")
 
     if not a.no_train:
-        x = torch.randn(a.batch, a.frames, a.d_model)
-        for cs in (None if c == "auto" else int(c) for c in a.chunks.split(",")):
-            model = Stack(a.d_model, a.layers, chunk_size=cs)
-            w, c = time_train(model, x, model, a.steps)
-            print(f"train d{a.d_model} x{a.layers} B{a.batch} T{a.frames} chunk {cs or 'auto'}: "
-                  f"{w:.3f} s/step wall, {c:.3f} s/step cpu")
+        x = torch.randn(a.batch, a.frames, a.d_model, device=dev)
+        rules = dict(mamba._TILING)
+        for rule in a.tiling.split(",") if a.tiling else [dev.type]:
+            mamba._TILING[dev.type] = rules[rule]
+            for cs in (None if c == "auto" else int(c) for c in a.chunks.split(",")):
+                model = Stack(a.d_model, a.layers, chunk_size=cs).to(dev)
+                L, bt = mamba.scan_tiling(a.batch, 16 * model.layers[0].d_inner, dev, cs)
+                w, c = time_train(model, x, model, a.steps)
+                print(f"train d{a.d_model} x{a.layers} B{a.batch} T{a.frames} tiling {rule} (chunk {L}, "
+                      f"{bt} rows a tile): {w:.3f} s/step wall, {c:.3f} s/step cpu")
+        mamba._TILING.clear()
+        mamba._TILING.update(rules)
         if a.naive:
-            m = MambaBlock(a.d_model)
+            m = MambaBlock(a.d_model).to(dev)
             _, fast = time_train(m, x, m, a.steps)
             _, naive = time_train(m, x, lambda v: naive_forward(m, v), a.steps)
             print(f"train 1 layer d{a.d_model} B{a.batch} T{a.frames} (cpu s/step): custom scan "
                   f"{fast:.3f}, naive autograd loop {naive:.3f} ({naive / fast:.1f}x)")
 
+    if a.no_step or dev.type != "cpu":
+        return
     m = MambaBlock(a.d_model)
     for batch in (1, 16):
         us = time_step(m, batch, 500) * 1e6

@@ -34,13 +34,16 @@ from torch import Tensor
 
 from .derived import derived, matmul_t, transposed
 
-__all__ = ["MambaBlock", "make_mamba", "selective_scan"]
+__all__ = ["MambaBlock", "make_mamba", "scan_tiling", "selective_scan"]
 
 LOG2E = math.log2(math.e)
-# Scan tiling, measured on a 2-core AMD EPYC (1 MiB L2): batch rows per tile so one
-# step's state is <= 64K floats, and time chunks of ~512K floats (4 to 32 steps).
-_TILE_ELEMS = 1 << 16
-_CHUNK_ELEMS = 1 << 19
+# Scan tiling per device type: (floats of one step's state per batch tile, floats of a
+# time chunk's scratch buffer, most steps per chunk). CPU: measured on a 2-core AMD EPYC
+# (1 MiB L2): tiles of <= 64K floats, chunks of ~512K floats (4 to 32 steps). CUDA: one
+# kernel per time step whatever the tile, so the whole batch is one tile (CPU-sized
+# tiles of 8 rows made GPU training launch-bound: 1.9-2.9 s a step, docs/training.md)
+# and chunks of up to 64 steps within 2^27 floats (512 MiB) per buffer.
+_TILING = {"cpu": (1 << 16, 1 << 19, 32), "cuda": (1 << 27, 1 << 27, 64)}
 
 
 def _f32(t: Tensor) -> Tensor:
@@ -198,10 +201,16 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
     changes speed; by default it is picked from the batch tile size.
     """
     b, T, d = u.shape
-    state = A.shape[1] * d
-    bt = max(1, min(b, _TILE_ELEMS // state))
-    L = chunk_size or max(4, min(32, _CHUNK_ELEMS // (bt * state)))
+    L, bt = scan_tiling(b, A.shape[1] * d, u.device, chunk_size)
     return _SelectiveScan.apply(u, delta, A, B, C, D, z, min(L, T), bt)
+
+
+def scan_tiling(b: int, state: int, device: torch.device, chunk_size: Optional[int] = None) -> tuple[int, int]:
+    """(time steps per chunk, batch rows per tile) of `selective_scan` for a batch of b
+    rows whose state has `state` = n*d floats (see `_TILING`)."""
+    tile_elems, chunk_elems, max_chunk = _TILING.get(device.type, _TILING["cpu"])
+    bt = max(1, min(b, tile_elems // state))
+    return chunk_size or max(4, min(max_chunk, chunk_elems // (bt * state))), bt
 
 
 def _causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:

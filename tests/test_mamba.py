@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from models import mamba
-from models.mamba import MambaBlock, make_mamba, selective_scan
+from models.mamba import MambaBlock, make_mamba, scan_tiling, selective_scan
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +100,7 @@ def test_scan_gradcheck(with_dz, monkeypatch):
         D = z = None
     # several chunks with a short last one, one batch row per tile; then a single block
     for chunk, tile_elems in ((3, 12), (16, 1 << 16)):
-        monkeypatch.setattr(mamba, "_TILE_ELEMS", tile_elems)
+        monkeypatch.setitem(mamba._TILING, "cpu", (tile_elems, 1 << 19, 32))
         fn = lambda *a: selective_scan(*a, chunk_size=chunk)  # noqa: E731
         assert torch.autograd.gradcheck(fn, (u, delta, A, B, C, D, z))
 
@@ -108,13 +108,22 @@ def test_scan_gradcheck(with_dz, monkeypatch):
 @pytest.mark.parametrize("chunk,tile_elems",
                          [(1, 1 << 16), (5, 1 << 16), (64, 1 << 16), (None, 60), (7, 60)])
 def test_scan_matches_naive_autograd(chunk, tile_elems, monkeypatch):
-    monkeypatch.setattr(mamba, "_TILE_ELEMS", tile_elems)  # 60 / (n*d = 30): 2-row tiles of 5
+    monkeypatch.setitem(mamba._TILING, "cpu", (tile_elems, 1 << 19, 32))  # 60 / (n*d = 30): 2-row tiles of 5
     ins = [t.requires_grad_() for t in scan_inputs(5, 45, 6, 5, torch.float64, seed=1)]
     y, y_ref = selective_scan(*ins, chunk_size=chunk), naive_scan(*ins)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     dy = torch.randn_like(y)
     for g, g_ref in zip(torch.autograd.grad(y, ins, dy), torch.autograd.grad(y_ref, ins, dy)):
         torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-9)
+
+
+def test_scan_tiles_cpu_batches_for_the_cache_and_cuda_batches_whole():
+    state = 16 * 512  # n * d_inner of the default model
+    L, bt = scan_tiling(256, state, torch.device("cpu"))
+    assert bt * state <= 1 << 16 and 4 <= L <= 32
+    L, bt = scan_tiling(256, state, torch.device("cuda"))  # a training batch: one kernel per step
+    assert bt == 256 and L == 64
+    assert scan_tiling(256, state, torch.device("cuda"), chunk_size=16) == (16, 256)
 
 
 def test_block_gradients_match_naive_block():
