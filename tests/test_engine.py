@@ -1,4 +1,5 @@
 """The decode engine without gRPC: lifecycle, batching, isolation, limits."""
+import collections
 import math
 import threading
 
@@ -8,6 +9,7 @@ import torch
 
 from models.loading import load_bundle
 from server.engine import Engine, EngineConfig
+from server.session import EngineSession
 from server.runner import Voice
 from server.session_api import (AudioPacket, CapacityError, ConfigError, Encoding, Failed, Finished,
                                 SessionConfig, StateError, WordTiming)
@@ -132,6 +134,45 @@ def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice)
     # the streaming codec equals whole decoding to float rounding, whatever the packet split
     a, b = (np.frombuffer(b"".join(p.data for p in runs[k]), dtype="<i2").astype(int) for k in (100.0, 0.0))
     assert len(a) == len(b) and np.abs(a - b).max() <= 2
+
+
+def test_steady_packets_of_concurrent_sessions_are_decoded_together(voice, monkeypatch):
+    """Past the ramp, full packets are decoded on a shared clock (every packet's worth of
+    engine steps), so sessions that started at different times batch their codec calls.
+    Listeners are made to look far ahead (no packet is hurried) so the clock alone decides."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)
+    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3, max_lead_s=100.0))
+    steady = []  # (engine step, session) of each steady-state full-packet decode
+    decode = eng._decode
+
+    def watch(due):
+        for s, n in due:
+            if not s.done_decoding and s.frames_done >= 2 * n == 2 * eng._packet_frames(s):
+                steady.append((eng._steps, s.session_id))
+        decode(due)
+
+    monkeypatch.setattr(eng, "_decode", watch)
+    eng.start()
+    try:
+        cs, hs = [], []
+        for k in range(3):  # staggered starts: different packet phases without the clock
+            c = Collector()
+            h = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, c)
+            h.push_text("these words keep the session speaking for a good while yet " * 2)
+            cs.append(c)
+            hs.append(h)
+            while len(c.of(AudioPacket)) < 3 + k:
+                threading.Event().wait(0.01)
+        for h in hs:
+            h.end_input()
+        assert all(c.done.wait(120) for c in cs)
+    finally:
+        eng.stop()
+    full = 6  # 80 ms at 75 Hz
+    assert steady and all(step % full == 0 for step, _ in steady)
+    per_step = collections.Counter(step for step, _ in steady)
+    assert max(per_step.values()) == 3  # all three in one codec call
 
 
 def test_same_seed_same_audio(engine, voice):
