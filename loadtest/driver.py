@@ -73,6 +73,8 @@ class TurnRecord:
     starved_s: float = 0.0
     max_stall_s: float = 0.0
     late_fixed_clock: int = 0
+    # where the first stalls were: (position on the audio timeline s, stall s)
+    stalls: list = dataclasses.field(default_factory=list)
     timeline_gaps_s: float = 0.0
     completed: bool = False
     error: Optional[str] = None
@@ -165,6 +167,7 @@ def _finish(rec: TurnRecord, calls: list[list[Packet]], summaries: list[Any], pr
     rec.starved_s = pb.starved_s
     rec.max_stall_s = pb.max_stall_s
     rec.late_fixed_clock = pb.late_fixed_clock
+    rec.stalls = [(round(at, 3), round(late, 4)) for at, late in pb.stalls[:10]]
     rec.timeline_gaps_s = pb.gaps_s
     if pb.first_arrival_s is not None:
         rec.ttfa_user_s = pb.first_arrival_s - rec.t_start

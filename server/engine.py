@@ -329,7 +329,7 @@ class Engine:
         if s.done_decoding:
             return n
         if s.frames_done >= 2 * full and s.phase is not Phase.WAITING:
-            return full if n >= full and self._on_packet_clock(s, full, now) else 0
+            return full if n >= full and self._on_packet_clock(full) else 0
         if n >= full:
             s.short_packet = s.phase is Phase.WAITING  # frames held for the clock go out too
             return n
@@ -344,16 +344,19 @@ class Engine:
                           or (ramp and (n >= s.frames_done or s.audio_ahead_s(now) < self._low_water_s)))
         return n if s.short_packet else 0
 
-    def _on_packet_clock(self, s: EngineSession, full: int, now: float) -> bool:
-        """Whether a steady session's full packet is decoded at this step. Packets are
-        decoded every `full` engine steps, on the same steps for every session, so their
-        codec calls batch: a call has a large fixed cost (CPU default model, 6 frames:
-        6.3 ms for one session, 10.9 ms for four together). A session holds its frames
-        until the clock ticks (at most full - 1 steps) unless its listener would run dry
-        first; one that sat steps out (ahead of its lead) rejoins the tick with a packet's
-        worth kept back, so every session's call on the tick takes the same frame count."""
-        to_tick = -self._steps % full
-        return to_tick == 0 or s.audio_ahead_s(now) < self._low_water_s + to_tick * self._step_period_s
+    def _on_packet_clock(self, full: int) -> bool:
+        """Whether steady sessions' full packets are decoded at this step: every `full`
+        engine steps, the same steps for every session, so their codec calls batch (a
+        call's cost is mostly fixed: CPU default model, 6 frames, 6.3 ms for one session,
+        10.9 ms for four together). A session holds its frames for the tick (at most
+        full - 1 steps), even when its listener runs low: a first version let such a
+        session decode at once, and under load, when every listener runs low, the calls
+        stopped batching (at 6 sessions on 2 cores: 32-40 s of starved audio in 20 s of
+        turns against 3.8 s without that exception, docs/loadtest.md). One that sat steps
+        out (ahead of its lead) has less than a packet at a tick and waits for a later
+        one, then decodes one packet's worth and keeps the rest: so every call on a tick
+        takes the same frame count."""
+        return self._steps % full == 0
 
     @property
     def _low_water_s(self) -> float:

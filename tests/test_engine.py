@@ -139,7 +139,8 @@ def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice)
 def test_steady_packets_of_concurrent_sessions_are_decoded_together(voice, monkeypatch):
     """Past the ramp, full packets are decoded on a shared clock (every packet's worth of
     engine steps), so sessions that started at different times batch their codec calls.
-    Listeners are made to look far ahead (no packet is hurried) so the clock alone decides."""
+    Listeners are made to look far ahead and the lead cap is lifted, so every session
+    steps every time and the timing of this machine plays no part."""
     torch.set_num_threads(1)
     monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)
     eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3, max_lead_s=100.0))
