@@ -338,7 +338,7 @@ class Engine:
             # the first packet must also last until the next one is made: longer under load
             shortest = max(shortest, self.runner.min_first_frames, math.ceil(self._low_water_s * FRAME_RATE))
         if n < shortest:
-            return False
+            return 0
         ramp = s.frames_done < 2 * full
         s.short_packet = (s.frames_done == 0 or s.phase is Phase.WAITING
                           or (ramp and (n >= s.frames_done or s.audio_ahead_s(now) < self._low_water_s)))
