@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -32,6 +32,12 @@ from .session_api import (AudioPacket, CapacityError, ConfigError, Failed, Finis
                           Sink, Summary, WordTiming)
 
 log = logging.getLogger("livespeech.engine")
+
+class PacketPlan(NamedTuple):
+    """What `Engine._packet_due` decided for a session at this step."""
+    frames: int  # how many of its pending frames to decode
+    short: bool  # the audio left over after whole packets goes out too (>= min_packet_ms)
+
 
 # a cached chunk is re-placed when its timeline position moved at least this far
 REPLACE_MIN_FRAMES = 3
@@ -278,13 +284,12 @@ class Engine:
                 self._fail(s, "INTERNAL", "numerical error in the decoder (non-finite logits)")
                 continue
             with self._isolated(s, "decoding"):
-                if frames := self._after_step(s, r, now):
-                    to_decode.append((s, frames))
+                if plan := self._after_step(s, r, now):
+                    to_decode.append((s, plan))
         self._decode(to_decode)
 
-    def _after_step(self, s: EngineSession, r, now: float) -> int:
-        """Book one step's result for a session; returns how many of its pending frames
-        to decode now (0: none)."""
+    def _after_step(self, s: EngineSession, r, now: float) -> Optional[PacketPlan]:
+        """Book one step's result for a session; returns the packet to decode now, if any."""
         s.guidance.observe(r.grapheme)
         if s.guidance.progress != s.last_progress:
             s.last_progress, s.progress_step = s.guidance.progress, s.step_count
@@ -303,15 +308,14 @@ class Engine:
         self._evict_past(s)
         if not s.done_decoding and not s.lookahead_ready():
             s.phase = Phase.WAITING  # text ran dry: wait for more
-        if frames := self._packet_due(s, now):
-            return frames
+        if plan := self._packet_due(s, now):
+            return plan
         if s.done_decoding:
             self._finish(s, cancelled=False)
-        return 0
+        return None
 
-    def _packet_due(self, s: EngineSession, now: float) -> int:
-        """How many of the session's pending frames to decode now, 0 for none (sets
-        `s.short_packet`).
+    def _packet_due(self, s: EngineSession, now: float) -> Optional[PacketPlan]:
+        """The packet to decode from the session's pending frames now, if any.
 
         A full packet when packet_ms of frames are pending; once the ramp below is over,
         on the shared packet clock (`_on_packet_clock`). Shorter ones (at least
@@ -323,26 +327,26 @@ class Engine:
         ends once two full packets' worth were sent; and when the text ran dry."""
         n = len(s.pending_frames)
         full = self._packet_frames(s)
-        s.short_packet = False
+        ramp = s.frames_done < 2 * full
+        waiting = s.phase is Phase.WAITING
         if n == 0:
-            return 0
+            return None
         if s.done_decoding:
-            return n
-        if s.frames_done >= 2 * full and s.phase is not Phase.WAITING:
-            return full if n >= full and self._on_packet_clock(full) else 0
+            return PacketPlan(n, False)
+        if not ramp and not waiting:
+            return PacketPlan(full, False) if n >= full and self._on_packet_clock(full) else None
         if n >= full:
-            s.short_packet = s.phase is Phase.WAITING  # frames held for the clock go out too
-            return n
+            return PacketPlan(n, waiting)  # when waiting, frames held for the clock go out too
         shortest = self._frames(s.config.min_packet_ms)
         if s.frames_done == 0:
             # the first packet must also last until the next one is made: longer under load
             shortest = max(shortest, self.runner.min_first_frames, math.ceil(self._low_water_s * FRAME_RATE))
         if n < shortest:
-            return 0
-        ramp = s.frames_done < 2 * full
-        s.short_packet = (s.frames_done == 0 or s.phase is Phase.WAITING
-                          or (ramp and (n >= s.frames_done or s.audio_ahead_s(now) < self._low_water_s)))
-        return n if s.short_packet else 0
+            return None
+        if (s.frames_done == 0 or waiting
+                or (ramp and (n >= s.frames_done or s.audio_ahead_s(now) < self._low_water_s))):
+            return PacketPlan(n, True)
+        return None
 
     def _on_packet_clock(self, full: int) -> bool:
         """Whether steady sessions' full packets are decoded at this step: every `full`
@@ -388,22 +392,23 @@ class Engine:
             self.runner.evict_chunks_before(s.slot, lo)
         self._fill_memory(s)
 
-    def _decode(self, due: list[tuple[EngineSession, int]]) -> None:
-        """Decode the first `n` pending frames of each (session, n): one batched codec
-        call per distinct n (usually one: see `_on_packet_clock`)."""
-        by_len: dict[int, list[EngineSession]] = collections.defaultdict(list)
-        for s, n in due:
-            by_len[n].append(s)
-        for n, group in by_len.items():
+    def _decode(self, due: list[tuple[EngineSession, PacketPlan]]) -> None:
+        """Decode each session's planned packet: one batched codec call per distinct
+        frame count (usually one: see `_on_packet_clock`)."""
+        by_len: dict[int, list[tuple[EngineSession, bool]]] = collections.defaultdict(list)
+        for s, plan in due:
+            by_len[plan.frames].append((s, plan.short))
+        for n, planned in by_len.items():
+            group = [s for s, _ in planned]
             t0 = time.perf_counter()
             wavs = self.runner.decode([s.slot for s in group], [s.pending_frames[:n] for s in group])
             dt = time.perf_counter() - t0
             self.metrics.codec_decode_seconds.observe(dt)
-            for s, wav in zip(group, wavs):
+            for (s, short), wav in zip(planned, wavs):
                 s.compute_s += dt / len(group)
                 s.frames_done += n
                 del s.pending_frames[:n]
-                self._emit_audio(s, s.encoder.push(wav, short=s.short_packet), frames=n)
+                self._emit_audio(s, s.encoder.push(wav, short=short), frames=n)
                 if s.done_decoding and not s.pending_frames:
                     self._emit_audio(s, s.encoder.flush(), frames=0)
                     self._finish(s, cancelled=False)

@@ -90,7 +90,6 @@ class EngineSession:
         self.step_count = 0
         self.frames_done = 0
         self.pending_frames: list[list[int]] = []
-        self.short_packet = False  # the pending frames go out now, even short of packet_ms
         self.encoder = AudioEncoder(config.sample_rate, config.encoding, config.packet_ms, config.min_packet_ms)
         self.packet_seq = 0
         self.audio_sent_s = 0.0

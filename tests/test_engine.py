@@ -148,7 +148,8 @@ def test_steady_packets_of_concurrent_sessions_are_decoded_together(voice, monke
     decode = eng._decode
 
     def watch(due):
-        for s, n in due:
+        for s, plan in due:
+            n = plan.frames
             if not s.done_decoding and s.frames_done >= 2 * n == 2 * eng._packet_frames(s):
                 steady.append((eng._steps, s.session_id))
         decode(due)
