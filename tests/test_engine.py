@@ -18,7 +18,9 @@ from server.session_api import (AudioPacket, CapacityError, ConfigError, Encodin
 @pytest.fixture(scope="module")
 def engine():
     torch.set_num_threads(1)
-    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3))
+    # low_water_steps=0: packet sizes must not depend on how fast this machine steps (the
+    # first packet covers low_water_steps measured step periods; a slow CI runner made it 3 frames)
+    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3, low_water_steps=0))
     eng.start()
     yield eng
     eng.stop()
