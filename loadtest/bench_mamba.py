@@ -2,9 +2,12 @@
 
     python -m loadtest.bench_mamba [--threads 1] [--chunks auto,8,16] [--naive] [--no-train]
     python -m loadtest.bench_mamba --device cuda --batch 256 --frames 600 --tiling cpu,cuda --no-step
+    python -m loadtest.bench_mamba --device cuda --batch 256 --frames 600 --mamba-ssm --no-step
 
 Training: n_layers residual MambaBlocks (pre-RMSNorm), fwd + bwd + AdamW on [B, T, d].
 `--naive` also times one layer with plain autograd through a per-step Python loop.
+`--mamba-ssm` also times the same stack (same weights) built from `mamba_ssm.Mamba`
+(its CUDA kernels) and prints how far its outputs are from ours.
 """
 from __future__ import annotations
 
@@ -21,9 +24,9 @@ from models.mamba import MambaBlock
 
 
 class Stack(nn.Module):
-    def __init__(self, d_model: int, n_layers: int, **kw):
+    def __init__(self, d_model: int, n_layers: int, block=MambaBlock, **kw):
         super().__init__()
-        self.layers = nn.ModuleList(MambaBlock(d_model, layer_idx=i, **kw) for i in range(n_layers))
+        self.layers = nn.ModuleList(block(d_model, layer_idx=i, **kw) for i in range(n_layers))
         self.norms = nn.ModuleList(nn.RMSNorm(d_model) for _ in range(n_layers))
 
     def forward(self, x):
@@ -87,6 +90,23 @@ def time_step(m: MambaBlock, batch: int, iters: int) -> float:
     return min(best)
 
 
+def compare_mamba_ssm(a, x: torch.Tensor, dev: torch.device) -> None:
+    """Train-step time of the same stack on mamba_ssm.Mamba, and its output distance from ours."""
+    from mamba_ssm import Mamba
+
+    ours = Stack(a.d_model, a.layers).to(dev)
+    theirs = Stack(a.d_model, a.layers, block=Mamba).to(dev)
+    theirs.load_state_dict(ours.state_dict())  # same parameter names and shapes
+    with torch.no_grad():
+        y0, y1 = ours(x), theirs(x)
+    rel = float((y0 - y1).norm() / y0.norm())
+    w0, _ = time_train(ours, x, ours, a.steps)
+    w1, _ = time_train(theirs, x, theirs, a.steps)
+    print(f"train d{a.d_model} x{a.layers} B{a.batch} T{a.frames}: ours {w0:.3f} s/step, mamba_ssm "
+          f"{w1:.3f} s/step ({w0 / w1:.1f}x); outputs: relative L2 distance {rel:.2e}, "
+          f"max |diff| {float((y0 - y1).abs().max()):.2e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -99,6 +119,7 @@ def main() -> None:
     ap.add_argument("--naive", action="store_true")
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--no-step", action="store_true")
+    ap.add_argument("--mamba-ssm", action="store_true", help="also time mamba_ssm.Mamba (CUDA)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tiling", default="", help="scan tiling rules to compare on --device, e.g. cpu,cuda "
                     "(models.mamba._TILING); default: the device's own")
@@ -121,6 +142,8 @@ def main() -> None:
                       f"{bt} rows a tile): {w:.3f} s/step wall, {c:.3f} s/step cpu")
         mamba._TILING.clear()
         mamba._TILING.update(rules)
+        if a.mamba_ssm:
+            compare_mamba_ssm(a, x, dev)
         if a.naive:
             m = MambaBlock(a.d_model).to(dev)
             _, fast = time_train(m, x, m, a.steps)

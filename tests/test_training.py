@@ -15,7 +15,7 @@ from models.codec import CodecModel
 from models.tokenizer import get_tokenizer
 from training import codec_train, encode_corpus, train
 from training.schedule import Schedule
-from training.dataset import DecoderData, codes_path, collate, read_manifest, text_tokens
+from training.dataset import DecoderData, codes_path, collate, jittered_end, read_manifest, text_tokens
 from training.smoke import make_smoke_corpus
 
 SMALL = "d_model=64,n_shared_layers=1,n_group_layers=1,n_heads=2,enc_d_model=64,enc_layers=1,enc_heads=2,n_enroll=8"
@@ -89,6 +89,42 @@ def test_sharded_encoding_covers_the_corpus_once(pipeline, tmp_path):
         encode_corpus.main(args + ["--shard", "2/2"])
 
 
+def test_batched_encoding_gives_each_utterance_its_own_codes(pipeline, tmp_path):
+    from models.loading import load_codec
+
+    _, corpus, codec_dir, codes_dir = pipeline
+    recs = read_manifest(corpus)
+    assert len({r["duration_s"] for r in recs}) > 1  # the batch pads some of them
+    # the padding a batch adds never reaches an utterance's own latents (noise to the end,
+    # lengths in partial frames: a last frame padded differently would show)
+    codec = load_codec(os.path.join(codec_dir, "best.pt"), 8)
+    hop = codec.hop_length
+    wavs = [np.random.default_rng(n).standard_normal(n).astype(np.float32) * 0.1 for n in (3 * hop + 17, 700, 5 * hop)]
+    with torch.no_grad():
+        together = codec.encoder(torch.from_numpy(encode_corpus.padded_batch(wavs, hop)))
+        for i, w in enumerate(wavs):
+            alone = codec.encoder(torch.from_numpy(encode_corpus.padded_batch([w], hop)))[0]
+            assert alone.shape[-1] == -(-len(w) // hop)
+            torch.testing.assert_close(together[i, :, :alone.shape[-1]], alone, rtol=1e-4, atol=1e-5)
+    out = str(tmp_path / "codes")
+    args = ["--corpus", corpus, "--codec", os.path.join(codec_dir, "best.pt"), "--out", out]
+    assert encode_corpus.main(args + ["--batch", "4"]) == 0
+    same = total = 0
+    for r in recs:  # the codes too, but for a rare nearest-codeword tie that rounding flips
+        a, b = np.load(codes_path(out, r["id"])), np.load(codes_path(codes_dir, r["id"]))
+        assert a.shape == b.shape
+        same, total = same + int((a == b).sum()), total + a.size
+    assert same >= 0.998 * total
+
+
+def test_batched_encoding_refuses_a_codec_that_sees_the_padding():
+    from types import SimpleNamespace
+
+    assert encode_corpus.batchable(SimpleNamespace(config=SimpleNamespace(causal=True, pad_mode="constant")))
+    assert not encode_corpus.batchable(SimpleNamespace(config=SimpleNamespace(causal=True, pad_mode="reflect")))
+    assert not encode_corpus.batchable(SimpleNamespace(config=SimpleNamespace(causal=False, pad_mode="constant")))
+
+
 def test_decoder_init_from_exported_weights(tmp_path):
     from models.loading import load_decoder, save_decoder
 
@@ -118,6 +154,49 @@ def test_time_budget_schedule():
     steps = Schedule(1e-3, warmup=10, steps=110)
     assert steps.lr(60) == pytest.approx(1e-3 * 0.55)  # half way through the cosine
     assert not steps.finished(109, 1e9) and steps.finished(110, 0.0)
+
+
+def test_decoder_data_counts_utterances_still_without_codes(pipeline, tmp_path):
+    """What the trainer's rescans go by: none once every usable utterance has its codes."""
+    _, corpus, _, codes_dir = pipeline
+    from models.config import preset
+
+    cfg = preset("tiny", **train.parse_overrides(SMALL))
+    full = DecoderData(corpus, codes_dir, cfg, "train")
+    assert full.missing == 0 and len(full) > 1
+    empty = DecoderData(corpus, str(tmp_path / "none"), cfg, "train")
+    assert len(empty) == 0 and empty.missing == len(full) + full.skipped - empty.skipped
+    path = codes_path(codes_dir, full.items[0]["rec"]["id"])
+    kept = np.load(path)
+    os.remove(path)
+    try:
+        assert DecoderData(corpus, codes_dir, cfg, "train").missing == 1
+    finally:
+        np.save(path, kept)
+
+
+def test_end_key_jitter_moves_only_the_end_key(pipeline):
+    _, corpus, _, codes_dir = pipeline
+    from models.config import preset
+
+    cfg = preset("tiny", **train.parse_overrides(SMALL))
+    exact = DecoderData(corpus, codes_dir, cfg, "train")
+    jittered = DecoderData(corpus, codes_dir, cfg, "train", eos_jitter=0.3)
+    T = exact.items[0]["T"]
+    ends = []
+    for seed in range(30):
+        a, b = exact.example(0, random.Random(seed)), jittered.example(0, random.Random(seed))
+        assert a.text_pos[-1] == T  # the paper's layout by default
+        assert a.text_ids == b.text_ids and a.text_pos[:-1] == b.text_pos[:-1]
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_array_equal(a.enroll, b.enroll)  # the same draws before the jitter
+        assert b.text_pos[-1] > b.text_pos[-2]  # after the last text token
+        ends.append(b.text_pos[-1])
+    assert len(set(ends)) > 5 and min(ends) < T < max(ends)
+    # centred on T in log scale: the median factor on the last chunk's span is ~1
+    rng = random.Random(0)
+    draws = sorted(jittered_end(100, 101, 300, 0.3, rng) for _ in range(2001))
+    assert abs(draws[1000] - 300) <= 6 and draws[0] >= 101
 
 
 def test_example_layout_matches_the_server(pipeline):

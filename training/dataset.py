@@ -8,7 +8,9 @@ Decoder example (one utterance, T = len(graphemes) frames):
   last_frame = [T] + [T - 1] * Q (models/delay.py).
 - text: the words of each manifest chunk tokenized with Whisper BPE (chunk 0 with
   first_in_text=True), tokens of chunk i at RoPE positions tau_i, tau_i + 1, ...;
-  then one chunk holding only TEXT_EOS at position T. At most cfg.max_text_tokens.
+  then one chunk holding only TEXT_EOS at position T (with `eos_jitter` s > 0: at
+  tau_last + (T - tau_last) * exp(N(0, s^2)), after the last text token). At most
+  cfg.max_text_tokens.
 - enrollment: codes of a different utterance of the same voice (random 1.5-4 s crop).
 """
 from __future__ import annotations
@@ -114,6 +116,16 @@ def codes_path(codes_dir: str, utt_id: str) -> str:
     return os.path.join(codes_dir, utt_id[:2] if len(utt_id) > 2 else "xx", f"{utt_id}.npy")
 
 
+def jittered_end(last_tau: int, first_free: int, T: int, sigma: float, rng: random.Random) -> int:
+    """A position for the end-of-text key around T, off by a log-normal factor on the
+    last chunk's span, as the server's estimate of where the text ends is (it places the
+    key at the speaking rate it measured: server/timeline.py). A model trained with the
+    key always at T learns to end where the key is and, when the estimate runs late,
+    goes on speaking (docs/eval.md)."""
+    span = max(1, T - last_tau)
+    return max(first_free, int(round(last_tau + span * math.exp(rng.gauss(0.0, sigma)))))
+
+
 def text_tokens(rec: dict, tokenizer, max_tokens: int, eos_id: int) -> Optional[tuple[list[int], list[int]]]:
     """(token ids, positions) for an utterance, chunk by chunk as the server does;
     None if it does not fit in max_tokens."""
@@ -147,10 +159,11 @@ class DecoderData:
 
     def __init__(self, corpus: str, codes_dir: str, cfg: ModelConfig, split: str = "train",
                  max_seconds: float = 8.0, seed: int = 0, records: Optional[list[dict]] = None,
-                 tokenizer=None):
+                 tokenizer=None, eos_jitter: float = 0.0):
         from models.tokenizer import get_tokenizer
 
         self.cfg = cfg
+        self.eos_jitter = eos_jitter
         self.codes_dir = codes_dir
         self.tok = tokenizer or get_tokenizer()
         self.eos_id = self.tok.eos_id if hasattr(self.tok, "eos_id") else cfg.text_vocab_size - 1
@@ -159,11 +172,15 @@ class DecoderData:
         max_frames = int(max_seconds * FRAME_RATE)
         self.items: list[dict] = []
         self.skipped = 0
+        self.missing = 0  # records of the split whose codes are not there (yet)
         for r in recs:
-            if r["split"] != split or not os.path.exists(codes_path(codes_dir, r["id"])):
+            if r["split"] != split:
                 continue
             if len(r["graphemes"]) > max_frames:
                 self.skipped += 1
+                continue
+            if not os.path.exists(codes_path(codes_dir, r["id"])):
+                self.missing += 1
                 continue
             tt = text_tokens(r, self.tok, cfg.max_text_tokens, self.eos_id)
             if tt is None:
@@ -204,8 +221,11 @@ class DecoderData:
         codes[1:, T] = ac[:, -1]  # beyond last_frame: never a target nor an input
         last = np.array([T] + [T - 1] * q, np.int64)
         enroll = self.enrollment(idx, rng)
-        ids, pos = it["text"]
-        return Example(codes, last, list(ids), list(pos), enroll, T + 1)
+        ids, pos = list(it["text"][0]), list(it["text"][1])
+        if self.eos_jitter > 0:  # drawn after the enrollment: with 0, the same draws as before
+            last_tau = int(rec["chunks"][-1][2])
+            pos[-1] = jittered_end(last_tau, pos[-2] + 1 if len(pos) > 1 else 0, T, self.eos_jitter, rng)
+        return Example(codes, last, ids, pos, enroll, T + 1)
 
     def enrollment(self, idx: int, rng: random.Random) -> np.ndarray:
         rec = self.items[idx]["rec"]

@@ -178,6 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--stream-p", type=float, default=0.5, help="probability of the A.5 streaming text mask")
+    p.add_argument("--eos-jitter", type=float, default=0.0,
+                   help="log-normal sigma of the end-of-text key's position around the last frame "
+                        "(0: at the last frame, as the paper; training data only, dev stays exact)")
     p.add_argument("--ckpt-minutes", type=float, default=3.0)
     p.add_argument("--ckpt-every", type=int, default=None, help="also checkpoint every N steps")
     p.add_argument("--eval-every", type=int, default=100)
@@ -247,7 +250,7 @@ def main(argv=None) -> int:
     tok = get_tokenizer()
 
     def load_data():
-        d = DecoderData(a.corpus, a.codes, cfg, "train", a.max_seconds, tokenizer=tok)
+        d = DecoderData(a.corpus, a.codes, cfg, "train", a.max_seconds, tokenizer=tok, eos_jitter=a.eos_jitter)
         d.index = {it["rec"]["id"]: i for i, it in enumerate(d.items)}
         return d
 
@@ -279,7 +282,9 @@ def main(argv=None) -> int:
 
     t_resume = time.time() - train_s  # training time carried over from earlier runs
     while not sched.finished(step, train_s) and not (stop_at and step >= stop_at):
-        if step > 0 and step % a.rescan_every == 0:
+        # re-read the codes directory while an encoder is still filling it (a full re-read
+        # tokenises the whole manifest: seconds per call on 40 h)
+        if data.missing and step > 0 and step % a.rescan_every == 0:
             data = load_data()
         idx = sampler.next(data)
         batch = collate([data.example(i, py_rng) for i in idx], model)
