@@ -9,7 +9,8 @@
 # (same sentences, splits and voices), so the machine needs eSpeak NG but not the Debian
 # sentence packages. Every stage resumes: re-running the script continues where it stopped.
 # Knobs (environment): HOURS (40), WORKERS (nproc), CODEC_MIN (6.5), DECODER_MIN (10.5),
-# DEVICE (cuda), CODEC_BATCH (32), BATCH_FRAMES (80000), MAX_BATCH (256), ENCODERS (12),
+# DEVICE (cuda), CODEC_BATCH (32), BATCH_FRAMES (80000), MAX_BATCH (256), ENCODERS (2),
+# ENCODE_BATCH (64), EOS_JITTER (0.3: the decoder's --eos-jitter), MAMBA_SITE (below),
 # PY (python3); CODEC=path keeps that codec (no codec training), INIT_DECODER=path starts
 # the decoder from those weights (e.g. models/weights/default/{codec,decoder}.pt). Logs: WORK_DIR/{corpus,codec,encode,decoder,export}.log.
 set -euo pipefail
@@ -24,7 +25,9 @@ DEVICE=${DEVICE:-cuda}
 CODEC_BATCH=${CODEC_BATCH:-32}
 BATCH_FRAMES=${BATCH_FRAMES:-80000}
 MAX_BATCH=${MAX_BATCH:-256}
-ENCODERS=${ENCODERS:-12}
+ENCODERS=${ENCODERS:-2}
+ENCODE_BATCH=${ENCODE_BATCH:-64}
+EOS_JITTER=${EOS_JITTER:-0.3}
 mkdir -p "$W"
 stamp() { echo "[$(date +%T)] $*"; }
 
@@ -49,15 +52,15 @@ else
   tail -n 3 "$W/codec.log"
 fi
 
-# Encoding one utterance at a time is bound by the CPU (~17 utterances/s a process on an
-# H100 machine), so ENCODERS processes share the order; the decoder starts once dev, test
-# and half of train are there, and re-reads the codes directory as it grows (a first
-# GPU run that started on 15 % of train trained mostly on that slice).
+# Encoding one utterance a call is launch-bound (~17 utterances/s a process on an H100
+# machine), so ENCODE_BATCH utterances of similar length share a call, in ENCODERS processes
+# (reading the WAVs is theirs). The decoder starts once dev, test and half of train are
+# there, and re-reads the codes directory while it still grows.
 stamp "encoding ($ENCODERS processes, background)"
 ENC=()
 for k in $(seq 0 $((ENCODERS - 1))); do
   $PY -m training.encode_corpus --corpus "$W/corpus" --codec "$W/codec/best.pt" --out "$W/codes" \
-    --device "$DEVICE" --max-seconds 8 --threads 1 --shard "$k/$ENCODERS" > "$W/encode$k.log" 2>&1 &
+    --device "$DEVICE" --max-seconds 8 --threads 1 --batch "$ENCODE_BATCH" --shard "$k/$ENCODERS" > "$W/encode$k.log" 2>&1 &
   ENC+=($!)
 done
 want=$($PY -c "
@@ -69,10 +72,21 @@ while [ "$(find "$W/codes" -name '*.npy' 2>/dev/null | wc -l)" -lt "$want" ] && 
   sleep 5
 done
 
+# MAMBA_SITE=dir: mamba-ssm built into dir beside this run (scripts/offline_gpu): wait for
+# dir.done (10 minutes at most), then train on its kernels if dir.ok (its parity test
+# passed), else on ours.
+if [ -n "${MAMBA_SITE:-}" ]; then
+  for _ in $(seq 120); do [ -e "$MAMBA_SITE.done" ] && break; sleep 5; done  # 10 minutes at most
+  if [ -e "$MAMBA_SITE.ok" ]; then
+    export PYTHONPATH="$MAMBA_SITE${PYTHONPATH:+:$PYTHONPATH}"
+    stamp "decoder on mamba-ssm's kernels ($MAMBA_SITE)"
+  fi
+fi
 stamp "decoder: $DECODER_MIN min"
 $PY -m training.train --corpus "$W/corpus" --codes "$W/codes" --out "$W/decoder" --device "$DEVICE" --resume \
   --minutes "$DECODER_MIN" --steps 1000000 --batch-frames "$BATCH_FRAMES" --max-batch "$MAX_BATCH" --lr 2e-3 --warmup 100 \
-  --rescan-every 50 --eval-every 100 --ckpt-minutes 2 --threads 4 ${INIT_DECODER:+--init "$INIT_DECODER"} \
+  --rescan-every 50 --eval-every 100 --ckpt-minutes 2 --threads 4 --eos-jitter "$EOS_JITTER" \
+  ${INIT_DECODER:+--init "$INIT_DECODER"} \
   > "$W/decoder.log" 2>&1
 wait "${ENC[@]}" || true
 tail -n 2 "$W/decoder.log"
