@@ -101,6 +101,11 @@ def load_bundle(
         codec_preset_name = spec[1] if len(spec) > 1 else codec_preset_name
     if random_init:
         torch.manual_seed(seed)
+        n_q, have = preset(model_preset).n_acoustic_codebooks, codec_preset(codec_preset_name).n_codebooks
+        if have < n_q:
+            raise ValueError(f"model preset {model_preset!r} speaks {n_q} codebooks; codec preset "
+                             f"{codec_preset_name!r} has {have}: name a larger one, e.g. "
+                             f"random:{model_preset}/encodec_24khz")
         model = LiveSpeech2(preset(model_preset), device=dev).to(dev).eval()
         codec = CodecModel(codec_preset(codec_preset_name, n_q=model.cfg.n_acoustic_codebooks)).to(dev).eval()
         _init_codebooks(codec)

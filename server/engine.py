@@ -331,6 +331,8 @@ class Engine:
         waiting = s.phase is Phase.WAITING
         if n == 0:
             return None
+        if s.frames_done == 0 and n < self.runner.min_first_frames and not s.done_decoding:
+            return None  # a reflect-padded codec reads that far ahead at a stream's start
         if s.done_decoding:
             return PacketPlan(n, False)
         if not ramp and not waiting:

@@ -126,12 +126,33 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, slots: Sequence[int], frames: Sequence[Sequence[Sequence[int]]]) -> list[np.ndarray]:
         """Streaming-decode each slot's new frames (same count for every slot) into 24 kHz
-        float32 samples; the codec state carries over so packets join seamlessly."""
+        float32 samples; the codec state carries over so packets join seamlessly.
+
+        A stream's first packet shorter than the codec's `min_first_frames` (the engine
+        sends one only when the whole speech was that short) is padded with its last
+        frame, and its audio cut back to its own frames."""
+        slots = list(slots)
         codes = torch.tensor([list(zip(*f)) for f in frames], dtype=torch.long, device=self.device)  # [B, Q, F]
-        sub = self.codec_state.select(list(slots))
+        n, pad = codes.shape[-1], self.codec.min_first_frames - codes.shape[-1]
+        fresh = (self.codec_state.frames[slots] == 0).tolist() if pad > 0 else [False] * len(slots)
+        out: list[np.ndarray] = [np.empty(0, np.float32)] * len(slots)
+        for padded in (False, True):
+            rows = [i for i, f in enumerate(fresh) if f is padded]
+            if not rows:
+                continue
+            c = codes[rows]
+            if padded:
+                c = torch.cat((c, c[..., -1:].expand(-1, -1, pad)), dim=-1)
+            wav = self._decode_step([slots[i] for i in rows], c)[:, 0].float().cpu().numpy()
+            for i, w in zip(rows, wav):
+                out[i] = w[: len(w) * n // c.shape[-1]]
+        return out
+
+    def _decode_step(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
+        sub = self.codec_state.select(slots)
         wav = self.codec.decode_step(codes, sub)  # [B, 1, F * hop]
-        self.codec_state.update(list(slots), sub)
-        return list(wav[:, 0].float().cpu().numpy())
+        self.codec_state.update(slots, sub)
+        return wav
 
     @property
     def min_first_frames(self) -> int:

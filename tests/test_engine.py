@@ -138,6 +138,52 @@ def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice)
     assert len(a) == len(b) and np.abs(a - b).max() <= 2
 
 
+def test_reflect_padded_codec_gets_first_packets_it_can_decode(voice):
+    """The official EnCodec layout (reflect padding) needs 7 frames in a stream's first
+    packet, more than an 80 ms packet (6): sessions on it used to fail INTERNAL at their
+    first packet (seen on a GPU with random:paper/encodec_24khz). The first packet now
+    waits for 7 frames; the audio is contiguous and ends cleanly."""
+    torch.set_num_threads(1)
+    eng = Engine(load_bundle(random_init=True, codec_preset_name="encodec_24khz"),
+                 EngineConfig(max_sessions=1, low_water_steps=0))
+    assert eng.runner.min_first_frames == 7
+    calls, decode = [], eng.runner.decode
+    eng.runner.decode = lambda slots, frames: calls.append(len(frames[0])) or decode(slots, frames)
+    eng.start()
+    try:
+        v = eng.make_voice("test", (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32), 24000)
+        c = say(eng, v, "A codec that reads ahead at the start.", packet_ms=80)
+    finally:
+        eng.stop()
+    assert not c.of(Failed), c.of(Failed)
+    assert calls[0] == 7 and 6 in calls
+    ms = packet_ms(c.of(AudioPacket))
+    assert c.of(Finished)[0].summary.audio_s == pytest.approx(sum(ms) / 1000)
+    assert c.of(Finished)[0].summary.frames == sum(calls)
+
+
+def test_runner_decodes_a_stream_shorter_than_a_first_packet():
+    """A whole speech shorter than the codec's first packet is padded with its last frame
+    and cut back; a stream already under way in the same call decodes as if alone."""
+    torch.set_num_threads(1)
+    bundle = load_bundle(random_init=True, codec_preset_name="encodec_24khz")
+    from server.runner import ModelRunner
+    rng = np.random.default_rng(1)
+    q = bundle.model.cfg.n_acoustic_codebooks
+    frames = lambda n: rng.integers(0, 1024, size=(n, q)).tolist()  # noqa: E731
+    first, short_a, short_b = frames(7), frames(3), frames(3)
+    mixed, alone = ModelRunner(bundle, 2), ModelRunner(bundle, 1)
+    mixed.decode([0], [first])
+    alone.decode([0], [first])
+    got = mixed.decode([0, 1], [short_a, short_b])  # slot 0 under way, slot 1 fresh
+    hop = len(got[0]) // 3
+    assert [len(w) for w in got] == [3 * hop, 3 * hop]
+    np.testing.assert_allclose(got[0], alone.decode([0], [short_a])[0], atol=1e-5)
+    padded = torch.tensor([list(zip(*(short_b + short_b[-1:] * 4)))])
+    whole = bundle.codec.decode(padded)[0, 0, : 3 * hop].numpy()
+    np.testing.assert_allclose(got[1], whole, atol=1e-4)
+
+
 def test_steady_packets_of_concurrent_sessions_are_decoded_together(voice, monkeypatch):
     """Past the ramp, full packets are decoded on a shared clock (every packet's worth of
     engine steps), so sessions that started at different times batch their codec calls.

@@ -309,3 +309,10 @@ def test_step_follows_in_place_weight_updates(model):
     assert not torch.allclose(before.acoustic, after.acoustic, atol=1e-3)
     assert torch.allclose(after.graphemes, fresh.graphemes, atol=1e-6)
     assert torch.allclose(after.acoustic, fresh.acoustic, atol=1e-6)
+
+
+def test_random_model_with_too_small_codec_is_refused_clearly():
+    """random:paper speaks 16 acoustic codebooks; the default 'small' codec has 8."""
+    from models.loading import load_bundle
+    with pytest.raises(ValueError, match="paper/encodec_24khz"):
+        load_bundle("random:paper")
