@@ -403,7 +403,13 @@ class Engine:
         for n, planned in by_len.items():
             group = [s for s, _ in planned]
             t0 = time.perf_counter()
-            wavs = self.runner.decode([s.slot for s in group], [s.pending_frames[:n] for s in group])
+            try:
+                wavs = self.runner.decode([s.slot for s in group], [s.pending_frames[:n] for s in group])
+            except Exception as exc:  # ends the sessions of this call only; the others' state is untouched
+                log.exception("codec decode of %d session(s) failed", len(group))
+                for s in group:
+                    self._fail(s, "INTERNAL", f"{type(exc).__name__} while decoding audio")
+                continue
             dt = time.perf_counter() - t0
             self.metrics.codec_decode_seconds.observe(dt)
             for (s, short), wav in zip(planned, wavs):

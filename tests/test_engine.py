@@ -313,6 +313,33 @@ def test_numerical_failure_ends_only_that_session(engine, voice):
     assert alone.active_at_end == 0
 
 
+def test_codec_failure_ends_only_the_sessions_of_that_call(engine, voice, monkeypatch):
+    """A codec call that raises fails the sessions it decoded, not the engine's others
+    (they used to fail with it: the whole engine iteration was abandoned)."""
+    steady, victim = Collector(), Collector()
+    h_steady = engine.open_session(SessionConfig(**HARD, packet_ms=40, min_packet_ms=40), voice, steady)
+    h_steady.push_text("this session keeps on speaking for a good while yet " * 2)
+    while len(steady.of(AudioPacket)) < 3:  # past its first packets: 3-frame packets from now on
+        threading.Event().wait(0.01)
+    decode, victims = engine.runner.decode, []
+
+    def failing(slots, frames):  # runs on the engine thread, after the victim's admission
+        if any(h.slot in slots for h in victims):
+            raise RuntimeError("codec broke")
+        return decode(slots, frames)
+
+    monkeypatch.setattr(engine.runner, "decode", failing)
+    # its first packet is 2 frames: a call of its own
+    h_victim = engine.open_session(SessionConfig(**HARD, packet_ms=80, min_packet_ms=20), voice, victim)
+    victims.append(h_victim)
+    h_victim.push_text("this one fails.")
+    h_victim.end_input()
+    h_steady.end_input()
+    assert victim.done.wait(60) and steady.done.wait(60)
+    assert victim.of(Failed)[0].code == "INTERNAL" and "decoding audio" in victim.of(Failed)[0].message
+    assert steady.of(Finished) and not steady.of(Failed)
+
+
 def test_empty_input_finishes_immediately(engine, voice):
     c = Collector()
     h = engine.open_session(SessionConfig(**HARD), voice, c)
