@@ -15,9 +15,9 @@ import wave
 import pytest
 
 from models.graphemes import VOCAB_SIZE, normalize_text
-from training.corpus import espeak
+from training.corpus import espeak, flite
 from training.corpus.align import (AlignError, best_split, phoneme_distance, proportional_split,
-                                   tokenize, word_spans)
+                                   spans_from_phonemes, tokenize, word_spans)
 from training.corpus.build import CorpusConfig, build, read_jsonl
 from training.corpus.espeak import Event
 from training.corpus.plan import (n_frames_for, plan, sentence_split, simulate_chunks,
@@ -30,6 +30,7 @@ from training.corpus.voices import Voice, choose_heldout_variants
 HAVE_ESPEAK = espeak.available()
 needs_espeak = pytest.mark.skipif(
     not HAVE_ESPEAK, reason="eSpeak NG not installed (apt-get install espeak-ng libespeak-ng1)")
+needs_flite = pytest.mark.skipif(not flite.available(), reason="Flite not installed (apt-get install flite)")
 
 
 # ----------------------------------------------------------------------------- sentences
@@ -143,6 +144,47 @@ def test_plan_is_deterministic_and_respects_splits():
     assert n_fortunes > 0.65 * len(a)
     w = source_weights(pool, None)
     assert abs(sum(w.values()) - 1) < 1e-9
+
+
+def test_plan_draws_synthesisers_by_share_and_keeps_the_sentence_sequence():
+    """Flite voices beside eSpeak ones: each utterance's synthesiser is drawn by weight,
+    held-out voices stay per synthesiser, and the sentences (and splits) come in the same
+    order as in an eSpeak-only plan: adding a synthesiser does not reshuffle the text."""
+    pool = [Sentence(f"Sentence number {i} is here.", "fortunes") for i in range(100)]
+    splits = [sentence_split(s.text, 1, 0.2, 0.2) for s in pool]
+    fl = [Voice(f"fl{i}", "flite", "en", name, 100, 0, 0, name == "rms") for i, name in
+          enumerate(["awb", "slt", "rms"])]
+    only = plan(pool, splits, _voices(), seed=1)
+    mixed = plan(pool, splits, _voices() + fl, seed=1, engine_weights={"espeak": 0.7, "flite": 0.3})
+    a, b = [next(only) for _ in range(2000)], [next(mixed) for _ in range(2000)]
+    assert [j.sentence for j in a] == [j.sentence for j in b]
+    engine = {v.id: v.engine for v in _voices() + fl}
+    share = sum(engine[j.voice] == "flite" for j in b) / len(b)
+    assert 0.26 < share < 0.34
+    assert {j.voice for j in b if engine[j.voice] == "flite" and j.split == "train"} == {"fl0", "fl1"}
+    assert any(j.voice == "fl2" and j.split != "train" for j in b)
+    with pytest.raises(ValueError, match="no training voices"):
+        next(plan(pool, splits, [], seed=1))
+
+
+def test_corpus_config_checks_synthesisers():
+    with pytest.raises(ValueError, match="unknown synthesisers"):
+        CorpusConfig(engines={"festival": 1.0})
+    with pytest.raises(ValueError, match="positive share"):
+        CorpusConfig(engines={"flite": 0.0})
+
+
+def test_spans_from_phonemes_aligns_a_sentence_to_words_said_alone():
+    # "the apple": said alone "dh ax", in the sentence "dh iy" (before a vowel); an extra
+    # "hh" the sentence has and no word has goes to the word before it
+    speech = [("dh", 0, 10), ("iy", 10, 20), ("ae", 20, 30), ("p", 30, 40), ("hh", 40, 45),
+              ("ax", 45, 50), ("l", 50, 60)]
+    words = [("dh", "ax"), ("ae", "p", "ax", "l")]
+    assert spans_from_phonemes(speech, words) == [(0, 20), (20, 60)]
+    speech = [("w", 0, 5), ("ah", 5, 10), ("n", 10, 15), ("t", 15, 20), ("uw", 20, 30)]
+    assert spans_from_phonemes(speech, [("w", "ah", "n"), ("t", "uw")]) == [(0, 15), (15, 30)]
+    with pytest.raises(AlignError):  # three words, two phonemes: one word gets none
+        spans_from_phonemes([("ay", 0, 10), ("s", 10, 20)], [("ay",), ("s",), ("z", "iy")])
 
 
 def test_heldout_variants_fixed_share():
@@ -431,3 +473,21 @@ def test_cli_parallel_build(tmp_path, capsys):
     recs = _check_corpus(out)
     assert len(recs) == 6
     assert main(["summary", "--out", out]) == 0
+
+
+@needs_flite
+def test_flite_voices_in_a_corpus(tmp_path):
+    """A corpus of Flite voices only: 16 kHz speech resampled to 24 kHz, word spans in
+    order and inside the audio (the common checks), one whole voice held out."""
+    out = str(tmp_path / "corpus")
+    build(out, hours=1.0, config=_config(tmp_path, engines={"flite": 1.0}), max_utterances=6,
+          progress=False, log=lambda *a: None)
+    recs = _check_corpus(out)
+    assert len(recs) == 6 and {r["engine"] for r in recs} == {"flite"}
+    with open(os.path.join(out, "voices.json")) as f:
+        vj = json.load(f)
+    held = {v["variant"] for v in vj["voices"] if v["heldout"]}
+    assert len(held) == 1 and vj["heldout_variants"] == [f"flite-{held.pop()}"]
+    # the words cover the speech: the first starts in the lead-in pad, the last ends by the trail
+    for r in recs:
+        assert r["words"][0][1] < 0.5 and r["duration_s"] - r["words"][-1][2] < 0.6

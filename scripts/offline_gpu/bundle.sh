@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Pack what scripts/train_gpu.sh needs on a CUDA machine that reaches no network, into one
-# folder to copy there (default .dev/, ~16 MB): eSpeak NG (library, English data, and a
-# stand-in libpcaudio), the corpus definition, Whisper's BPE ranks, mamba-ssm's sdist.
+# folder to copy there (default .dev/, ~29 MB): eSpeak NG (library, English data, and a
+# stand-in libpcaudio), Flite (its two Debian packages), the corpus definition, Whisper's
+# BPE ranks, mamba-ssm's sdist.
 # Run from the repository root on a Debian/Ubuntu machine with the corpus packages
 # (docs/corpus.md) and the venv (scripts/install.sh). Then on the GPU machine:
 #   scripts/offline_gpu/session.sh start|watch|finish SECONDS   (see that file)
@@ -10,7 +11,9 @@ D=${1:-.dev}
 PY=${PY:-.venv/bin/python}
 mkdir -p "$D/espeak/lib" "$D/def"
 # the corpus definition (sentence pool, splits, voices): a tiny corpus build writes it
-[ -e data/corpus/config.json ] || $PY -m training.corpus build --out data/corpus --hours 0.01 --no-progress
+# (ENGINES: the synthesisers' shares; an existing data/corpus keeps its own)
+[ -e data/corpus/config.json ] || $PY -m training.corpus build --out data/corpus --hours 0.01 --no-progress \
+  --engines "${ENGINES:-espeak=0.8,flite=0.2}"
 cp data/corpus/config.json data/corpus/sentences.jsonl data/corpus/voices.json "$D/def/"
 tmp=$(mktemp -d)
 (cd "$tmp" && apt-get download libespeak-ng1 espeak-ng-data libsonic0 >/dev/null)
@@ -22,6 +25,8 @@ rm -rf "$tmp"
 # eSpeak links libpcaudio for playback, which synchronous synthesis never calls; the real
 # one pulls in PulseAudio and ALSA
 gcc -shared -fPIC -O2 -Wl,-soname,libpcaudio.so.0 -o "$D/espeak/lib/libpcaudio.so.0" scripts/offline_gpu/pcaudio_stub.c
+# Flite's voices are compiled into libflite1: session.sh unpacks both packages
+(cd "$D" && rm -f flite_*.deb libflite1_*.deb && apt-get download flite libflite1 >/dev/null)
 cp "$($PY -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("whisper").origin))')/assets/multilingual.tiktoken" "$D/"
 MAMBA_SKIP_CUDA_BUILD=TRUE $PY -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
   mamba-ssm==2.3.2.post1 -d "$D" 2>/dev/null

@@ -2,7 +2,7 @@
 # scripts/train_gpu.sh on a GPU machine that is lent in calls of limited length (each
 # call runs this for SECONDS, then returns what is under $OUT): run from the repository
 # root with the bundle (scripts/offline_gpu/bundle.sh) at .dev/.
-#   start   install eSpeak NG, time the scan tilings, start the mamba-ssm build and the
+#   start   install eSpeak NG and Flite, time the scan tilings, start the mamba-ssm build and the
 #           pipeline (its decoder on those kernels once built and tested) in the background, watch
 #   watch   watch; at the end export the best decoder so far (fp16, 15 MB pieces)
 #   switch  restart the pipeline (the decoder resumes) once a late mamba-ssm build is there, watch
@@ -15,6 +15,8 @@ OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 T0=$(date +%s)
 R=$PWD; W=/root/w; SITE=/root/mamba_site
 export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$R/.dev/multilingual.tiktoken
+FL=/root/flite  # the bundle's Flite packages, unpacked by start
+export LIVESPEECH_FLITE=$FL/usr/bin/flite LD_LIBRARY_PATH=$FL/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 snap() {
   (cd $W 2>/dev/null && tar czf $OUT/logs.tgz --ignore-failed-read *.log *.txt decoder/log.jsonl \
@@ -45,6 +47,8 @@ case $MODE in
 start)
   cp .dev/espeak/lib/* /usr/local/lib/ && ldconfig
   cp -r .dev/espeak/espeak-ng-data /usr/lib/x86_64-linux-gnu/
+  for f in .dev/flite_*.deb .dev/libflite1_*.deb; do dpkg -x "$f" $FL; done
+  "$LIVESPEECH_FLITE" -lv || exit 1
   mkdir -p $W && cp models/weights/default/codec.pt /root/codec.pt
   nvidia-smi -L; nproc; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"
   python3 -c "from training.corpus.espeak import ESpeak; print('espeak', ESpeak().sample_rate)" || exit 1

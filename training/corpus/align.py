@@ -72,25 +72,63 @@ class _Group:
     end: int = -1
 
 
+def _substitution(a: str, b: str) -> float:
+    """Similar phonemes (same first character, e.g. "@" / "@2", "ah" / "ax") cost half."""
+    return 0.0 if a == b else 0.5 if a[:1] == b[:1] else 1.0
+
+
 def phoneme_distance(a: Sequence[str], b: Sequence[str]) -> float:
-    """Edit distance between phoneme sequences; similar phonemes (same first character,
-    e.g. "@" / "@2", "i" / "i:") cost half a substitution."""
+    """Edit distance between phoneme sequences (`_substitution` costs)."""
     n, m = len(a), len(b)
     prev = [float(j) for j in range(m + 1)]
     for i in range(1, n + 1):
         cur = [float(i)] + [0.0] * m
         ai = a[i - 1]
         for j in range(1, m + 1):
-            bj = b[j - 1]
-            if ai == bj:
-                sub = 0.0
-            elif ai[:1] == bj[:1]:
-                sub = 0.5
-            else:
-                sub = 1.0
-            cur[j] = min(prev[j] + 1.0, cur[j - 1] + 1.0, prev[j - 1] + sub)
+            cur[j] = min(prev[j] + 1.0, cur[j - 1] + 1.0, prev[j - 1] + _substitution(ai, b[j - 1]))
         prev = cur
     return prev[m]
+
+
+def spans_from_phonemes(speech: Sequence[tuple[str, int, int]],
+                        words: Sequence[Sequence[str]]) -> list[tuple[int, int]]:
+    """One (start, end) sample span per word, for a synthesiser that times phonemes but
+    not words (Flite): ``speech`` is the sentence's spoken phonemes (name, start, end),
+    pauses removed; ``words`` each word's phonemes said alone. The sentence is aligned
+    to the words' phonemes in order (edit distance, `_substitution` costs); a sentence
+    phoneme belongs to the word of the phoneme it is aligned with, an extra one to the
+    word before it (at the very start, the first word). A word left with no phoneme
+    cannot be timed: AlignError."""
+    ref = [w for w, ps in enumerate(words) for _ in ps]
+    names = [p for ps in words for p in ps]
+    n, m = len(speech), len(names)
+    if n == 0 or m == 0:
+        raise AlignError("no phonemes")
+    cost = [[float(i + j) if i == 0 or j == 0 else 0.0 for j in range(m + 1)] for i in range(n + 1)]
+    for i in range(1, n + 1):
+        row, up, a = cost[i], cost[i - 1], speech[i - 1][0]
+        for j in range(1, m + 1):
+            row[j] = min(up[j - 1] + _substitution(a, names[j - 1]), up[j] + 1.0, row[j - 1] + 1.0)
+    owner: list[int | None] = [None] * n  # word of each sentence phoneme; None: an extra one
+    i, j = n, m
+    while i > 0 and j > 0:
+        if cost[i][j] == cost[i - 1][j - 1] + _substitution(speech[i - 1][0], names[j - 1]):
+            owner[i - 1] = ref[j - 1]
+            i, j = i - 1, j - 1
+        elif cost[i][j] == cost[i - 1][j] + 1.0:
+            i -= 1
+        else:
+            j -= 1
+    prev = 0
+    for k, w in enumerate(owner):
+        owner[k] = prev = w if w is not None else prev
+    spans = []
+    for w in range(len(words)):
+        mine = [k for k, o in enumerate(owner) if o == w]
+        if not mine:
+            raise AlignError(f"word {w} has no phoneme in the sentence")
+        spans.append((speech[mine[0]][1], speech[mine[-1]][2]))
+    return spans
 
 
 def best_split(group: Sequence[str], words: Sequence[Sequence[str]]) -> list[int]:

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 
 from .plan import SPLITS, Job, plan, sentence_split, source_weights
 from .sentences import Sentence, extract_pool, pool_fingerprint, source_counts
-from .voices import Voice, build_catalog
+from .voices import Voice, build_catalog, build_flite_catalog
 
 FORMAT_VERSION = 1
+ENGINES = ("espeak", "flite")
 
 
 @dataclass
@@ -49,12 +50,22 @@ class CorpusConfig:
     weights: dict[str, float] | None = None
     heldout_eval_share: float = 0.5
     max_seconds: float = 20.0
+    # synthesiser -> share of utterances, e.g. {"espeak": 0.8, "flite": 0.2}; None: eSpeak only
+    engines: dict[str, float] | None = None
     version: int = FORMAT_VERSION
 
-    # the fields that define the plan: a resume must agree on these
+    # the fields that define the plan: a resume must agree on these (a corpus made before
+    # `engines` existed has none saved, which reads as None: eSpeak only)
     KEYS = ("seed", "dev_frac", "test_frac", "heldout_frac", "voices_per_combo", "accents",
             "variants", "sources", "sentence_file", "weights", "heldout_eval_share",
-            "max_seconds", "version")
+            "max_seconds", "engines", "version")
+
+    def __post_init__(self):
+        unknown = sorted(set(self.engines or {}) - set(ENGINES))
+        if unknown:
+            raise ValueError(f"unknown synthesisers {unknown}; choose from {list(ENGINES)}")
+        if self.engines is not None and not any(w > 0 for w in self.engines.values()):
+            raise ValueError("engines: no synthesiser with a positive share")
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.KEYS}
@@ -128,7 +139,7 @@ class Corpus:
 
     def jobs(self):
         return plan(self.pool, self.splits, self.voices, self.config.seed, self.config.weights,
-                    self.config.heldout_eval_share)
+                    self.config.heldout_eval_share, self.config.engines)
 
 
 def prepare(out: str, config: CorpusConfig, log=_log) -> Corpus:
@@ -162,8 +173,14 @@ def prepare(out: str, config: CorpusConfig, log=_log) -> Corpus:
     log(f"sentence pool: {len(pool)} sentences in {time.time() - t0:.1f} s: {source_counts(pool)}")
     splits = [sentence_split(s.text, config.seed, config.dev_frac, config.test_frac) for s in pool]
     t0 = time.time()
-    voices, rejected = build_catalog(config.seed, config.voices_per_combo, config.heldout_frac,
-                                     config.accents, config.variants)
+    engines = {e for e, w in (config.engines or {"espeak": 1.0}).items() if w > 0}
+    voices, rejected = [], {}
+    if "espeak" in engines:
+        voices, rejected = build_catalog(config.seed, config.voices_per_combo, config.heldout_frac,
+                                         config.accents, config.variants)
+    if "flite" in engines:
+        more, why = build_flite_catalog(config.seed, config.voices_per_combo, config.heldout_frac)
+        voices, rejected = voices + more, {**rejected, **why}
     if not voices:
         raise RuntimeError("no usable voice")
     ids = [v.id for v in voices]
@@ -174,13 +191,16 @@ def prepare(out: str, config: CorpusConfig, log=_log) -> Corpus:
     _write_jsonl(os.path.join(out, "sentences.jsonl"),
                  ({"index": i, "source": s.source, "split": sp, "text": s.text}
                   for i, (s, sp) in enumerate(zip(pool, splits))))
-    from . import espeak
+    from . import espeak, flite
 
+    synthesisers = {}
+    if "espeak" in engines:
+        synthesisers["espeak"] = {"library": espeak.find_library(), "native_sample_rate": espeak.NATIVE_RATE}
+    if "flite" in engines:
+        synthesisers["flite"] = {"binary": flite.binary()}
     _write_json(os.path.join(out, "voices.json"), {
-        "engine": "espeak-ng",
-        "library": espeak.find_library(),
-        "native_sample_rate": espeak.NATIVE_RATE,
-        "heldout_variants": sorted({v.variant for v in voices if v.heldout}),
+        "engines": synthesisers,
+        "heldout_variants": sorted({v.timbre for v in voices if v.heldout}),
         "voices": [v.to_json() for v in voices],
         "rejected_combos": rejected,
     })
@@ -456,7 +476,7 @@ def summarize(out: str, corpus: Corpus | None = None) -> dict:
         "voices": {"total": len(corpus.voices),
                    "train": sum(not v.heldout for v in corpus.voices),
                    "heldout": sum(v.heldout for v in corpus.voices),
-                   "heldout_variants": sorted({v.variant for v in corpus.voices if v.heldout}),
+                   "heldout_variants": sorted({v.timbre for v in corpus.voices if v.heldout}),
                    "accents": sorted({v.accent for v in corpus.voices}),
                    "used": len({r["voice"] for r in recs})},
         "sentences": {"pool": len(corpus.pool), "pool_by_split": pool_splits,
@@ -467,6 +487,9 @@ def summarize(out: str, corpus: Corpus | None = None) -> dict:
                           "hours": round(per_source.get(src, {}).get("hours", 0.0), 4),
                           "sentences_used": len(per_source.get(src, {}).get("sentences", ()))}
                     for src, w in source_weights(corpus.pool, corpus.config.weights).items()},
+        "engines": {e: {"utterances": sum(r.get("engine", "espeak") == e for r in recs),
+                        "hours": round(sum(r["duration_s"] for r in recs if r.get("engine", "espeak") == e) / 3600, 4)}
+                    for e in sorted({v.engine for v in corpus.voices})},
         "rejected": {"utterances": len(rejects), "by_reason": reasons},
     }
     _write_json(os.path.join(out, "summary.json"), summary)
@@ -481,6 +504,9 @@ def format_summary(s: dict) -> str:
     vo = s["voices"]
     lines.append(f"  voices: {vo['train']} train + {vo['heldout']} held out "
                  f"(variants {', '.join(vo['heldout_variants'])}); {len(vo['accents'])} accents; {vo['used']} used")
+    if len(s.get("engines", {})) > 1:
+        lines.append("  synthesisers: " + ", ".join(f"{e} {v['hours']:.3f} h ({v['utterances']} utt)"
+                                                   for e, v in s["engines"].items()))
     se = s["sentences"]
     lines.append(f"  sentences: pool {se['pool']} ({', '.join(f'{k} {v}' for k, v in se['pool_by_split'].items())}),"
                  f" {se['used']} used")

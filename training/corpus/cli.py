@@ -40,6 +40,7 @@ def _config(a) -> CorpusConfig:
         voices_per_combo=a.voices_per_combo, accents=_csv(a.accents), variants=_csv(a.variants),
         sources=_sources(a.sources), sentence_file=a.sentences,
         weights=_weights(a.weights), heldout_eval_share=a.heldout_eval_share, max_seconds=a.max_seconds,
+        engines=_weights(a.engines),
     )
 
 
@@ -72,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--sentences", default=None, help="extra sentence file: one a line, or source<TAB>text")
     g.add_argument("--weights", default=None, help="source weights, e.g. fortunes=0.4,wordnet=0.3")
     g.add_argument("--max-seconds", type=float, default=20.0, help="reject longer utterances")
+    g.add_argument("--engines", default=None,
+                   help="synthesisers and their shares of utterances, e.g. espeak=0.8,flite=0.2 "
+                        "(default: eSpeak NG only)")
 
     s = sub.add_parser("summary", help="print (and rewrite) summary.json of a corpus")
     s.add_argument("--out", default="data/corpus")
@@ -94,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.cmd == "build":
         try:
-            summary = build(a.out, a.hours, _config(a), workers=a.workers,
+            config = _config(a)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        try:
+            summary = build(a.out, a.hours, config, workers=a.workers,
                             max_utterances=a.max_utterances, progress=not a.no_progress)
         except ConfigMismatch as e:
             print(f"error: {e}", file=sys.stderr)

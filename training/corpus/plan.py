@@ -116,22 +116,35 @@ def source_weights(pool: Sequence[Sentence], weights: dict[str, float] | None) -
     return {s: x / total for s, x in w.items()}
 
 
+def _cumulative(weights: dict[str, float]) -> tuple[list[str], list[float]]:
+    names = sorted(weights)
+    cum, acc = [], 0.0
+    for s in names:
+        acc += weights[s]
+        cum.append(acc)
+    return names, cum
+
+
+def _draw(names: list[str], cum: list[float], u: float) -> str:
+    """The name whose cumulative-weight interval holds u (in [0, total))."""
+    return next((s for s, c in zip(names, cum) if u < c), names[-1])
+
+
 def plan(pool: Sequence[Sentence], splits: Sequence[str], voices: Sequence[Voice], seed: int,
-         weights: dict[str, float] | None = None, heldout_eval_share: float = 0.5) -> Iterator[Job]:
+         weights: dict[str, float] | None = None, heldout_eval_share: float = 0.5,
+         engine_weights: dict[str, float] | None = None) -> Iterator[Job]:
     """The endless, deterministic sequence of utterances to synthesise.
 
     Utterance i draws a source by weight, then the next sentence of that source's seeded
     shuffle (cycling once a source is used up, with new voices). Train sentences get a
     training voice; dev/test sentences get a held-out voice with probability
-    ``heldout_eval_share`` (when there are any), otherwise a training voice.
+    ``heldout_eval_share`` (when there are any), otherwise a training voice. With voices
+    of several synthesisers, each utterance first draws its synthesiser by
+    ``engine_weights`` (from a stream of its own: an eSpeak-only plan is unchanged).
     """
     w = source_weights(pool, weights)
-    names = sorted(w)
-    cum = []
-    acc = 0.0
-    for s in names:
-        acc += w[s]
-        cum.append(acc)
+    names, cum = _cumulative(w)
+    acc = cum[-1]
     order: dict[str, list[int]] = {s: [] for s in names}
     for i, sent in enumerate(pool):
         if sent.source in order:
@@ -139,19 +152,24 @@ def plan(pool: Sequence[Sentence], splits: Sequence[str], voices: Sequence[Voice
     for s in names:
         random.Random(f"{seed}:order:{s}").shuffle(order[s])
     counters = {s: 0 for s in names}
-    train_voices = [v for v in voices if not v.heldout]
-    heldout_voices = [v for v in voices if v.heldout]
-    if not train_voices:
+    engines = sorted({v.engine for v in voices})
+    if len(engines) > 1:
+        ew = {e: float((engine_weights or {}).get(e, 1.0)) for e in engines}
+        engine_names, engine_cum = _cumulative({e: x for e, x in ew.items() if x > 0})
+    else:
+        engine_names, engine_cum = engines, [1.0]
+    train_by = {e: [v for v in voices if v.engine == e and not v.heldout] for e in engine_names}
+    heldout_by = {e: [v for v in voices if v.engine == e and v.heldout] for e in engine_names}
+    if not train_by or not all(train_by.values()):
         raise ValueError("no training voices")
     rng = random.Random(f"{seed}:plan")
+    engine_rng = random.Random(f"{seed}:engine")
     i = 0
     while True:
-        u = rng.random() * acc
-        src = names[-1]
-        for s, c in zip(names, cum):
-            if u < c:
-                src = s
-                break
+        src = _draw(names, cum, rng.random() * acc)
+        engine = engine_names[0] if len(engine_names) == 1 else _draw(
+            engine_names, engine_cum, engine_rng.random() * engine_cum[-1])
+        train_voices, heldout_voices = train_by[engine], heldout_by[engine]
         lst = order[src]
         idx = lst[counters[src] % len(lst)]
         counters[src] += 1

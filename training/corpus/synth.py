@@ -1,6 +1,7 @@
 """Synthesising one planned utterance: audio file + manifest record."""
 from __future__ import annotations
 
+import math
 import os
 import random
 import wave
@@ -15,7 +16,6 @@ from .plan import Job, audio_relpath, n_frames_for, simulate_chunks, spans_to_fr
 from .voices import Voice
 
 SAMPLE_RATE = 24000
-UP, DOWN = 160, 147  # 22050 * 160 / 147 = 24000
 LEAD_PAD_S = (0.02, 0.15)  # silence added before the speech (eSpeak starts at sample 0)
 TRAIL_PAD_S = (0.08, 0.25)  # and after it
 
@@ -45,32 +45,39 @@ def read_wav(path: str) -> tuple[np.ndarray, int]:
 
 
 def resample_to_24k(x: np.ndarray, native_rate: int) -> np.ndarray:
+    """int16 audio at ``native_rate`` (eSpeak 22,050, Flite 16,000) -> 24 kHz."""
     if native_rate == SAMPLE_RATE:
         return x.astype(np.int16)
-    if native_rate != 22050:
-        raise ValueError(f"unexpected synthesiser rate {native_rate}")
-    y = resample_poly(x.astype(np.float64), UP, DOWN)
+    g = math.gcd(SAMPLE_RATE, native_rate)
+    y = resample_poly(x.astype(np.float64), SAMPLE_RATE // g, native_rate // g)
     return np.clip(np.round(y), -32768, 32767).astype(np.int16)
 
 
-def synthesize(job: Job, voice: Voice, out_dir: str, engine=None, max_seconds: float = 20.0) -> dict:
-    """Speak ``job`` with ``voice``, write its WAV under ``out_dir``, return its manifest record.
+def speak(voice: Voice, text: str, tokens, engine=None) -> tuple[np.ndarray, int, list[tuple[int, int]]]:
+    """(int16 audio, its sample rate, one (start, end) sample span per token) from the
+    voice's synthesiser. Timings come from the very call that produced the audio
+    (eSpeak's output differs by a few samples from run to run). Raises AlignError."""
+    if voice.engine == "flite":
+        from . import flite
 
-    Timings come from the very call that produced the audio (eSpeak's output differs by a
-    few samples from run to run). Raises Rejected."""
+        return flite.speak(voice.variant, 100.0 / voice.rate, text, tokens)
     if engine is None:
         from . import espeak
 
         engine = espeak.get()
     engine.set_voice(voice.accent, voice.variant, voice.rate, voice.pitch, voice.range)
-    syn = engine.synth(job.text)
-    audio = syn.audio
-    native = syn.sample_rate
-    if len(audio) == 0:
-        raise Rejected("no audio")
+    syn = engine.synth(text)
+    if len(syn.audio) == 0:
+        raise AlignError("no audio")
+    return syn.audio, syn.sample_rate, word_spans(text, syn.events, len(syn.audio), engine.phonemes, tokens)
+
+
+def synthesize(job: Job, voice: Voice, out_dir: str, engine=None, max_seconds: float = 20.0) -> dict:
+    """Speak ``job`` with ``voice``, write its WAV under ``out_dir``, return its manifest
+    record. Raises Rejected."""
     tokens = tokenize(job.text)
     try:
-        spans = word_spans(job.text, syn.events, len(audio), engine.phonemes, tokens)
+        audio, native, spans = speak(voice, job.text, tokens, engine)
     except AlignError as e:
         raise Rejected(f"align: {e}") from None
     rng = random.Random(job.seed)

@@ -1,8 +1,11 @@
-"""The voice catalog: eSpeak NG accent x variant x (rate, pitch, range) combinations.
+"""The voice catalog: eSpeak NG accent x variant x (rate, pitch, range) combinations,
+and optionally the Flite voices at a few speeds.
 
 A *voice* is one fixed set of synthesiser parameters. For each usable accent x variant
 combination the catalog draws ``per_combo`` (rate, pitch, range) settings from a seeded
-RNG, so the catalog is deterministic for a seed and an eSpeak installation.
+RNG, so the catalog is deterministic for a seed and an eSpeak installation. A Flite
+voice's ``variant`` is its name and its ``rate`` a percentage of its own speed (eSpeak:
+words per minute).
 
 Held-out voices: a fixed share of the *variants* (timbres) is held out entirely: every
 voice built on such a variant, in every accent and setting, is never used for training
@@ -42,6 +45,11 @@ class Voice:
     pitch: int
     range: int
     heldout: bool
+
+    @property
+    def timbre(self) -> str:
+        """What held-out voices are chosen by: an eSpeak variant's name, 'flite-<voice>'."""
+        return self.variant if self.engine == "espeak" else f"{self.engine}-{self.variant}"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -165,4 +173,34 @@ def build_catalog(
                     range=rng.randint(*INTONATION_RANGE),
                     heldout=variant in heldout,
                 ))
+    return voices, rejected
+
+
+FLITE_SPEED_RANGE = (85, 118)  # percent of the voice's own speed (Voice.rate for Flite)
+
+
+def build_flite_catalog(seed: int = 0, per_voice: int = 2, heldout_frac: float = 0.1,
+                        probe: bool = True) -> tuple[list[Voice], dict[str, str]]:
+    """(voices, rejected voices with the reason): each Flite voice at ``per_voice`` seeded
+    speeds. Held out as for eSpeak: whole voices (timbres), at least one of them."""
+    from . import flite
+    from .align import AlignError, tokenize
+
+    names = flite.voices()
+    heldout = choose_heldout_variants(names, heldout_frac, seed)
+    voices: list[Voice] = []
+    rejected: dict[str, str] = {}
+    for name in names:
+        if probe:
+            try:
+                flite.speak(name, 1.0, PROBE_TEXT, tokenize(PROBE_TEXT))
+            except (AlignError, RuntimeError) as e:
+                rejected[f"flite+{name}"] = str(e)
+                continue
+        for k in range(per_voice):
+            h = hashlib.sha256(f"{seed}:flite+{name}:{k}".encode()).digest()
+            rng = random.Random(int.from_bytes(h[:8], "big"))
+            voices.append(Voice(id=f"flite-{name}-{k}", engine="flite", accent="en", variant=name,
+                                rate=rng.randint(*FLITE_SPEED_RANGE), pitch=0, range=0,
+                                heldout=name in heldout))
     return voices, rejected
