@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Pack what scripts/train_gpu.sh needs on a CUDA machine that reaches no network, into one
-# folder to copy there (default .dev/, ~29 MB): eSpeak NG (library, English data, and a
+# folder to copy there (default .dev/, ~40 MB): eSpeak NG (library, English data, and a
 # stand-in libpcaudio), Flite (its two Debian packages), the corpus definition, Whisper's
-# BPE ranks, mamba-ssm's sdist.
+# BPE ranks, mamba-ssm's sdist, the wheels loadtest.sh needs (~11 MB).
 # Run from the repository root on a Debian/Ubuntu machine with the corpus packages
 # (docs/corpus.md) and the venv (scripts/install.sh). Then on the GPU machine:
 #   scripts/offline_gpu/session.sh start|watch|finish SECONDS   (see that file)
@@ -28,6 +28,10 @@ gcc -shared -fPIC -O2 -Wl,-soname,libpcaudio.so.0 -o "$D/espeak/lib/libpcaudio.s
 # Flite's voices are compiled into libflite1: session.sh unpacks both packages
 (cd "$D" && rm -f flite_*.deb libflite1_*.deb && apt-get download flite libflite1 >/dev/null)
 cp "$($PY -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("whisper").origin))')/assets/multilingual.tiktoken" "$D/"
+# what loadtest.sh needs beyond the machine's image (it has grpcio, not the rest), for its python 3.12
+rm -rf "$D/whl" && $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$D/whl" \
+  $($PY -m pip list --format=freeze 2>/dev/null | grep -iE '^(grpcio|grpcio-tools|grpcio-health-checking|grpcio-reflection|protobuf)==')
 MAMBA_SKIP_CUDA_BUILD=TRUE $PY -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
   mamba-ssm==2.3.2.post1 -d "$D" 2>/dev/null
 du -sh "$D"
