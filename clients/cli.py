@@ -127,9 +127,16 @@ def _serve(args: argparse.Namespace) -> int:
     from server.app import serve
     from server.config import ENV_PREFIX, ServerConfig, default_voices_dir
 
+    from server.session_api import ConfigError
+
     if args.voices_dir is None and ENV_PREFIX + "VOICES_DIR" not in os.environ:
         args.voices_dir = str(default_voices_dir())
-    serve(ServerConfig.from_sources(args))
+    try:
+        config = ServerConfig.from_sources(args)
+    except ConfigError as e:  # a bad flag or env value: say which, no traceback
+        print(f"livespeech serve: {e}", file=sys.stderr)
+        return 2
+    serve(config)
     return 0
 
 

@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cuda-graphs", action="store_true", help="the model step replayed from a CUDA graph")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from server.runner import ModelRunner
@@ -44,9 +45,10 @@ def main(argv=None) -> int:
     import numpy as np
 
     bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
-    out = {"preset": args.preset, "threads": args.threads, "device": args.device, "rows": []}
+    out = {"preset": args.preset, "threads": args.threads, "device": args.device,
+           "cuda_graphs": args.cuda_graphs, "rows": []}
     for b in args.batch:
-        runner = ModelRunner(bundle, b)
+        runner = ModelRunner(bundle, b, cuda_graphs=args.cuda_graphs)
         voice = runner.make_voice("v", np.random.randn(24000).astype(np.float32) * 0.1, 24000)
         slots = list(range(b))
         for s in slots:
@@ -57,7 +59,10 @@ def main(argv=None) -> int:
             def model_only():
                 view = st.view(slots)
                 mask = st.window_mask(view, [0] * b, [0] * b)
-                bundle.model.step(view.inputs, view.step, view, mask)
+                if runner.captured is not None:
+                    runner.captured(slots, view.inputs, view.step, mask)
+                else:
+                    bundle.model.step(view.inputs, view.step, view, mask)
             t_model = bench(model_only, args.steps)
             guides = [GuidanceState() for _ in slots]
             for g in guides:

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="--spawn: cpu | cuda[:N]")
     g.add_argument("--server-threads", type=int, default=0, help="--spawn: torch threads of the server (0: default)")
     g.add_argument("--server-max-sessions", type=int, default=0, help="--spawn: slots (default: the largest N)")
+    g.add_argument("--server-cuda-graphs", action="store_true",
+                   help="--spawn: the server replays its decode step from a CUDA graph (CUDA devices)")
     g.add_argument("--metrics-port", type=int, default=9090,
                    help="--target: the server's Prometheus port on the same host (0: do not scrape)")
     g.add_argument("--voice", default=None, help="voice id (default: 'default', else a noise voice registered for the run)")
@@ -350,7 +352,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.spawn:
             server = SpawnedServer(args.model_path, max_sessions=args.server_max_sessions or max(ns),
-                                   log_path=out / "server.log", device=args.device, torch_threads=args.server_threads)
+                                   log_path=out / "server.log", device=args.device, torch_threads=args.server_threads,
+                                   extra_args=["--cuda-graphs", "true"] if args.server_cuda_graphs else [])
             t = time.monotonic()
             server.start()
             target, metrics_url, pid = server.target, server.metrics_url, server.pid

@@ -108,16 +108,21 @@ class DecodeState(DecodeStateView):
         self.step[slot] = 0
         self.eos_frame[slot] = NO_EOS
 
-    def view(self, slots: Sequence[int]) -> DecodeStateView:
-        """The batch of `slots` (a slice, not a copy, when they are contiguous)."""
+    def view(self, slots: Sequence[int], skip: Sequence[str] = ()) -> DecodeStateView:
+        """The batch of `slots` (a slice, not a copy, when they are contiguous). Fields
+        in `skip` are left out (empty, and never written back): a caller that steps the
+        model on the whole state itself (models/step_graph.py) gathers no memory."""
         if _contiguous(slots):
             sel = slice(slots[0], slots[0] + len(slots))
             pick = lambda name, t: t[:, sel] if name in DecodeStateView.LAYERED else t[sel]  # noqa: E731
         else:
             idx = torch.tensor(slots, device=self.step.device)
             pick = lambda name, t: t.index_select(1 if name in DecodeStateView.LAYERED else 0, idx)  # noqa: E731
-        v = DecodeStateView(**{f.name: pick(f.name, getattr(self, f.name)) for f in fields(DecodeStateView)})
+        empty = lambda name, t: t[:, :0] if name in DecodeStateView.LAYERED else t[:0]  # noqa: E731
+        v = DecodeStateView(**{f.name: (empty if f.name in skip else pick)(f.name, getattr(self, f.name))
+                               for f in fields(DecodeStateView)})
         v.slots = list(slots)
+        v.skipped = frozenset(skip)
         return v
 
     def write_back(self, view: DecodeStateView) -> None:
@@ -126,6 +131,8 @@ class DecodeState(DecodeStateView):
             return
         idx = torch.tensor(view.slots, device=self.step.device)
         for name in DecodeStateView.MUTABLE:
+            if name in view.skipped:
+                continue
             dst = getattr(self, name)
             dst.index_copy_(1 if name in DecodeStateView.LAYERED else 0, idx, getattr(view, name))
 

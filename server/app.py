@@ -199,6 +199,7 @@ def engine_config(config: ServerConfig):
         max_sessions=config.max_sessions,
         max_text_piece_chars=config.max_text_piece_chars,
         max_session_text_chars=config.max_session_text_chars,
+        cuda_graphs=config.cuda_graphs,
     )
 
 

@@ -33,6 +33,8 @@ class ServerConfig:
     metrics_port: int = 9090  # Prometheus exporter; 0 = disabled, -1 = any free port
     model_path: Optional[Path] = None  # None = the embedded default model
     device: str = "cpu"  # cpu | cuda | cuda:N
+    # replay the decode step from a CUDA graph (models/step_graph.py); CUDA devices only
+    cuda_graphs: bool = False
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
     voices_dir: Optional[Path] = None  # None = voices kept in memory only
@@ -84,6 +86,7 @@ class ServerConfig:
             self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:"),
             f"device must be cpu, cuda or cuda:N, got {self.device!r}",
         )
+        need(not self.cuda_graphs or self.device.startswith("cuda"), "cuda_graphs needs a cuda device")
         need(1 <= self.max_sessions <= 4096, f"max_sessions must be in [1, 4096], got {self.max_sessions}")
         need(self.max_text_piece_chars >= 1, "max_text_piece_chars must be >= 1")
         need(
@@ -133,7 +136,7 @@ class ServerConfig:
                 *_ALIASES.get(f.name, ()),
                 dest=f.name,
                 default=None,
-                type=str if kind is Path else kind,
+                type=str if kind in (Path, _parse_bool) else kind,
                 metavar=f.name.upper(),
                 help=f"default {f.default!r} (env {ENV_PREFIX}{f.name.upper()})",
             )
@@ -157,7 +160,8 @@ class ServerConfig:
                 else:
                     values[f.name] = kind(raw)
             except (TypeError, ValueError):
-                raise ConfigError(f"{f.name}: cannot parse {raw!r} as {kind.__name__}") from None
+                what = "true/false" if kind is _parse_bool else kind.__name__
+                raise ConfigError(f"{f.name}: cannot parse {raw!r} as {what}") from None
         return cls(**values)
 
     @classmethod
@@ -168,9 +172,20 @@ class ServerConfig:
         return cls.from_sources(parser.parse_args(argv), env)
 
 
-def _field_type(f: dataclasses.Field) -> type:
+def _parse_bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+def _field_type(f: dataclasses.Field):
     t = str(f.type)
-    for name, kind in (("Path", Path), ("float", float), ("int", int), ("str", str)):
+    for name, kind in (("bool", _parse_bool), ("Path", Path), ("float", float), ("int", int), ("str", str)):
         if name in t:
             return kind
     raise TypeError(f"unsupported field type {t}")  # pragma: no cover

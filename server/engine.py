@@ -58,6 +58,8 @@ class EngineConfig:
     # while a session's packets ramp up to packet_ms, a shorter one goes out as soon as
     # its listener has less than this many step periods of audio left
     low_water_steps: float = 3.0
+    # the model step replayed from a CUDA graph over every slot (models/step_graph.py)
+    cuda_graphs: bool = False
 
     def validate(self) -> "EngineConfig":
         if not 1 <= self.max_sessions <= 4096:
@@ -74,7 +76,7 @@ class Engine:
         self.config = config.validate()
         self.bundle = bundle
         self.metrics = metrics or Metrics()
-        self.runner = ModelRunner(bundle, config.max_sessions)
+        self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs)
         self.scheduler = Scheduler(config.max_lead_s)
         self._free_slots = list(range(config.max_sessions))
         self._sessions: dict[int, EngineSession] = {}  # slot -> session

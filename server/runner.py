@@ -19,6 +19,7 @@ from models import graphemes
 from models.guidance import GuidanceState, sample_graphemes, sample_top_k
 from models.inference import DecodeState, enrollment_kv
 from models.loading import ModelBundle
+from models.step_graph import CapturedStep
 
 
 @dataclass
@@ -39,13 +40,17 @@ class Voice:
 
 
 class ModelRunner:
-    def __init__(self, bundle: ModelBundle, capacity: int):
+    def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False):
         self.bundle = bundle
         self.model = bundle.model
         self.codec = bundle.codec
         self.device = bundle.device
         self.capacity = capacity
         self.state = DecodeState.allocate(self.model, capacity, device=self.device)
+        # the model step over every slot, replayed from a CUDA graph (eagerly off CUDA,
+        # which only tests use: it costs the whole capacity at every step)
+        self.captured = (CapturedStep(self.model, self.state, capture=self.device.type == "cuda")
+                         if cuda_graphs else None)
         self.codec_state = self.codec.streaming_state(capacity)
         self.generators: list[torch.Generator] = [torch.Generator() for _ in range(capacity)]
         self._voice_lock = threading.Lock()
@@ -89,13 +94,18 @@ class ModelRunner:
     ) -> list[SlotStep]:
         for slot, (lo, hi) in zip(slots, windows):
             self.state.rotate_window(slot, lo, hi)
-        view = self.state.view(slots)
-        mask = self.state.window_mask(view, [w[0] for w in windows], [w[1] for w in windows])
-        # attention reads text slots only up to the last one any window shows: past chunks
-        # are evicted from the front, so the window sits near the start of the memory
-        shown = mask.any(0).nonzero()
-        mask = mask[:, : int(shown[-1]) + 1 if shown.numel() else 0]
-        logits = self.model.step(view.inputs, view.step, view, mask)
+        if self.captured is not None:
+            view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v"))
+            mask = self.state.window_mask(view, [w[0] for w in windows], [w[1] for w in windows])
+            logits = self.captured(slots, view.inputs, view.step, mask)
+        else:
+            view = self.state.view(slots)
+            mask = self.state.window_mask(view, [w[0] for w in windows], [w[1] for w in windows])
+            # attention reads text slots only up to the last one any window shows: past
+            # chunks are evicted from the front, so the window sits near the memory's start
+            shown = mask.any(0).nonzero()
+            mask = mask[:, : int(shown[-1]) + 1 if shown.numel() else 0]
+            logits = self.model.step(view.inputs, view.step, view, mask)
         g_logits, a_logits = logits.graphemes.float(), logits.acoustic.float()
         # a row with non-finite logits fails alone; sample it from zeros so the batch goes on
         bad = ~(torch.isfinite(g_logits).all(-1) & torch.isfinite(a_logits).flatten(1).all(-1))

@@ -51,6 +51,23 @@ def test_server_config_flags_env_defaults() -> None:
         ServerConfig.from_args([], env={"LIVESPEECH_MAX_SESSIONS": "many"})
     with pytest.raises(Exception):
         ServerConfig().port = 1  # frozen
+    # a switch: flag or env, words or digits; only with a CUDA device
+    assert ServerConfig.from_args(["--device", "cuda", "--cuda-graphs", "true"], env={}).cuda_graphs
+    assert not ServerConfig.from_args(["--cuda-graphs", "off"], env={}).cuda_graphs
+    assert ServerConfig.from_args([], env={"LIVESPEECH_DEVICE": "cuda:1", "LIVESPEECH_CUDA_GRAPHS": "1"}).cuda_graphs
+    with pytest.raises(ConfigError, match="true/false"):
+        ServerConfig.from_args(["--device", "cuda", "--cuda-graphs", "maybe"], env={})
+    with pytest.raises(ConfigError, match="cuda_graphs needs a cuda device"):
+        ServerConfig.from_args(["--cuda-graphs", "yes"], env={})
+
+
+def test_serve_refuses_a_bad_config_in_one_line(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("LIVESPEECH_DEVICE", raising=False)
+    assert main(["serve", "--port", "70000"]) == 2
+    assert main(["serve", "--cuda-graphs", "on"]) == 2
+    err = capsys.readouterr().err
+    assert "port must be in [0, 65535]" in err and "cuda_graphs needs a cuda device" in err
+    assert "Traceback" not in err
 
 
 def test_forwarding_subcommands(monkeypatch, capsys) -> None:

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The gRPC load test (issue 5, docs/loadtest.md) on a lent GPU machine in one call: the
-# paper preset with random weights (throughput only), on pure PyTorch, then on
+# paper preset with random weights (throughput only), on pure PyTorch, each with and
+# without the decode step replayed from a CUDA graph (`--cuda-graphs`), then the same on
 # mamba-ssm's kernels when a build on this machine passed its tests (build_mamba.sh;
 # MAMBA=build builds it first, ~4 minutes). Run from the repository root with the bundle
 # (bundle.sh) at .dev/: it has the wheels the machine's image lacks (grpcio-tools and
 # friends) and Whisper's ranks.
-#   scripts/offline_gpu/loadtest.sh [SWEEP]    (default 8,16,32,64)
+#   scripts/offline_gpu/loadtest.sh [SWEEP]    (default 8,16,32,64; ~1 minute a level a run)
 # $OUT gets loadtest.tgz (a report and JSON per run) and the logs. Knobs: DURATION (20 s a
 # level), MODEL (random:paper/encodec_24khz), DEVICE (cuda), PY (python3), SITE.
 set -uo pipefail
@@ -17,16 +18,19 @@ export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$(realpath "$D")/multilingual
 if [ "${MAMBA:-}" = build ] && [ ! -e "$SITE.done" ]; then
   NICE=0 bash scripts/offline_gpu/build_mamba.sh "$SITE" > "$OUT/mamba_build.log" 2>&1
 fi
-run() {  # $1: the run's name; $2: PYTHONPATH
-  PYTHONPATH=$2 $PY -m loadtest.run --spawn --model-path "${MODEL:-random:paper/encodec_24khz}" \
+run() {  # $1: the run's name; $2: PYTHONPATH; then loadtest.run's own flags
+  local name=$1 path=$2; shift 2
+  PYTHONPATH=$path $PY -m loadtest.run --spawn --model-path "${MODEL:-random:paper/encodec_24khz}" \
     --device "${DEVICE:-cuda}" --sweep "$SWEEP" --duration "${DURATION:-20}" --sentences-per-turn 1 \
-    --no-baseline --no-plots --max-failures 2 --out "$W/$1" 2>&1 | tee "$OUT/loadtest-$1.log"
+    --no-baseline --no-plots --max-failures 2 --out "$W/$name" "$@" 2>&1 | tee "$OUT/loadtest-$name.log"
 }
 run torch "$W/site"
+run torch-graphs "$W/site" --server-cuda-graphs
 if [ -e "$SITE.ok" ]; then
   run mamba-ssm "$SITE:$W/site"
+  run mamba-ssm-graphs "$SITE:$W/site" --server-cuda-graphs
 else
   echo "no mamba-ssm build that passed its tests on this machine: pure PyTorch only"
 fi
-(cd "$W" && tar czf "$OUT/loadtest.tgz" torch mamba-ssm 2>/dev/null)
+(cd "$W" && tar czf "$OUT/loadtest.tgz" torch* mamba-ssm* 2>/dev/null)
 rm -rf "$W"
