@@ -24,11 +24,17 @@ run() {  # $1: the run's name; $2: PYTHONPATH; then loadtest.run's own flags
     --device "${DEVICE:-cuda}" --sweep "$SWEEP" --duration "${DURATION:-20}" --sentences-per-turn 1 \
     --no-baseline --no-plots --max-failures 2 --out "$W/$name" "$@" 2>&1 | tee "$OUT/loadtest-$name.log"
 }
-run torch "$W/site"
-run torch-graphs "$W/site" --server-cuda-graphs
+graphs_ok() {  # $1: PYTHONPATH. The replay against the eager step, before it is measured
+  PYTHONPATH=$1 $PY -m pytest -q -p no:cacheprovider tests/test_step_graph.py 2>&1 | tail -n 3 | tee -a "$OUT/step_graph_test.log"
+  return "${PIPESTATUS[0]}"
+}
+variants() {  # $1: name prefix; $2: PYTHONPATH
+  run "$1" "$2"
+  if graphs_ok "$2"; then run "$1-graphs" "$2" --server-cuda-graphs; else echo "CUDA-graph test failed: not measured"; fi
+}
+variants torch "$W/site"
 if [ -e "$SITE.ok" ]; then
-  run mamba-ssm "$SITE:$W/site"
-  run mamba-ssm-graphs "$SITE:$W/site" --server-cuda-graphs
+  variants mamba-ssm "$SITE:$W/site"
 else
   echo "no mamba-ssm build that passed its tests on this machine: pure PyTorch only"
 fi
