@@ -126,7 +126,6 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from server.app import serve
     from server.config import ENV_PREFIX, ServerConfig, default_voices_dir
-
     from server.session_api import ConfigError
 
     if args.voices_dir is None and ENV_PREFIX + "VOICES_DIR" not in os.environ:

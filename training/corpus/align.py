@@ -269,7 +269,7 @@ def word_spans(
         names = [nm for nm, _ in speech]
         cut = None
         if phonemes_alone is not None and len(names) >= len(words):
-            alone = [list(phonemes_alone(_speakable(w))) for w in words]
+            alone = [list(phonemes_alone(speakable(w))) for w in words]
             if all(alone):
                 cut = best_split(names, alone)
         if cut is None:
@@ -288,6 +288,6 @@ def word_spans(
     return spans
 
 
-def _speakable(word: str) -> str:
+def speakable(word: str) -> str:
     """A token without surrounding punctuation, for asking how it sounds alone."""
     return word.strip(".,;:!?\"()[]'-") or word

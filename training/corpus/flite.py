@@ -15,7 +15,7 @@ import tempfile
 
 import numpy as np
 
-from .align import AlignError, Token, _speakable, spans_from_phonemes
+from .align import AlignError, Token, speakable, spans_from_phonemes
 from .synth import read_wav
 
 # kal (8 kHz) is kal16 at a lower rate; awb_time is a talking clock (limited domain)
@@ -93,7 +93,7 @@ def speak(voice: str, stretch: float, text: str, tokens: list[Token]) -> tuple[n
         phones.append((name, int(round(start * rate)), int(round(end * rate))))
         start = end
     speech = [(n, a, min(b, len(audio))) for n, a, b in phones if n != PAUSE]
-    words = words_alone(voice, [_speakable(t.text) for t in tokens])
+    words = words_alone(voice, [speakable(t.text) for t in tokens])
     if not all(words):
         raise AlignError("a word has no phonemes said alone")
     return audio, rate, spans_from_phonemes(speech, words)
