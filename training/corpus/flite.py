@@ -33,8 +33,7 @@ def available() -> bool:
 
 def voices() -> list[str]:
     """The catalog's voices this flite build has."""
-    out = subprocess.run([binary(), "-lv"], capture_output=True, text=True, check=True).stdout
-    have = set(out.split(":", 1)[-1].split())
+    have = set(_run(["-lv"]).split(":", 1)[-1].split())
     return [v for v in VOICES if v in have]
 
 
