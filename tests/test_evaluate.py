@@ -209,7 +209,8 @@ def test_scorer_wer_similarity_and_heldout_identification(tmp_path):
     rows = _write_corpus(tmp_path)
     (tmp_path / "voices.json").write_text(json.dumps({"voices": [
         {"id": "voice-a", "variant": "alex"}, {"id": "voice-b", "variant": "annie"},
-        {"id": "voice-c", "variant": "Annie"}]}))
+        {"id": "voice-c", "variant": "Annie"}, {"id": "voice-d", "engine": "flite", "variant": "annie"}]}))
+    assert evaluate.voice_variants(tmp_path)["voice-d"] == "flite-annie"  # another synthesiser's voice
     utt = evaluate.select_utterances(rows, tmp_path, limit=None)[1]  # u3, held-out voice-b, enrolled with u4
     # embeddings keyed by clip length: the clip is closer to voice-c's reference than to its own enrollment
     embs = {24000: np.array([1.0, 0.0]),  # voice-c reference (u5, 1.0 s)

@@ -142,11 +142,14 @@ def select_utterances(rows: list[dict], corpus: Path, limit: Optional[int], spli
 
 
 def voice_variants(corpus: Path) -> dict[str, str]:
-    """Voice id -> eSpeak variant (voices.json); voices of one variant in different
-    accents sound alike to a speaker encoder."""
+    """Voice id -> timbre (voices.json: an eSpeak variant, 'flite-<voice>'); voices of one
+    timbre in different accents or at other speeds sound alike to a speaker encoder."""
+    from training.corpus.voices import timbre
+
     try:
         with open(corpus / "voices.json") as f:
-            return {v["id"]: str(v.get("variant", v["id"])).lower() for v in json.load(f).get("voices", [])}
+            return {v["id"]: timbre(v.get("engine", "espeak"), str(v.get("variant", v["id"]))).lower()
+                    for v in json.load(f).get("voices", [])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 

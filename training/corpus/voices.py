@@ -48,8 +48,7 @@ class Voice:
 
     @property
     def timbre(self) -> str:
-        """What held-out voices are chosen by: an eSpeak variant's name, 'flite-<voice>'."""
-        return self.variant if self.engine == "espeak" else f"{self.engine}-{self.variant}"
+        return timbre(self.engine, self.variant)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -57,6 +56,11 @@ class Voice:
     @classmethod
     def from_json(cls, d: dict) -> "Voice":
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+def timbre(engine: str, variant: str) -> str:
+    """What held-out voices are chosen by: an eSpeak variant's name, 'flite-<voice>'."""
+    return variant if engine == "espeak" else f"{engine}-{variant}"
 
 
 def voice_id(accent: str, variant: str, k: int) -> str:
