@@ -187,6 +187,15 @@ def test_spans_from_phonemes_aligns_a_sentence_to_words_said_alone():
         spans_from_phonemes([("ay", 0, 10), ("s", 10, 20)], [("ay",), ("s",), ("z", "iy")])
 
 
+def test_flite_failures_reject_the_utterance_and_a_missing_flite_stops(monkeypatch):
+    monkeypatch.setenv("LIVESPEECH_FLITE", "/bin/false")  # runs, exits 1
+    with pytest.raises(AlignError, match="flite failed"):
+        flite.speak("slt", 1.0, "Hello there.", tokenize("Hello there."))
+    monkeypatch.setattr(flite, "binary", lambda: None)
+    with pytest.raises(RuntimeError, match="flite not found"):
+        flite.speak("slt", 1.0, "Hello there.", tokenize("Hello there."))
+
+
 def test_heldout_variants_fixed_share():
     variants = [f"v{i}" for i in range(100)]
     h = choose_heldout_variants(variants, 0.1, seed=0)

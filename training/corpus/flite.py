@@ -38,12 +38,18 @@ def voices() -> list[str]:
 
 
 def _run(args: list[str]) -> str:
+    """Flite's stdout. A missing flite is a RuntimeError (a corpus with Flite voices
+    cannot be made without it: the build stops); one call that fails or hangs is an
+    AlignError (that utterance is rejected, the build goes on)."""
     exe = binary()
-    if exe is None:  # a corpus that has Flite voices cannot be made without it: fail loudly
+    if exe is None:
         raise RuntimeError("flite not found: apt-get install flite, or set LIVESPEECH_FLITE")
-    r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60)
+    try:
+        r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AlignError("flite took over 60 s") from None
     if r.returncode != 0:
-        raise RuntimeError(f"flite failed ({r.returncode}): {r.stderr.strip()[:200]}")
+        raise AlignError(f"flite failed ({r.returncode}): {r.stderr.strip()[:200]}")
     return r.stdout
 
 

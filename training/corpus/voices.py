@@ -198,7 +198,7 @@ def build_flite_catalog(seed: int = 0, per_voice: int = 2, heldout_frac: float =
         if probe:
             try:
                 flite.speak(name, 1.0, PROBE_TEXT, tokenize(PROBE_TEXT))
-            except (AlignError, RuntimeError) as e:
+            except AlignError as e:
                 rejected[f"flite+{name}"] = str(e)
                 continue
         for k in range(per_voice):
