@@ -500,3 +500,13 @@ def test_flite_voices_in_a_corpus(tmp_path):
     # the words cover the speech: the first starts in the lead-in pad, the last ends by the trail
     for r in recs:
         assert r["words"][0][1] < 0.5 and r["duration_s"] - r["words"][-1][2] < 0.6
+
+
+@needs_flite
+def test_cli_lists_flite_voices(capsys):
+    from training.corpus.cli import main
+
+    assert main(["voices", "--engines", "flite", "--json"]) == 0
+    voices = json.loads(capsys.readouterr().out)["voices"]
+    assert {v["engine"] for v in voices} == {"flite"} and len(voices) == 2 * len(flite.voices())
+    assert main(["voices", "--engines", "festival"]) == 2

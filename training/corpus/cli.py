@@ -90,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--voices-per-combo", type=int, default=2)
     v.add_argument("--heldout-frac", type=float, default=0.1)
+    v.add_argument("--engines", default="espeak", help="comma list of synthesisers (espeak, flite)")
     v.add_argument("--json", action="store_true")
     return p
 
@@ -138,9 +139,17 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(f"{s_.source}\t{s_.text}\n")
         return 0
     if a.cmd == "voices":
-        from .voices import build_catalog
+        from .voices import build_catalog, build_flite_catalog
 
-        voices, rejected = build_catalog(a.seed, a.voices_per_combo, a.heldout_frac)
+        builders = {"espeak": build_catalog, "flite": build_flite_catalog}
+        engines = _csv(a.engines) or []
+        if set(engines) - set(builders):
+            print(f"error: unknown synthesisers {sorted(set(engines) - set(builders))}", file=sys.stderr)
+            return 2
+        voices, rejected = [], {}
+        for e in engines:
+            more, why = builders[e](a.seed, a.voices_per_combo, a.heldout_frac)
+            voices, rejected = voices + more, {**rejected, **why}
         if a.json:
             print(json.dumps({"voices": [v.to_json() for v in voices], "rejected": rejected}, indent=1))
         else:
