@@ -160,7 +160,8 @@ def engine_summary(d: Snapshot, wall_s: float) -> dict:
         "text_tokens_total": d.scalar(P + "text_tokens_total"),
         "sessions_total": sessions,
         "errors_total": errors,
-        # engine time in decode steps + codec per second of wall clock (1.0 = saturated)
+        # engine time in decode steps + codec per second of wall clock (1.0 = saturated;
+        # with the codec thread the two threads' times add up and may pass 1.0)
         "engine_busy_fraction": busy,
         # machine real-time factor: engine compute seconds per audio second produced
         "machine_rtf": compute / audio if audio > 0 else None,

@@ -35,6 +35,8 @@ class ServerConfig:
     device: str = "cpu"  # cpu | cuda | cuda:N
     # replay the decode step from a CUDA graph (models/step_graph.py); CUDA devices only
     cuda_graphs: bool = False
+    # decode steady-state packets on a second thread, beside the next model step
+    codec_thread: bool = True
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
     voices_dir: Optional[Path] = None  # None = voices kept in memory only

@@ -15,6 +15,7 @@ import math
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -32,6 +33,19 @@ from .session_api import (AudioPacket, CapacityError, ConfigError, Failed, Finis
                           Sink, Summary, WordTiming)
 
 log = logging.getLogger("livespeech.engine")
+
+class InFlightDecode(NamedTuple):
+    """One codec call: its result ((wavs, seconds) or an exception), and for whom."""
+    future: Future
+    planned: list  # (session, short) per row
+    frames: int
+
+
+def _timed(decode, slots, frames):
+    t0 = time.perf_counter()
+    wavs = decode(slots, frames)
+    return wavs, time.perf_counter() - t0
+
 
 class PacketPlan(NamedTuple):
     """What `Engine._packet_due` decided for a session at this step."""
@@ -60,6 +74,9 @@ class EngineConfig:
     low_water_steps: float = 3.0
     # the model step replayed from a CUDA graph over every slot (models/step_graph.py)
     cuda_graphs: bool = False
+    # steady-state packets are decoded on a codec thread while the next model step runs
+    # (their audio goes out one step later; first and ramp packets stay on the engine thread)
+    codec_thread: bool = True
 
     def validate(self) -> "EngineConfig":
         if not 1 <= self.max_sessions <= 4096:
@@ -77,6 +94,9 @@ class Engine:
         self.bundle = bundle
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs)
+        self._codec_pool = (ThreadPoolExecutor(1, thread_name_prefix="livespeech-codec")
+                            if config.codec_thread else None)
+        self._in_flight: Optional[InFlightDecode] = None  # at most one call on the codec thread
         self.scheduler = Scheduler(config.max_lead_s)
         self._free_slots = list(range(config.max_sessions))
         self._sessions: dict[int, EngineSession] = {}  # slot -> session
@@ -116,6 +136,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        if self._codec_pool is not None:
+            self._codec_pool.shutdown(wait=True)
 
     def make_voice(self, voice_id: str, audio, sample_rate: int) -> Voice:
         samples = np.frombuffer(audio, dtype="<i2").astype(np.float32) / 32768.0 if isinstance(audio, (bytes, bytearray)) \
@@ -151,12 +173,14 @@ class Engine:
                 if batch:
                     self._step(batch)
                 else:
+                    self._settle_decode()  # nothing to overlap with: its audio goes out now
                     self._wake.wait(self._idle_timeout(now))
                     self._wake.clear()
             except Exception:  # never let one bad iteration kill the engine
                 log.exception("engine iteration failed")
                 for s in list(self._sessions.values()):
                     self._fail(s, "INTERNAL", "engine error")
+        self._settle_decode()
         for s in list(self._sessions.values()):
             self._fail(s, "UNAVAILABLE", "server is shutting down")
         # sessions whose open command never ran
@@ -210,6 +234,7 @@ class Engine:
             self._fail(s, "INTERNAL", f"{type(exc).__name__} while {what}")
 
     def _admit(self, s: EngineSession) -> None:
+        self._settle_decode()  # the slot's codec state is reset below: no call may hold it
         slot = self._free_slots.pop(0)
         s.slot = slot
         self._sessions[slot] = s
@@ -398,26 +423,57 @@ class Engine:
 
     def _decode(self, due: list[tuple[EngineSession, PacketPlan]]) -> None:
         """Decode each session's planned packet: one batched codec call per distinct
-        frame count (usually one: see `_on_packet_clock`)."""
+        frame count (usually one: see `_on_packet_clock`). Steady full packets go to the
+        codec thread, overlapping the next model step (`_settle_decode` delivers them
+        after it); the others are decoded and delivered now. The previous call is
+        settled first: calls on the codec state run one at a time, in order."""
+        self._settle_decode()
         by_len: dict[int, list[tuple[EngineSession, bool]]] = collections.defaultdict(list)
         for s, plan in due:
             by_len[plan.frames].append((s, plan.short))
+        calls = []  # (on the codec thread?, n, planned): the engine thread's first
         for n, planned in by_len.items():
+            threaded = self._codec_pool is not None and not any(short or s.done_decoding for s, short in planned)
+            calls.append((threaded, n, planned))
+        for threaded, n, planned in sorted(calls, key=lambda c: c[0]):
             group = [s for s, _ in planned]
-            t0 = time.perf_counter()
-            try:
-                wavs = self.runner.decode([s.slot for s in group], [s.pending_frames[:n] for s in group])
-            except Exception as exc:  # ends the sessions of this call only; the others' state is untouched
-                log.exception("codec decode of %d session(s) failed", len(group))
-                for s in group:
-                    self._fail(s, "INTERNAL", f"{type(exc).__name__} while decoding audio")
-                continue
-            dt = time.perf_counter() - t0
-            self.metrics.codec_decode_seconds.observe(dt)
-            for (s, short), wav in zip(planned, wavs):
-                s.compute_s += dt / len(group)
+            frames = [s.pending_frames[:n] for s in group]
+            for s in group:  # taken now: the next step's packet plans must not see them
                 s.frames_done += n
                 del s.pending_frames[:n]
+            call = (self.runner.decode, [s.slot for s in group], frames)
+            self._settle_decode()  # one call on the codec state at a time
+            if threaded:
+                self._in_flight = InFlightDecode(self._codec_pool.submit(_timed, *call), planned, n)
+                continue
+            future: Future = Future()
+            try:
+                future.set_result(_timed(*call))
+            except Exception as exc:
+                future.set_exception(exc)
+            self._deliver(InFlightDecode(future, planned, n))
+
+    def _settle_decode(self) -> None:
+        """Deliver the codec thread's call, if one is out (waits for it)."""
+        call, self._in_flight = self._in_flight, None
+        if call is not None:
+            self._deliver(call)
+
+    def _deliver(self, call: "InFlightDecode") -> None:
+        planned, n = call.planned, call.frames
+        try:
+            wavs, dt = call.future.result()
+        except Exception as exc:  # ends the sessions of this call only; the others' state is untouched
+            log.error("codec decode of %d session(s) failed", len(planned), exc_info=exc)
+            for s, _ in planned:
+                self._fail(s, "INTERNAL", f"{type(exc).__name__} while decoding audio")
+            return
+        self.metrics.codec_decode_seconds.observe(dt)
+        for (s, short), wav in zip(planned, wavs):
+            if s.phase is Phase.ENDED:  # cancelled or failed while its audio was decoded
+                continue
+            with self._isolated(s, "sending audio"):
+                s.compute_s += dt / len(planned)
                 self._emit_audio(s, s.encoder.push(wav, short=short), frames=n)
                 if s.done_decoding and not s.pending_frames:
                     self._emit_audio(s, s.encoder.flush(), frames=0)
@@ -458,6 +514,9 @@ class Engine:
     def _finish(self, s: EngineSession, cancelled: bool) -> None:
         if s.phase is Phase.ENDED:
             return
+        self._settle_for(s)  # audio decoded for it goes out before its end
+        if s.phase is Phase.ENDED:
+            return
         if not cancelled:
             self._emit_words(s, final=True)
         audio_s = s.audio_sent_s
@@ -477,6 +536,10 @@ class Engine:
         # session on the summary must find the slot
         self._end(s, "cancelled" if cancelled else "completed")
         s.sink(Finished(summary))
+
+    def _settle_for(self, s: EngineSession) -> None:
+        if self._in_flight is not None and any(x is s for x, _ in self._in_flight.planned):
+            self._settle_decode()
 
     def _fail(self, s: EngineSession, code: str, message: str) -> None:
         if s.phase is Phase.ENDED:
