@@ -34,6 +34,7 @@ from .session_api import (AudioPacket, CapacityError, ConfigError, Failed, Finis
 
 log = logging.getLogger("livespeech.engine")
 
+
 class InFlightDecode(NamedTuple):
     """One codec call: its result ((wavs, seconds) or an exception), and for whom."""
     future: Future
@@ -431,7 +432,7 @@ class Engine:
         by_len: dict[int, list[tuple[EngineSession, bool]]] = collections.defaultdict(list)
         for s, plan in due:
             by_len[plan.frames].append((s, plan.short))
-        calls = []  # (on the codec thread?, n, planned): the engine thread's first
+        calls = []  # (on the codec thread?, n, planned); the engine thread's calls go first
         for n, planned in by_len.items():
             threaded = self._codec_pool is not None and not any(short or s.done_decoding for s, short in planned)
             calls.append((threaded, n, planned))
@@ -512,9 +513,7 @@ class Engine:
 
     # --- endings -------------------------------------------------------------------------------
     def _finish(self, s: EngineSession, cancelled: bool) -> None:
-        if s.phase is Phase.ENDED:
-            return
-        self._settle_for(s)  # audio decoded for it goes out before its end
+        self._settle_for(s)  # audio decoded for it goes out before its end (and may end it)
         if s.phase is Phase.ENDED:
             return
         if not cancelled:
