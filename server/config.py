@@ -36,7 +36,7 @@ class ServerConfig:
     # replay the decode step from a CUDA graph (models/step_graph.py); CUDA devices only
     cuda_graphs: bool = False
     # decode steady-state packets on a second thread, beside the next model step
-    codec_thread: bool = True
+    codec_thread: bool = False
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
     voices_dir: Optional[Path] = None  # None = voices kept in memory only

@@ -76,8 +76,9 @@ class EngineConfig:
     # the model step replayed from a CUDA graph over every slot (models/step_graph.py)
     cuda_graphs: bool = False
     # steady-state packets are decoded on a codec thread while the next model step runs
-    # (their audio goes out one step later; first and ramp packets stay on the engine thread)
-    codec_thread: bool = True
+    # (their audio goes out one step later; first and ramp packets stay on the engine
+    # thread). Off by default until a long soak settles its memory figures (docs/reliability.md)
+    codec_thread: bool = False
 
     def validate(self) -> "EngineConfig":
         if not 1 <= self.max_sessions <= 4096:
