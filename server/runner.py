@@ -94,13 +94,12 @@ class ModelRunner:
     ) -> list[SlotStep]:
         for slot, (lo, hi) in zip(slots, windows):
             self.state.rotate_window(slot, lo, hi)
+        # the captured step reads the whole state itself: its view gathers no memory
+        view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else ())
+        mask = self.state.window_mask(view, [w[0] for w in windows], [w[1] for w in windows])
         if self.captured is not None:
-            view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v"))
-            mask = self.state.window_mask(view, [w[0] for w in windows], [w[1] for w in windows])
             logits = self.captured(slots, view.inputs, view.step, mask)
         else:
-            view = self.state.view(slots)
-            mask = self.state.window_mask(view, [w[0] for w in windows], [w[1] for w in windows])
             # attention reads text slots only up to the last one any window shows: past
             # chunks are evicted from the front, so the window sits near the memory's start
             shown = mask.any(0).nonzero()

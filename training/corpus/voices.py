@@ -63,6 +63,13 @@ def timbre(engine: str, variant: str) -> str:
     return variant if engine == "espeak" else f"{engine}-{variant}"
 
 
+def _voice_rng(seed: int, combo: str, k: int) -> random.Random:
+    """The k-th parameter draw of a combination: the same for a seed whatever else the
+    catalog holds."""
+    h = hashlib.sha256(f"{seed}:{combo}:{k}".encode()).digest()
+    return random.Random(int.from_bytes(h[:8], "big"))
+
+
 def voice_id(accent: str, variant: str, k: int) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", f"{accent}-{variant}".lower()).strip("-")
     return f"espeak-{slug}-{k}"
@@ -165,8 +172,7 @@ def build_catalog(
                     rejected[f"{accent}+{variant}"] = why
                     continue
             for k in range(per_combo):
-                h = hashlib.sha256(f"{seed}:{accent}+{variant}:{k}".encode()).digest()
-                rng = random.Random(int.from_bytes(h[:8], "big"))
+                rng = _voice_rng(seed, f"{accent}+{variant}", k)
                 voices.append(Voice(
                     id=voice_id(accent, variant, k),
                     engine="espeak",
@@ -202,8 +208,7 @@ def build_flite_catalog(seed: int = 0, per_voice: int = 2, heldout_frac: float =
                 rejected[f"flite+{name}"] = str(e)
                 continue
         for k in range(per_voice):
-            h = hashlib.sha256(f"{seed}:flite+{name}:{k}".encode()).digest()
-            rng = random.Random(int.from_bytes(h[:8], "big"))
+            rng = _voice_rng(seed, f"flite+{name}", k)
             voices.append(Voice(id=f"flite-{name}-{k}", engine="flite", accent="en", variant=name,
                                 rate=rng.randint(*FLITE_SPEED_RANGE), pitch=0, range=0,
                                 heldout=name in heldout))
