@@ -144,7 +144,9 @@ def test_soak(server) -> None:
         sessions=SESSIONS, warmup=WARMUP, measured_sessions=SESSIONS - WARMUP, wall_s=round(wall, 1),
         total_s=round(time.monotonic() - t0, 1), sessions_per_s=round((SESSIONS - WARMUP) / wall, 2),
         rss_mb=dict(baseline=round(base["rss_kb"] / 1024, 1), end=round(end["rss_kb"] / 1024, 1),
-                    peak_sampled=round(max(samples, default=0) / 1024, 1)),
+                    peak_sampled=round(max(samples, default=0) / 1024, 1),
+                    # every 50 sessions from the start: a plateau and a leak read apart here
+                    every_50_sessions=[round(kb / 1024, 1) for kb in samples]),
         rss_growth_pct=round(100 * growth, 2), fds=dict(baseline=base["fds"], end=end["fds"]),
         threads=dict(baseline=base["threads"], end=end["threads"]), outcomes=dict(sorted(outcomes.items())),
         wrong=wrong[:5],
