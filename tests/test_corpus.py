@@ -10,12 +10,14 @@ import json
 import math
 import os
 import random
+import sys
 import wave
 
+import numpy as np
 import pytest
 
 from models.graphemes import VOCAB_SIZE, normalize_text
-from training.corpus import espeak, flite
+from training.corpus import espeak, flite, piper
 from training.corpus.align import (AlignError, best_split, phoneme_distance, proportional_split,
                                    spans_from_phonemes, tokenize, word_spans)
 from training.corpus.build import CorpusConfig, build, read_jsonl
@@ -25,12 +27,14 @@ from training.corpus.plan import (n_frames_for, plan, sentence_split, simulate_c
 from training.corpus.sentences import (Sentence, clean_sentence, dedupe, parse_chatterbot_yaml,
                                        parse_fortunes, parse_html_paragraphs, parse_rst,
                                        parse_wordnet_data, split_sentences)
+from training.corpus.synth import read_wav
 from training.corpus.voices import Voice, choose_heldout_variants
 
 HAVE_ESPEAK = espeak.available()
 needs_espeak = pytest.mark.skipif(
     not HAVE_ESPEAK, reason="eSpeak NG not installed (apt-get install espeak-ng libespeak-ng1)")
 needs_flite = pytest.mark.skipif(not flite.available(), reason="Flite not installed (apt-get install flite)")
+needs_piper = pytest.mark.skipif(not piper.available(), reason="Piper not installed (pip install -e '.[piper]')")
 
 
 # ----------------------------------------------------------------------------- sentences
@@ -194,6 +198,27 @@ def test_flite_failures_reject_the_utterance_and_a_missing_flite_stops(monkeypat
     monkeypatch.setattr(flite, "binary", lambda: None)
     with pytest.raises(RuntimeError, match="flite not found"):
         flite.speak("slt", 1.0, "Hello there.", tokenize("Hello there."))
+
+
+def test_piper_phones_merge_marks_and_split_word_gaps():
+    # "^ h ˈ æ ː z _ b , _ d $": the stress mark starts the vowel, the length mark extends
+    # it, a word gap goes half to each word; punctuation and start/end are pauses (a gap
+    # after a comma gives its first half to no word)
+    symbols = [("^", 2), ("h", 3), ("\u02c8", 2), ("\u00e6", 4), ("\u02d0", 1), ("z", 2), (" ", 5),
+               ("b", 1), (",", 4), (" ", 2), ("d", 2), ("$", 3)]
+    assert piper.phones(symbols) == [("h", 2, 5), ("\u00e6", 5, 12), ("z", 12, 16), ("b", 16, 20),
+                                     ("d", 25, 28)]
+
+
+def test_a_missing_piper_stops_with_a_clear_error(monkeypatch):
+    piper.voice.cache_clear()
+    monkeypatch.setitem(sys.modules, "piper", None)  # import piper -> ImportError
+    try:
+        assert not piper.available()
+        with pytest.raises(RuntimeError, match="Piper not installed"):
+            piper.speak(1.0, "Hello there.", tokenize("Hello there."))
+    finally:
+        piper.voice.cache_clear()
 
 
 def test_heldout_variants_fixed_share():
@@ -500,6 +525,43 @@ def test_flite_voices_in_a_corpus(tmp_path):
     # the words cover the speech: the first starts in the lead-in pad, the last ends by the trail
     for r in recs:
         assert r["words"][0][1] < 0.5 and r["duration_s"] - r["words"][-1][2] < 0.6
+
+
+@needs_piper
+def test_piper_voice_in_a_corpus(tmp_path):
+    """A corpus of the Piper voice only: 22,050 Hz speech resampled to 24 kHz, word spans
+    in order and inside the audio (the common checks), over audible speech, with the
+    longer gaps between them silent; the one speaker is never held out."""
+    out = str(tmp_path / "corpus")
+    build(out, hours=1.0, config=_config(tmp_path, engines={"piper": 1.0}), max_utterances=4,
+          progress=False, log=lambda *a: None)
+    recs = _check_corpus(out)
+    assert len(recs) == 4 and {r["engine"] for r in recs} == {"piper"}
+    with open(os.path.join(out, "voices.json")) as f:
+        vj = json.load(f)
+    assert vj["heldout_variants"] == [] and {v["variant"] for v in vj["voices"]} == {"joe"}
+    word_rms, gap_rms = [], []
+    for r in recs:
+        audio, sr = read_wav(os.path.join(out, r["audio"]))
+        x = audio.astype(np.float64) / 32768
+        rms = lambda a, b: float(np.sqrt(np.mean(x[int(a * sr): int(b * sr)] ** 2)))  # noqa: E731
+        assert r["words"][0][1] < 0.5 and r["duration_s"] - r["words"][-1][2] < 0.6
+        word_rms += [rms(a, b) for _, a, b in r["words"]]
+        gap_rms += [rms(w[2], n[1]) for w, n in zip(r["words"], r["words"][1:]) if n[1] - w[2] > 0.04]
+    # a short "a" can be quiet (2 of 408 words in a 40-utterance check); a shifted
+    # alignment puts many words in pauses and speech in the gaps
+    assert sum(v < 0.01 for v in word_rms) <= len(word_rms) // 10, word_rms
+    assert all(v < 0.01 for v in gap_rms), gap_rms
+
+
+@needs_piper
+def test_cli_lists_piper_voices(capsys):
+    from training.corpus.cli import main
+
+    assert main(["voices", "--engines", "piper", "--json"]) == 0
+    voices = json.loads(capsys.readouterr().out)["voices"]
+    assert [v["id"] for v in voices] == ["piper-joe-0", "piper-joe-1"]
+    assert {v["heldout"] for v in voices} == {False}
 
 
 @needs_flite

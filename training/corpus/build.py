@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 from .plan import SPLITS, Job, plan, sentence_split, source_weights
 from .sentences import Sentence, extract_pool, pool_fingerprint, source_counts
-from .voices import Voice, build_catalog, build_flite_catalog
+from .voices import CATALOGS, Voice, build_catalog
 
 FORMAT_VERSION = 1
-ENGINES = ("espeak", "flite")
+ENGINES = tuple(CATALOGS)
 
 
 @dataclass
@@ -178,8 +178,8 @@ def prepare(out: str, config: CorpusConfig, log=_log) -> Corpus:
     if "espeak" in engines:
         voices, rejected = build_catalog(config.seed, config.voices_per_combo, config.heldout_frac,
                                          config.accents, config.variants)
-    if "flite" in engines:
-        more, why = build_flite_catalog(config.seed, config.voices_per_combo, config.heldout_frac)
+    for e in sorted(engines - {"espeak"}):
+        more, why = CATALOGS[e](config.seed, config.voices_per_combo, config.heldout_frac)
         voices, rejected = voices + more, {**rejected, **why}
     if not voices:
         raise RuntimeError("no usable voice")
@@ -191,13 +191,15 @@ def prepare(out: str, config: CorpusConfig, log=_log) -> Corpus:
     _write_jsonl(os.path.join(out, "sentences.jsonl"),
                  ({"index": i, "source": s.source, "split": sp, "text": s.text}
                   for i, (s, sp) in enumerate(zip(pool, splits))))
-    from . import espeak, flite
+    from . import espeak, flite, piper
 
     synthesisers = {}
     if "espeak" in engines:
         synthesisers["espeak"] = {"library": espeak.find_library(), "native_sample_rate": espeak.NATIVE_RATE}
     if "flite" in engines:
         synthesisers["flite"] = {"binary": flite.binary()}
+    if "piper" in engines:
+        synthesisers["piper"] = {"voice": "en_US-joe-medium", "native_sample_rate": piper.voice().config.sample_rate}
     _write_json(os.path.join(out, "voices.json"), {
         "engines": synthesisers,
         "heldout_variants": sorted({v.timbre for v in voices if v.heldout}),

@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--voices-per-combo", type=int, default=2)
     v.add_argument("--heldout-frac", type=float, default=0.1)
-    v.add_argument("--engines", default="espeak", help="comma list of synthesisers (espeak, flite)")
+    v.add_argument("--engines", default="espeak", help="comma list of synthesisers (espeak, flite, piper)")
     v.add_argument("--json", action="store_true")
     return p
 
@@ -139,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(f"{s_.source}\t{s_.text}\n")
         return 0
     if a.cmd == "voices":
-        from .voices import build_catalog, build_flite_catalog
+        from .voices import CATALOGS as builders
 
-        builders = {"espeak": build_catalog, "flite": build_flite_catalog}
         engines = _csv(a.engines) or []
         if set(engines) - set(builders):
             print(f"error: unknown synthesisers {sorted(set(engines) - set(builders))}", file=sys.stderr)

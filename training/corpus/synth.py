@@ -61,6 +61,10 @@ def speak(voice: Voice, text: str, tokens, engine=None) -> tuple[np.ndarray, int
         from . import flite
 
         return flite.speak(voice.variant, 100.0 / voice.rate, text, tokens)
+    if voice.engine == "piper":
+        from . import piper
+
+        return piper.speak(voice.rate / 100.0, text, tokens)
     if engine is None:
         from . import espeak
 

@@ -186,30 +186,52 @@ def build_catalog(
     return voices, rejected
 
 
-FLITE_SPEED_RANGE = (85, 118)  # percent of the voice's own speed (Voice.rate for Flite)
+SPEED_RANGE = (85, 118)  # percent of the voice's own speed (Voice.rate for Flite and Piper)
 
 
-def build_flite_catalog(seed: int = 0, per_voice: int = 2, heldout_frac: float = 0.1,
-                        probe: bool = True) -> tuple[list[Voice], dict[str, str]]:
-    """(voices, rejected voices with the reason): each Flite voice at ``per_voice`` seeded
-    speeds. Held out as for eSpeak: whole voices (timbres), at least one of them."""
-    from . import flite
+def _speed_catalog(engine: str, names: list[str], speak, seed: int, per_voice: int,
+                   heldout_frac: float, probe: bool) -> tuple[list[Voice], dict[str, str]]:
+    """Each of a synthesiser's voices at ``per_voice`` seeded speeds; ``speak(name,
+    speed, text, tokens)`` probes a voice. Held out as for eSpeak: whole voices
+    (timbres), at least one of them when there are two or more."""
     from .align import AlignError, tokenize
 
-    names = flite.voices()
     heldout = choose_heldout_variants(names, heldout_frac, seed)
     voices: list[Voice] = []
     rejected: dict[str, str] = {}
     for name in names:
         if probe:
             try:
-                flite.speak(name, 1.0, PROBE_TEXT, tokenize(PROBE_TEXT))
+                speak(name, 1.0, PROBE_TEXT, tokenize(PROBE_TEXT))
             except AlignError as e:
-                rejected[f"flite+{name}"] = str(e)
+                rejected[f"{engine}+{name}"] = str(e)
                 continue
         for k in range(per_voice):
-            rng = _voice_rng(seed, f"flite+{name}", k)
-            voices.append(Voice(id=f"flite-{name}-{k}", engine="flite", accent="en", variant=name,
-                                rate=rng.randint(*FLITE_SPEED_RANGE), pitch=0, range=0,
+            rng = _voice_rng(seed, f"{engine}+{name}", k)
+            voices.append(Voice(id=f"{engine}-{name}-{k}", engine=engine, accent="en", variant=name,
+                                rate=rng.randint(*SPEED_RANGE), pitch=0, range=0,
                                 heldout=name in heldout))
     return voices, rejected
+
+
+def build_flite_catalog(seed: int = 0, per_voice: int = 2, heldout_frac: float = 0.1,
+                        probe: bool = True) -> tuple[list[Voice], dict[str, str]]:
+    """(voices, rejected voices with the reason): the Flite voices at seeded speeds."""
+    from . import flite
+
+    return _speed_catalog("flite", flite.voices(), lambda name, speed, text, tokens: flite.speak(
+        name, 1.0 / speed, text, tokens), seed, per_voice, heldout_frac, probe)
+
+
+def build_piper_catalog(seed: int = 0, per_voice: int = 2, heldout_frac: float = 0.1,
+                        probe: bool = True) -> tuple[list[Voice], dict[str, str]]:
+    """The Piper voice at seeded speeds. One speaker: never held out (there would be
+    none left to train on), so held-out tests stay with eSpeak and Flite."""
+    from . import piper
+
+    return _speed_catalog("piper", [piper.VOICE], lambda name, speed, text, tokens: piper.speak(
+        speed, text, tokens), seed, per_voice, heldout_frac, probe)
+
+
+# synthesiser -> catalog builder(seed, per_voice, heldout_frac)
+CATALOGS = {"espeak": build_catalog, "flite": build_flite_catalog, "piper": build_piper_catalog}
