@@ -11,7 +11,10 @@
 # (EDITABLE=0 EXTRAS="" = runtime only). Only the torch wheel's index differs: here pip
 # cannot see the CPU wheel CI machines keep on disk, so the CPU build adds PyTorch's CPU
 # index (otherwise PyPI's torch for Linux is the multi-GB CUDA build).
-# See docs/deploy.md.
+# See docs/deploy.md. The runtime images preload jemalloc: in 5,000-session soaks the
+# codec thread cost ~66 MB and twice the RSS drift under glibc's malloc, nothing
+# measurable under jemalloc, so the CPU image also turns the codec thread on
+# (docs/reliability.md, section 4; docs/loadtest.md for what the thread buys).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # Keep CUDA_VERSION and TORCH_CUDA_INDEX paired (same CUDA major.minor): mamba-ssm is
@@ -55,8 +58,9 @@ RUN /opt/livespeech/bin/python -P -c "import server.protocol" \
 FROM nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-${CUDA_UBUNTU} AS gpu
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 \
+ && apt-get install -y --no-install-recommends python3 libjemalloc2 \
  && rm -rf /var/lib/apt/lists/* \
+ && ln -s "$(ls /usr/lib/*-linux-gnu/libjemalloc.so.2)" /usr/local/lib/libjemalloc.so.2 \
  && groupadd --gid 10001 livespeech \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /var/lib/livespeech --shell /usr/sbin/nologin livespeech \
  && mkdir -p /var/lib/livespeech/voices \
@@ -64,6 +68,7 @@ RUN apt-get update \
 COPY --from=gpu-build /opt/livespeech /opt/livespeech
 COPY deploy/docker/grpc_health_check.py /usr/local/lib/livespeech/grpc_health_check.py
 ENV PATH=/opt/livespeech/bin:${PATH} \
+    LD_PRELOAD=/usr/local/lib/libjemalloc.so.2 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     XDG_CACHE_HOME=/tmp/.cache \
@@ -96,13 +101,19 @@ RUN /opt/livespeech/bin/python -P -c "import server.protocol" \
 
 # ------------------------------------------------------------------ CPU runtime (default)
 FROM ${PYTHON_IMAGE} AS cpu
-RUN groupadd --gid 10001 livespeech \
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libjemalloc2 \
+ && rm -rf /var/lib/apt/lists/* \
+ && ln -s "$(ls /usr/lib/*-linux-gnu/libjemalloc.so.2)" /usr/local/lib/libjemalloc.so.2 \
+ && groupadd --gid 10001 livespeech \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /var/lib/livespeech --shell /usr/sbin/nologin livespeech \
  && mkdir -p /var/lib/livespeech/voices \
  && chown -R 10001:10001 /var/lib/livespeech
 COPY --from=cpu-build /opt/livespeech /opt/livespeech
 COPY deploy/docker/grpc_health_check.py /usr/local/lib/livespeech/grpc_health_check.py
 ENV PATH=/opt/livespeech/bin:${PATH} \
+    LD_PRELOAD=/usr/local/lib/libjemalloc.so.2 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     XDG_CACHE_HOME=/tmp/.cache \
@@ -110,7 +121,8 @@ ENV PATH=/opt/livespeech/bin:${PATH} \
     LIVESPEECH_PORT=50051 \
     LIVESPEECH_METRICS_PORT=9090 \
     LIVESPEECH_VOICES_DIR=/var/lib/livespeech/voices \
-    LIVESPEECH_DEVICE=cpu
+    LIVESPEECH_DEVICE=cpu \
+    LIVESPEECH_CODEC_THREAD=true
 WORKDIR /var/lib/livespeech
 USER 10001:10001
 EXPOSE 50051 9090

@@ -194,6 +194,10 @@ def test_dockerfile_contract() -> None:
         for var in re.findall(r"\b(LIVESPEECH_[A-Z_]+)=", env_line):
             assert var in env_names, f"{var} is not a ServerConfig setting"
         assert "LIVESPEECH_PORT=50051" in env_line and "LIVESPEECH_METRICS_PORT=9090" in env_line
+        # jemalloc is preloaded from the path the stage links it to (docs/reliability.md, soak)
+        assert "LD_PRELOAD=/usr/local/lib/libjemalloc.so.2" in env_line
+        assert any("libjemalloc2" in ln and "/usr/local/lib/libjemalloc.so.2" in ln
+                   for ln in lines if ln.startswith("RUN")), runtime
     # install.sh is what the Dockerfile runs: it must still honour the knobs it passes
     script = (ROOT / "scripts" / "install.sh").read_text()
     for knob in ("VENV", "EXTRAS", "EDITABLE", "TORCH_SPEC"):
