@@ -509,17 +509,22 @@ def test_cli_parallel_build(tmp_path, capsys):
     assert main(["summary", "--out", out]) == 0
 
 
+def _one_engine_corpus(out: str, tmp_path, engine: str, n: int) -> tuple[list[dict], dict]:
+    """A corpus of ``n`` utterances of one synthesiser, through the common checks:
+    (manifest records, voices.json)."""
+    build(out, hours=1.0, config=_config(tmp_path, engines={engine: 1.0}), max_utterances=n,
+          progress=False, log=lambda *a: None)
+    recs = _check_corpus(out)
+    assert len(recs) == n and {r["engine"] for r in recs} == {engine}
+    with open(os.path.join(out, "voices.json")) as f:
+        return recs, json.load(f)
+
+
 @needs_flite
 def test_flite_voices_in_a_corpus(tmp_path):
     """A corpus of Flite voices only: 16 kHz speech resampled to 24 kHz, word spans in
     order and inside the audio (the common checks), one whole voice held out."""
-    out = str(tmp_path / "corpus")
-    build(out, hours=1.0, config=_config(tmp_path, engines={"flite": 1.0}), max_utterances=6,
-          progress=False, log=lambda *a: None)
-    recs = _check_corpus(out)
-    assert len(recs) == 6 and {r["engine"] for r in recs} == {"flite"}
-    with open(os.path.join(out, "voices.json")) as f:
-        vj = json.load(f)
+    recs, vj = _one_engine_corpus(str(tmp_path / "corpus"), tmp_path, "flite", 6)
     held = {v["variant"] for v in vj["voices"] if v["heldout"]}
     assert len(held) == 1 and vj["heldout_variants"] == [f"flite-{held.pop()}"]
     # the words cover the speech: the first starts in the lead-in pad, the last ends by the trail
@@ -533,12 +538,7 @@ def test_piper_voice_in_a_corpus(tmp_path):
     in order and inside the audio (the common checks), over audible speech, with the
     longer gaps between them silent; the one speaker is never held out."""
     out = str(tmp_path / "corpus")
-    build(out, hours=1.0, config=_config(tmp_path, engines={"piper": 1.0}), max_utterances=4,
-          progress=False, log=lambda *a: None)
-    recs = _check_corpus(out)
-    assert len(recs) == 4 and {r["engine"] for r in recs} == {"piper"}
-    with open(os.path.join(out, "voices.json")) as f:
-        vj = json.load(f)
+    recs, vj = _one_engine_corpus(out, tmp_path, "piper", 4)
     assert vj["heldout_variants"] == [] and {v["variant"] for v in vj["voices"]} == {"joe"}
     word_rms, gap_rms = [], []
     for r in recs:
