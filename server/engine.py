@@ -77,7 +77,8 @@ class EngineConfig:
     cuda_graphs: bool = False
     # steady-state packets are decoded on a codec thread while the next model step runs
     # (their audio goes out one step later; first and ramp packets stay on the engine
-    # thread). Off by default until a long soak settles its memory figures (docs/reliability.md)
+    # thread). Off by default: under glibc's malloc its arena costs memory; the CPU image
+    # turns it on with jemalloc preloaded (docs/reliability.md, section 4)
     codec_thread: bool = False
 
     def validate(self) -> "EngineConfig":

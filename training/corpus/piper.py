@@ -20,7 +20,7 @@ from .align import AlignError, Token, speakable, spans_from_phonemes
 VOICE = "joe"
 PREFIX = ("\u02c8", "\u02cc")  # primary / secondary stress: belongs to the phone after it
 SUFFIX = ("\u02d0", "\u02d1")  # long / half-long: belongs to the phone before it
-PAUSES = frozenset(" ^$_.,;:!?\u2014\u2026\"()")
+PAUSES = frozenset("^$_.,;:!?\u2014\u2026\"()")  # the word gap " " is split, not a pause
 
 
 def available() -> bool:
