@@ -507,6 +507,15 @@ def test_cli_parallel_build(tmp_path, capsys):
     recs = _check_corpus(out)
     assert len(recs) == 6
     assert main(["summary", "--out", out]) == 0
+    # a resume without the definition's flags takes the corpus's own (scripts/train_gpu.sh
+    # resumes a definition made elsewhere); a flag that disagrees with it is refused
+    capsys.readouterr()
+    assert main(["build", "--out", out, "--hours", "1", "--max-utterances", "8", "--no-progress"]) == 0
+    assert len(_check_corpus(out)) == 8
+    assert main(["build", "--out", out, "--hours", "1", "--max-utterances", "8", "--no-progress",
+                 "--dev-frac", "0.2"]) == 0  # the same value as the corpus's
+    assert main(["build", "--out", out, "--hours", "1", "--no-progress", "--seed", "3"]) == 2
+    assert "seed: corpus has 0, asked for 3" in capsys.readouterr().err
 
 
 def _one_engine_corpus(out: str, tmp_path, engine: str, n: int) -> tuple[list[dict], dict]:

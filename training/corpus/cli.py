@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .build import ConfigMismatch, CorpusConfig, build, format_summary, summarize
@@ -34,14 +35,37 @@ def _weights(s: str | None) -> dict[str, float] | None:
     return out
 
 
-def _config(a) -> CorpusConfig:
-    return CorpusConfig(
-        seed=a.seed, dev_frac=a.dev_frac, test_frac=a.test_frac, heldout_frac=a.heldout_frac,
-        voices_per_combo=a.voices_per_combo, accents=_csv(a.accents), variants=_csv(a.variants),
-        sources=_sources(a.sources), sentence_file=a.sentences,
-        weights=_weights(a.weights), heldout_eval_share=a.heldout_eval_share, max_seconds=a.max_seconds,
-        engines=_weights(a.engines),
-    )
+# the corpus-definition options: argparse dest -> (CorpusConfig field, parser of the value)
+_DEFINITION = {
+    "seed": ("seed", None), "dev_frac": ("dev_frac", None), "test_frac": ("test_frac", None),
+    "heldout_frac": ("heldout_frac", None), "voices_per_combo": ("voices_per_combo", None),
+    "accents": ("accents", _csv), "variants": ("variants", _csv), "sources": ("sources", _sources),
+    "sentences": ("sentence_file", None), "weights": ("weights", _weights),
+    "heldout_eval_share": ("heldout_eval_share", None), "max_seconds": ("max_seconds", None),
+    "engines": ("engines", _weights),
+}
+
+
+def _config(a, saved: dict | None = None) -> CorpusConfig:
+    """The options given on the command line; the others from ``saved`` (the definition of
+    the corpus being resumed) when there is one, else the defaults: resuming needs no flags,
+    and a flag that disagrees with the corpus is still refused (ConfigMismatch)."""
+    fields = {}
+    for dest, (field, parse) in _DEFINITION.items():
+        if hasattr(a, dest):
+            value = getattr(a, dest)
+            fields[field] = parse(value) if parse else value
+        elif saved is not None and field in saved:
+            fields[field] = saved[field]
+    return CorpusConfig(**fields)
+
+
+def _saved_definition(out: str) -> dict | None:
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,25 +79,26 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=int, default=1, help="synthesis processes (default 1)")
     b.add_argument("--max-utterances", type=int, default=None, help="stop at this many utterances")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g = b.add_argument_group("corpus definition (fixed when the directory is created; "
-                             "a resume must pass the same values)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dev-frac", type=float, default=0.02, help="share of sentences in dev")
-    g.add_argument("--test-frac", type=float, default=0.03, help="share of sentences in test")
-    g.add_argument("--heldout-frac", type=float, default=0.1,
-                   help="share of voice variants held out of training (zero-shot dev/test voices)")
-    g.add_argument("--heldout-eval-share", type=float, default=0.5,
-                   help="share of dev/test utterances spoken by held-out voices")
-    g.add_argument("--voices-per-combo", type=int, default=2,
-                   help="(rate, pitch, range) draws per accent x variant")
-    g.add_argument("--accents", default=None, help="comma list of eSpeak accents (default: all English)")
-    g.add_argument("--variants", default=None, help="comma list of eSpeak variants (default: all but whisper)")
-    g.add_argument("--sources", default=None,
+    g = b.add_argument_group("corpus definition (fixed when the directory is created; a resume "
+                             "takes the corpus's own, and refuses values that disagree)",
+                             argument_default=argparse.SUPPRESS)
+    g.add_argument("--seed", type=int, help="(default 0)")
+    g.add_argument("--dev-frac", type=float, help="share of sentences in dev (default 0.02)")
+    g.add_argument("--test-frac", type=float, help="share of sentences in test (default 0.03)")
+    g.add_argument("--heldout-frac", type=float,
+                   help="share of voice variants held out of training (zero-shot dev/test voices; default 0.1)")
+    g.add_argument("--heldout-eval-share", type=float,
+                   help="share of dev/test utterances spoken by held-out voices (default 0.5)")
+    g.add_argument("--voices-per-combo", type=int,
+                   help="(rate, pitch, range) draws per accent x variant (default 2)")
+    g.add_argument("--accents", help="comma list of eSpeak accents (default: all English)")
+    g.add_argument("--variants", help="comma list of eSpeak variants (default: all but whisper)")
+    g.add_argument("--sources",
                    help="comma list of package sentence sources (default all; '' for none)")
-    g.add_argument("--sentences", default=None, help="extra sentence file: one a line, or source<TAB>text")
-    g.add_argument("--weights", default=None, help="source weights, e.g. fortunes=0.4,wordnet=0.3")
-    g.add_argument("--max-seconds", type=float, default=20.0, help="reject longer utterances")
-    g.add_argument("--engines", default=None,
+    g.add_argument("--sentences", help="extra sentence file: one a line, or source<TAB>text")
+    g.add_argument("--weights", help="source weights, e.g. fortunes=0.4,wordnet=0.3")
+    g.add_argument("--max-seconds", type=float, help="reject longer utterances (default 20 s)")
+    g.add_argument("--engines",
                    help="synthesisers and their shares of utterances, e.g. espeak=0.8,flite=0.2 "
                         "(default: eSpeak NG only)")
 
@@ -99,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.cmd == "build":
         try:
-            config = _config(a)
+            config = _config(a, _saved_definition(a.out))
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
