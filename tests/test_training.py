@@ -144,6 +144,23 @@ def test_decoder_init_from_exported_weights(tmp_path):
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
 
 
+def test_training_builds_its_mamba_layers_for_the_training_device(monkeypatch):
+    """make_mamba chooses mamba-ssm's kernels from the device it is given: a model built
+    without one trains on the pure-PyTorch scan on a GPU too (the third GPU run did)."""
+    import models.livespeech as livespeech
+
+    seen = []
+    real = livespeech.make_mamba
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("device"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(livespeech, "make_mamba", recording)
+    train.build_model(train.preset("tiny"), torch.device("cpu"))
+    assert seen and all(d == torch.device("cpu") for d in seen)
+
+
 def test_time_budget_schedule():
     s = Schedule(1e-3, warmup=10, steps=1, minutes=2.0)
     assert s.lr(0, 0.0) == pytest.approx(1e-4)  # warmup counts steps

@@ -154,7 +154,8 @@ def save_checkpoint(path: str, model, opt, step: int, lw: CodebookLossWeights, s
 
 
 def build_model(cfg: ModelConfig, device) -> LiveSpeech2:
-    return LiveSpeech2(cfg).to(device)
+    # the device goes to the constructor too: make_mamba picks mamba-ssm's kernels from it
+    return LiveSpeech2(cfg, device=device).to(device)
 
 
 def main(argv=None) -> int:
