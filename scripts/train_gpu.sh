@@ -10,7 +10,8 @@
 # sentence packages. Every stage resumes: re-running the script continues where it stopped.
 # Knobs (environment): HOURS (40), WORKERS (nproc), CODEC_MIN (6.5), DECODER_MIN (10.5),
 # DEVICE (cuda), CODEC_BATCH (32), BATCH_FRAMES (80000), MAX_BATCH (256), ENCODERS (2),
-# ENCODE_BATCH (64), EOS_JITTER (0.3: the decoder's --eos-jitter), MAMBA_SITE (below),
+# ENCODE_BATCH (64), EOS_JITTER (0.3: the decoder's --eos-jitter), LR (the decoder's peak, 2e-3;
+# lower when fine-tuning from INIT_DECODER), MAMBA_SITE (below),
 # PY (python3); CODEC=path keeps that codec (no codec training), INIT_DECODER=path starts
 # the decoder from those weights (e.g. models/weights/default/{codec,decoder}.pt). Logs: WORK_DIR/{corpus,codec,encode,decoder,export}.log.
 set -euo pipefail
@@ -28,6 +29,7 @@ MAX_BATCH=${MAX_BATCH:-256}
 ENCODERS=${ENCODERS:-2}
 ENCODE_BATCH=${ENCODE_BATCH:-64}
 EOS_JITTER=${EOS_JITTER:-0.3}
+LR=${LR:-2e-3}
 mkdir -p "$W"
 stamp() { echo "[$(date +%T)] $*"; }
 
@@ -84,7 +86,7 @@ if [ -n "${MAMBA_SITE:-}" ]; then
 fi
 stamp "decoder: $DECODER_MIN min"
 $PY -m training.train --corpus "$W/corpus" --codes "$W/codes" --out "$W/decoder" --device "$DEVICE" --resume \
-  --minutes "$DECODER_MIN" --steps 1000000 --batch-frames "$BATCH_FRAMES" --max-batch "$MAX_BATCH" --lr 2e-3 --warmup 100 \
+  --minutes "$DECODER_MIN" --steps 1000000 --batch-frames "$BATCH_FRAMES" --max-batch "$MAX_BATCH" --lr "$LR" --warmup 100 \
   --rescan-every 50 --eval-every 100 --ckpt-minutes 2 --threads 4 --eos-jitter "$EOS_JITTER" \
   ${INIT_DECODER:+--init "$INIT_DECODER"} \
   > "$W/decoder.log" 2>&1

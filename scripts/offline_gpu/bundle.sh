@@ -25,8 +25,9 @@ rm -rf "$tmp"
 # eSpeak links libpcaudio for playback, which synchronous synthesis never calls; the real
 # one pulls in PulseAudio and ALSA
 gcc -shared -fPIC -O2 -Wl,-soname,libpcaudio.so.0 -o "$D/espeak/lib/libpcaudio.so.0" scripts/offline_gpu/pcaudio_stub.c
-# Flite's voices are compiled into libflite1: session.sh unpacks both packages
-(cd "$D" && rm -f flite_*.deb libflite1_*.deb && apt-get download flite libflite1 >/dev/null)
+# Flite's voices are compiled into libflite1, and it links ALSA (the GPU image has none):
+# session.sh unpacks the three packages
+(cd "$D" && rm -f flite_*.deb libflite1_*.deb libasound2_*.deb && apt-get download flite libflite1 libasound2 >/dev/null)
 cp "$($PY -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("whisper").origin))')/assets/multilingual.tiktoken" "$D/"
 # what loadtest.sh needs beyond the machine's image (it has grpcio, not the rest), for its python 3.12
 rm -rf "$D/whl" && $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -2,7 +2,9 @@
 # scripts/train_gpu.sh on a GPU machine that is lent in calls of limited length (each
 # call runs this for SECONDS, then returns what is under $OUT): run from the repository
 # root with the bundle (scripts/offline_gpu/bundle.sh) at .dev/.
-#   start   install eSpeak NG and Flite, time the scan tilings, start the mamba-ssm build and the
+#   stage   copy the shipped decoder to /root/init_decoder.pt (a tree with it and .dev/ is over
+#           what a call carries): a later `INIT_DECODER=/root/init_decoder.pt ... start` fine-tunes it
+#   start   install eSpeak NG and Flite, start the mamba-ssm build and the
 #           pipeline (its decoder on those kernels once built and tested) in the background, watch
 #   watch   watch; at the end export the best decoder so far (fp16, 15 MB pieces)
 #   switch  restart the pipeline (the decoder resumes) once a late mamba-ssm build is there, watch
@@ -33,10 +35,14 @@ export_parts() {  # $1 decoder checkpoint -> exported, then brought back
   tail -3 $W/export_$MODE.log
   bring_back /root/exp
 }
-pipeline() {  # train_gpu.sh in its own session; its decoder waits for the mamba-ssm build
+pipeline() {  # train_gpu.sh in its own session (its pid is its process group's); its decoder waits for the mamba-ssm build
   setsid nohup env CODEC=/root/codec.pt DECODER_MIN=${DECODER_MIN:-18} HOURS=${HOURS:-40} MAMBA_SITE=$SITE \
     bash scripts/train_gpu.sh $W .dev/def >> $W/pipeline.log 2>&1 < /dev/null &
+  echo $! > $W/pipeline.pid
 }
+running() { kill -0 "$(cat $W/pipeline.pid 2>/dev/null)" 2>/dev/null; }
+# by process group, not `pkill -f`: a pattern also matches the shell running this call's command line
+stop_pipeline() { kill -- -"$(cat $W/pipeline.pid)" 2>/dev/null; sleep "${1:-5}"; }
 mamba_check() {  # the build's own test run (build_mamba.sh), and with "bench" the train-step timing
   [ -e $SITE.ok ] || { echo "mamba-ssm not built, or its tests failed"; tail -3 $W/mamba_build.log; return; }
   tail -n 1 $W/mamba_build.log
@@ -44,31 +50,35 @@ mamba_check() {  # the build's own test run (build_mamba.sh), and with "bench" t
     --frames 600 --mamba-ssm --no-step --steps 3 2>&1 | tee $W/bench_mamba_ssm.txt | tail -3
 }
 case $MODE in
+stage)
+  cp models/weights/default/decoder.pt /root/init_decoder.pt && sha256sum /root/init_decoder.pt
+  nvidia-smi -L; exit
+  ;;
 start)
   cp .dev/espeak/lib/* /usr/local/lib/ && ldconfig
   cp -r .dev/espeak/espeak-ng-data /usr/lib/x86_64-linux-gnu/
-  for f in .dev/flite_*.deb .dev/libflite1_*.deb; do dpkg -x "$f" $FL; done
+  for f in .dev/flite_*.deb .dev/libflite1_*.deb .dev/libasound2_*.deb; do dpkg -x "$f" $FL; done
   "$LIVESPEECH_FLITE" -lv || exit 1
   mkdir -p $W && cp models/weights/default/codec.pt /root/codec.pt
   nvidia-smi -L; nproc; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"
   python3 -c "from training.corpus.espeak import ESpeak; print('espeak', ESpeak().sample_rate)" || exit 1
-  python3 -m loadtest.bench_mamba --device cuda --batch 256 --frames 600 --tiling cpu,cuda --no-step \
-    --steps 3 2>&1 | tee $W/bench_tiling.txt
-  # the decoder waits for the build (~3-4 min, beside the corpus and the encoding) and
-  # trains on its kernels if their parity test passes: 3x faster scan, docs/training.md
+  # the decoder waits for the build (~2-4 min, beside the corpus and the encoding) and
+  # trains on its kernels if their parity test passes (a 3x faster scan; the decoder's
+  # step was no faster with them in the third GPU run, docs/training.md)
   rm -f $SITE.ok $SITE.done
   setsid nohup env NICE=0 bash scripts/offline_gpu/build_mamba.sh $SITE > $W/mamba_build.log 2>&1 < /dev/null &
   pipeline
   ;;
 switch)  # a build that came after the decoder stopped waiting: restart, the decoder resumes on it
-  pkill -f train_gpu.sh; pkill -f training.train; sleep 8
+  stop_pipeline 8
   pipeline
   ;;
 esac
 while [ "$(left)" -gt 75 ]; do
-  if [ "$MODE" = finish ] && grep -q "\] done" $W/pipeline.log 2>/dev/null; then break; fi
+  # done or failed: nothing more to wait for (a failed stage's error is in pipeline.log)
+  running || { echo "the pipeline is not running"; break; }
   if [ "$MODE" = finish ] && [ "$(left)" -lt 200 ]; then
-    echo "deadline: stopping the pipeline"; pkill -f training.train; sleep 5; break
+    echo "deadline: stopping the pipeline"; stop_pipeline 5; break
   fi
   sleep 15
 done
