@@ -15,7 +15,8 @@ from models.codec import CodecModel
 from models.tokenizer import get_tokenizer
 from training import codec_train, encode_corpus, train
 from training.schedule import Schedule
-from training.dataset import DecoderData, codes_path, collate, jittered_end, read_manifest, text_tokens
+from training.dataset import (DecoderData, codes_path, collate, jittered_end, read_manifest, read_wav_segment,
+                              text_tokens)
 from training.smoke import make_smoke_corpus
 
 SMALL = "d_model=64,n_shared_layers=1,n_group_layers=1,n_heads=2,enc_d_model=64,enc_layers=1,enc_heads=2,n_enroll=8"
@@ -57,6 +58,49 @@ def test_codec_train_resumes_and_saves_loadable_checkpoints(pipeline):
     for name in ("best.pt", "last.pt"):
         m = CodecModel.from_checkpoint(os.path.join(codec_dir, name))
         assert m.config.n_q == 8
+
+
+def test_adversarial_decoder_only_fine_tune_keeps_the_codes(pipeline, tmp_path):
+    root, corpus, codec_dir, _ = pipeline
+    out = str(tmp_path / "ft")
+    common = ["--corpus", corpus, "--out", out, "--init", os.path.join(codec_dir, "best.pt"), "--decoder-only",
+              "--adversarial", "--batch", "2", "--crop-s", "0.5", "--eval-every", "2", "--dev-n", "2",
+              "--dev-seconds", "0.5", "--log-every", "1", "--ckpt-every", "1", "--lr", "1e-3"]
+    assert codec_train.main(common + ["--steps", "2"]) == 0
+    assert codec_train.main(common + ["--steps", "3", "--resume"]) == 0
+    rows = [r for r in _log(os.path.join(out, "log.jsonl")) if not r.get("eval")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r[k]) for r in rows for k in ("total", "adv", "feat", "disc"))
+    assert all(r["commit"] == 0 for r in rows)
+    st = torch.load(os.path.join(out, "last_state.pt"), map_location="cpu", weights_only=False)
+    assert "disc" in st and "d_opt" in st  # the discriminator resumes with the codec
+    before = CodecModel.from_checkpoint(os.path.join(codec_dir, "best.pt"))
+    after = CodecModel.from_checkpoint(os.path.join(out, "last.pt"))
+    b, a = before.state_dict(), after.state_dict()
+    frozen = [k for k in b if k.startswith(("encoder.", "quantizer."))]
+    assert frozen and all(torch.equal(b[k], a[k]) for k in frozen)  # codebooks' EMA buffers too
+    assert any(not torch.equal(b[k], a[k]) for k in b if k.startswith("decoder."))
+    wav = torch.from_numpy(read_wav_segment(os.path.join(corpus, read_manifest(corpus)[0]["audio"]), 0, 12000))
+    with torch.no_grad():
+        assert torch.equal(before.encode(wav.view(1, 1, -1)), after.encode(wav.view(1, 1, -1)))
+
+
+def test_codec_discriminator_scores_every_scale():
+    from models.codec.discriminator import MultiScaleSTFTDiscriminator, discriminator_loss, generator_losses
+
+    disc = MultiScaleSTFTDiscriminator()
+    real, fake = torch.randn(2, 1, 6000), torch.randn(2, 1, 6000, requires_grad=True)
+    r, f = disc(real), disc(fake)
+    assert len(r) == len(disc.config.n_ffts) and all(len(feats) == 5 for _, feats in r)
+    g = generator_losses(r, f)
+    (g["adv"] + g["feat"]).backward()
+    assert fake.grad is not None and fake.grad.abs().sum() > 0  # the generator's gradient reaches the audio
+    # hinge: logits past the margin on the right side cost nothing, on the wrong side 1 + |logit| each
+    feats = [torch.ones(2, 3)]
+    sure, wrong = [(torch.full((2, 1, 4, 4), 2.0), feats)], [(torch.full((2, 1, 4, 4), -2.0), feats)]
+    assert float(discriminator_loss(sure, wrong)) == 0.0
+    assert float(discriminator_loss(wrong, sure)) == pytest.approx(6.0)
+    assert float(generator_losses(wrong, sure)["adv"]) == 0.0  # the generator fooled it
 
 
 def test_encode_corpus_writes_codes_for_every_utterance(pipeline):

@@ -2,8 +2,11 @@
 
     python -m training.codec_train --corpus data/corpus --out runs/codec [--steps N] [--resume]
 
-Random 1 s crops of train-split audio, batch 8, AdamW, L1 + multi-resolution STFT + mel
-(no discriminator), k-means codebook init on the first batch (few iterations). Writes
+Random 1 s crops of train-split audio, batch 8, AdamW, L1 + multi-resolution STFT + mel,
+k-means codebook init on the first batch (few iterations). `--adversarial` adds
+EnCodec's multi-scale STFT discriminator (hinge + feature matching); `--init CODEC
+--decoder-only` fine-tunes an existing codec's decoder alone, so its codes, and a
+decoder trained on them, stay valid. Writes
   out/last_state.pt   resumable state (model, optimizer, step, RNG)
   out/last.pt         codec checkpoint (CodecModel.from_checkpoint format)
   out/best.pt         codec checkpoint with the lowest dev mel distance
@@ -22,7 +25,8 @@ import numpy as np
 import torch
 
 from models.codec import CodecLossConfig, CodecModel, preset
-from models.codec.losses import reconstruction_losses
+from models.codec.discriminator import MultiScaleSTFTDiscriminator, discriminator_loss, generator_losses
+from models.codec.losses import reconstruction_losses, weighted_reconstruction_losses
 from models.config import SAMPLE_RATE
 
 from .dataset import AudioCrops, read_manifest, read_wav_segment
@@ -110,6 +114,11 @@ def main(argv=None) -> int:
     p.add_argument("--minutes", type=float, default=None,
                    help="run length in training minutes instead of --steps (the LR decays over it)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--init", default=None, help="start from this codec checkpoint (its config, not --preset)")
+    p.add_argument("--decoder-only", action="store_true",
+                   help="train the decoder alone: encoder and codebooks frozen, so the codes do not change")
+    p.add_argument("--adversarial", action="store_true", help="add the multi-scale STFT discriminator's losses")
+    p.add_argument("--disc-lr", type=float, default=None, help="discriminator peak LR (default --lr)")
     a = p.parse_args(argv)
 
     device = setup_device(a.device, a.threads)
@@ -122,10 +131,25 @@ def main(argv=None) -> int:
         print("no training utterances", file=sys.stderr)
         return 1
 
-    cfg = preset(a.preset, kmeans_iters=a.kmeans_iters)
     torch.manual_seed(a.seed)
-    model = CodecModel(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.8, 0.99), weight_decay=0.0)
+    if a.init:
+        model = CodecModel.from_checkpoint(a.init).to(device)
+        cfg = model.config
+    else:
+        cfg = preset(a.preset, kmeans_iters=a.kmeans_iters)
+        model = CodecModel(cfg).to(device)
+    if a.decoder_only:
+        if not a.init:
+            print("--decoder-only needs --init: a codec whose codes to keep", file=sys.stderr)
+            return 2
+        model.freeze_codes()
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=a.lr, betas=(0.8, 0.99),
+                            weight_decay=0.0)
+    disc = d_opt = None
+    if a.adversarial:
+        disc = MultiScaleSTFTDiscriminator().to(device)
+        d_opt = torch.optim.AdamW(disc.parameters(), lr=a.disc_lr or a.lr, betas=(0.5, 0.9), weight_decay=0.0)
+    d_scale = (a.disc_lr or a.lr) / a.lr
     state_path = os.path.join(a.out, "last_state.pt")
     step, best, train_s = 0, float("inf"), 0.0
     sched = Schedule(a.lr, a.warmup, a.steps, a.minutes)
@@ -134,6 +158,9 @@ def main(argv=None) -> int:
         st = torch.load(state_path, map_location="cpu", weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
+        if disc is not None and "disc" in st:
+            disc.load_state_dict(st["disc"])
+            d_opt.load_state_dict(st["d_opt"])
         step, best, train_s = st["step"], st["best"], st.get("train_s", 0.0)
         torch.set_rng_state(st["torch_rng"])
         crops.rng.setstate(st["data_rng"])
@@ -149,7 +176,9 @@ def main(argv=None) -> int:
     def checkpoint() -> None:
         _atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
                       "train_s": train_s, "torch_rng": torch.get_rng_state(), "data_rng": crops.rng.getstate(),
-                      "config": cfg.to_dict(), "args": vars(a)}, state_path)
+                      "config": cfg.to_dict(), "args": vars(a),
+                      **({"disc": disc.state_dict(), "d_opt": d_opt.state_dict()} if disc is not None else {})},
+                     state_path)
         _save_codec(model, os.path.join(a.out, "last.pt"))
 
     t0 = time.time()
@@ -159,14 +188,29 @@ def main(argv=None) -> int:
     model.train()
     t_resume = time.time() - train_s  # training time carried over from earlier runs
     while not sched.finished(step, train_s):
+        lr = sched.lr(step, train_s)
         for g in opt.param_groups:
-            g["lr"] = sched.lr(step, train_s)
+            g["lr"] = lr
         wav = crops.batch(a.batch).to(device, non_blocking=True)
-        losses = model.train_losses(wav)
+        recon, commit = model.train_forward(wav)
+        losses = weighted_reconstruction_losses(wav, recon, commit, model.sample_rate)
+        if disc is not None:
+            real = disc(wav)
+            losses.update(generator_losses(real, disc(recon)))
+            losses["total"] = (losses["total"] + disc.config.adv_weight * losses["adv"]
+                               + disc.config.feat_weight * losses["feat"])
         opt.zero_grad(set_to_none=True)
         losses["total"].backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if disc is not None:  # then the discriminator, on this step's (pre-update) reconstruction
+            for g in d_opt.param_groups:
+                g["lr"] = lr * d_scale
+            d_loss = discriminator_loss(real, disc(recon.detach()))
+            d_opt.zero_grad(set_to_none=True)
+            d_loss.backward()
+            d_opt.step()
+            losses["disc"] = d_loss
         step += 1
         train_s = time.time() - t_resume
         for k, v in losses.items():

@@ -91,3 +91,14 @@ def reconstruction_losses(wav: Tensor, recon: Tensor, sample_rate: int,
         "mel": mel_loss(x, y, sample_rate, cfg),
     }
 
+
+
+def weighted_reconstruction_losses(wav: Tensor, recon: Tensor, commit: Tensor, sample_rate: int,
+                                   cfg: CodecLossConfig | None = None) -> dict[str, Tensor]:
+    """`reconstruction_losses` plus 'commit' and their weighted sum 'total'."""
+    cfg = cfg or CodecLossConfig()
+    losses = reconstruction_losses(wav, recon, sample_rate, cfg)
+    losses["commit"] = commit
+    losses["total"] = (cfg.l1_weight * losses["l1"] + cfg.stft_weight * losses["stft"]
+                       + cfg.mel_weight * losses["mel"] + commit)
+    return losses

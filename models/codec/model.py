@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import CodecConfig, preset
-from .losses import CodecLossConfig, reconstruction_losses
+from .losses import CodecLossConfig, weighted_reconstruction_losses
 from .modules import SEANetDecoder, SEANetEncoder
 from .quantization import ResidualVectorQuantizer
 
@@ -134,24 +134,40 @@ class CodecModel(nn.Module):
         state.frames = state.frames + codes.shape[-1]
         return wav
 
+    def freeze_codes(self) -> None:
+        """Train the decoder alone from here on: the encoder and the codebooks keep their
+        weights and stay in eval mode (no k-means, no EMA updates), so every utterance keeps
+        its codes, and a language model trained on them stays valid."""
+        self.encoder.requires_grad_(False)
+        self.quantizer.requires_grad_(False)
+        self._codes_frozen = True
+        self.train(self.training)
+
+    def train(self, mode: bool = True) -> "CodecModel":
+        super().train(mode)
+        if getattr(self, "_codes_frozen", False):
+            self.encoder.eval()
+            self.quantizer.eval()
+        return self
+
+    def train_forward(self, wav: Tensor) -> tuple[Tensor, Tensor]:
+        """Training forward on wav [B, 1, T] -> (reconstruction [B, 1, T], commitment loss
+        [], already scaled by config.commitment_weight; zero with frozen codes). In
+        training mode the codebooks are k-means initialised on the first batch and
+        EMA-updated on every call (so call it once per step); gradients reach the encoder
+        through the straight-through estimator. The first batch should hold >=
+        codebook_size frames (16 x 1 s = 1200): with fewer, k-means copies every frame into
+        the first codebook, the residual is zero and the later codebooks start at zero
+        (dead-code expiry then revives them only gradually)."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not getattr(self, "_codes_frozen", False)):
+            quantized, _, commit = self.quantizer(self.encoder(wav))
+        return self.decoder(quantized)[..., : wav.shape[-1]], commit
+
     def train_losses(self, wav: Tensor, loss_config: CodecLossConfig | None = None) -> dict[str, Tensor]:
-        """Training forward on wav [B, 1, T]: returns unweighted 'l1', 'stft', 'mel', the
-        commitment loss 'commit' (already scaled by config.commitment_weight) and their
-        weighted sum 'total' to backpropagate. In training mode the codebooks are
-        k-means initialised on the first batch and EMA-updated on every call (so call
-        it once per step); gradients reach the encoder through the straight-through
-        estimator. The first batch should hold >= codebook_size frames (16 x 1 s =
-        1200): with fewer, k-means copies every frame into the first codebook, the
-        residual is zero and the later codebooks start at zero (dead-code expiry then
-        revives them only gradually)."""
-        cfg = loss_config or CodecLossConfig()
-        quantized, _, commit = self.quantizer(self.encoder(wav))
-        recon = self.decoder(quantized)[..., : wav.shape[-1]]
-        losses = reconstruction_losses(wav, recon, self.sample_rate, cfg)
-        losses["commit"] = commit
-        losses["total"] = (cfg.l1_weight * losses["l1"] + cfg.stft_weight * losses["stft"]
-                           + cfg.mel_weight * losses["mel"] + commit)
-        return losses
+        """`train_forward`, scored: unweighted 'l1', 'stft', 'mel', the commitment loss
+        'commit' and their weighted sum 'total' to backpropagate."""
+        recon, commit = self.train_forward(wav)
+        return weighted_reconstruction_losses(wav, recon, commit, self.sample_rate, loss_config)
 
     def save(self, path: str | os.PathLike) -> None:
         torch.save({"config": self.config.to_dict(), "state_dict": self.state_dict()}, path)
