@@ -12,7 +12,9 @@
 # DEVICE (cuda), CODEC_BATCH (32), BATCH_FRAMES (80000), MAX_BATCH (256), ENCODERS (2),
 # ENCODE_BATCH (64), EOS_JITTER (0.3: the decoder's --eos-jitter), LR (the decoder's peak, 2e-3;
 # lower when fine-tuning from INIT_DECODER), MAMBA_SITE (below),
-# PY (python3); CODEC=path keeps that codec (no codec training), INIT_DECODER=path starts
+# PY (python3); CODEC=path keeps that codec (no codec training; CODEC_FT_MIN=M then fine-tunes
+# its decoder alone, adversarially, beside the decoder's training: the codes do not change),
+# INIT_DECODER=path starts
 # the decoder from those weights (e.g. models/weights/default/{codec,decoder}.pt). Logs: WORK_DIR/{corpus,codec,encode,decoder,export}.log.
 set -euo pipefail
 W=${1:?usage: scripts/train_gpu.sh WORK_DIR [CORPUS_DEFINITION_DIR]}
@@ -84,6 +86,15 @@ if [ -n "${MAMBA_SITE:-}" ]; then
     stamp "decoder on mamba-ssm's kernels ($MAMBA_SITE)"
   fi
 fi
+if [ -n "${CODEC:-}" ] && [ "${CODEC_FT_MIN:-0}" != 0 ]; then
+  # the GPU is launch-bound under the decoder alone (docs/training.md), so this runs beside it
+  stamp "codec decoder fine-tune, adversarial: $CODEC_FT_MIN min (background)"
+  $PY -m training.codec_train --corpus "$W/corpus" --out "$W/codec_ft" --device "$DEVICE" --resume \
+    --init "$W/codec/best.pt" --decoder-only --adversarial --minutes "$CODEC_FT_MIN" --steps 1000000 \
+    --batch "$CODEC_BATCH" --lr "${CODEC_FT_LR:-3e-4}" --warmup 100 --threads 2 --eval-every 500 \
+    --ckpt-every 500 --log-every 50 > "$W/codec_ft.log" 2>&1 &
+  FT=$!
+fi
 stamp "decoder: $DECODER_MIN min"
 $PY -m training.train --corpus "$W/corpus" --codes "$W/codes" --out "$W/decoder" --device "$DEVICE" --resume \
   --minutes "$DECODER_MIN" --steps 1000000 --batch-frames "$BATCH_FRAMES" --max-batch "$MAX_BATCH" --lr "$LR" --warmup 100 \
@@ -92,9 +103,14 @@ $PY -m training.train --corpus "$W/corpus" --codes "$W/codes" --out "$W/decoder"
   > "$W/decoder.log" 2>&1
 wait "${ENC[@]}" || true
 tail -n 2 "$W/decoder.log"
+EXPORT_CODEC="$W/codec/best.pt"
+if [ -n "${FT:-}" ]; then
+  wait "$FT" && EXPORT_CODEC="$W/codec_ft/best.pt" || stamp "codec fine-tune failed: exporting the kept codec"
+  tail -n 2 "$W/codec_ft.log"
+fi
 
 stamp "export"
-$PY -m training.export --codec "$W/codec/best.pt" --decoder "$W/decoder/best.pt" --corpus "$W/corpus" \
+$PY -m training.export --codec "$EXPORT_CODEC" --decoder "$W/decoder/best.pt" --corpus "$W/corpus" \
   --codes "$W/codes" --out "$W/export" > "$W/export.log" 2>&1
 tail -n 5 "$W/export.log"
 stamp "done"

@@ -25,18 +25,21 @@ snap() {
      corpus/summary.json export/MODEL_CARD.md 2>/dev/null)
   tail -n 2 $W/decoder/log.jsonl 2>/dev/null | cut -c1-400
 }
-bring_back() {  # $1 an export directory -> its fp16 decoder.pt in 15 MB parts, and its card, under $OUT
+bring_back() {  # $1 an export directory -> its fp16 decoder.pt in 15 MB parts, its card, and its codec when fine-tuned, under $OUT
   split -b 15000000 -d "$1/decoder.pt" $OUT/decoder.pt.part
   cp "$1/MODEL_CARD.md" $OUT/; sha256sum "$1/decoder.pt"
+  [ -e $W/codec_ft/best.pt ] && cp "$1/codec.pt" $OUT/ && sha256sum "$1/codec.pt"
 }
 export_parts() {  # $1 decoder checkpoint -> exported, then brought back
-  rm -rf /root/exp && python3 -m training.export --codec /root/codec.pt --decoder "$1" --corpus $W/corpus \
+  local codec=/root/codec.pt; [ -e $W/codec_ft/best.pt ] && codec=$W/codec_ft/best.pt
+  rm -rf /root/exp && python3 -m training.export --codec $codec --decoder "$1" --corpus $W/corpus \
     --codes $W/codes --out /root/exp > $W/export_$MODE.log 2>&1 || { tail -5 $W/export_$MODE.log; return 1; }
   tail -3 $W/export_$MODE.log
   bring_back /root/exp
 }
 pipeline() {  # train_gpu.sh in its own session (its pid is its process group's); its decoder waits for the mamba-ssm build
   setsid nohup env CODEC=/root/codec.pt DECODER_MIN=${DECODER_MIN:-18} HOURS=${HOURS:-40} MAMBA_SITE=$SITE \
+    CODEC_FT_MIN=${CODEC_FT_MIN:-0} \
     bash scripts/train_gpu.sh $W .dev/def >> $W/pipeline.log 2>&1 < /dev/null &
   echo $! > $W/pipeline.pid
 }
