@@ -207,14 +207,16 @@ TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs back into
 
 
 def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_function: bool = False,
-                trace_dir: Optional[Path] = None, text_chars: int = 160, timeout_s: float = 600.0) -> dict:
+                trace_dir: Optional[Path] = None, text_chars: int = 160, timeout_s: float = 600.0,
+                cuda_graphs: bool = False) -> dict:
     """Run the engine on `batch` sessions of `text_chars` characters each (all sent at
     once, like an LLM far ahead of the speech; a finished session is replaced at once)
     and time `steps` steps after `warmup`."""
     from server.engine import Engine, EngineConfig
     from server.session_api import SessionConfig
 
-    engine = Engine(bundle, EngineConfig(max_sessions=batch, max_lead_s=1e6, max_session_s=3600.0))
+    engine = Engine(bundle, EngineConfig(max_sessions=batch, max_lead_s=1e6, max_session_s=3600.0,
+                                         cuda_graphs=cuda_graphs))
     voice = engine.make_voice("profile", (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32),
                               24000)
     text_chars = text_chars or 160
@@ -252,7 +254,10 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
 
     prof = None
     if trace_dir is not None:
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False)
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if bundle.device.type == "cuda":  # the kernels too: how busy the GPU is between launches
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=acts, record_shapes=False)
     engine._step = counting_step
     finished = [0]
 
@@ -489,7 +494,7 @@ def roofline(flops: float, nbytes: float, t_s: float, machine: dict) -> dict:
 
 
 def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, trace_dir: Optional[Path] = None,
-            plain: bool = True, packet_ms: int = 80, text_chars: int = 160) -> dict:
+            plain: bool = True, packet_ms: int = 80, text_chars: int = 160, cuda_graphs: bool = False) -> dict:
     from models.config import FRAME_RATE
 
     machine = measure_machine(bundle.device)
@@ -499,15 +504,16 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
     out: dict[str, Any] = {"model": bundle.source, "device": str(bundle.device), "threads": threads,
                            "torch": torch.__version__, "machine": machine, "analytic": cost,
                            "codec": ccost, "packet_frames": pf, "text_chars": text_chars, "steps": steps,
+                           "cuda_graphs": cuda_graphs,
                            "warmup": warmup, "batches": []}
     for b in batches:
         la = list(os.getloadavg())
         run = _engine_run(bundle, b, steps, warmup, fine=True, record_function=trace_dir is not None,
-                          trace_dir=trace_dir, text_chars=text_chars)
+                          trace_dir=trace_dir, text_chars=text_chars, cuda_graphs=cuda_graphs)
         rows, cats = scope_table(run)
         plain_ms = None
         if plain:
-            pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars)
+            pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, cuda_graphs=cuda_graphs)
             plain_ms = pr["iteration_ms"]
         counted = counted_cost(bundle, b, pf)
         step_s = run["window_s"] / steps
@@ -550,16 +556,21 @@ def main(argv=None) -> int:
                     help="text per session (sent at once); a finished session is replaced (default: ~2 sentences)")
     ap.add_argument("--no-plain", action="store_true", help="skip the uninstrumented comparison run")
     ap.add_argument("--trace", default=None, help="directory for torch.profiler chrome traces and op tables")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="the model step replayed from a CUDA graph (its time then shows in runner.step)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, help="write the tables as markdown here")
     args = ap.parse_args(argv)
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        ap.error("--cuda-graphs needs a cuda device")
     if args.threads:
         torch.set_num_threads(args.threads)
     from models.loading import load_bundle
 
     bundle = load_bundle(None if args.model_path in ("", "default") else args.model_path, device=args.device)
     res = profile(bundle, args.batch, args.steps, args.warmup, torch.get_num_threads(),
-                  Path(args.trace) if args.trace else None, plain=not args.no_plain, text_chars=args.text_chars)
+                  Path(args.trace) if args.trace else None, plain=not args.no_plain, text_chars=args.text_chars,
+                  cuda_graphs=args.cuda_graphs)
     res["loadavg"] = list(os.getloadavg())
     from .report import render_profile_markdown
 

@@ -299,3 +299,22 @@ def test_tiny_end_to_end_run(tmp_path):
     assert sw["tested_n"] == [2] and "rated_n" in sw
     assert sw["comparison"][0]["n"] == 2 and "ttfa_p95_ratio" in sw["comparison"][0]
     assert (out / "report.md").exists()
+
+
+def test_step_profile_runs_and_attributes_the_step(tmp_path):
+    """The step profiler (loadtest.profile_step) on a tiny random model: every scope it
+    reports lies inside the engine step, and the model and sampling scopes are there."""
+    from loadtest import profile_step
+
+    out = tmp_path / "p.json"
+    assert profile_step.main(["--batch", "2", "--steps", "3", "--warmup", "2", "--no-plain",
+                              "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    row = res["batches"][0]
+    scopes = {r["name"]: r for r in row["scopes"]}
+    assert {"engine.step", "runner.step", "model.step", "sampling.graphemes"} <= set(scopes)
+    assert 0 < scopes["model.step"]["incl_ms_per_step"] <= scopes["runner.step"]["incl_ms_per_step"]
+    assert scopes["runner.step"]["incl_ms_per_step"] <= scopes["engine.step"]["incl_ms_per_step"]
+    assert res["cuda_graphs"] is False
+    with pytest.raises(SystemExit):
+        profile_step.main(["--cuda-graphs", "--device", "cpu"])

@@ -7,8 +7,10 @@
 # (bundle.sh) at .dev/: it has the wheels the machine's image lacks (grpcio-tools and
 # friends) and Whisper's ranks.
 #   scripts/offline_gpu/loadtest.sh [SWEEP]    (default 8,16,32,64; ~1 minute a level a run)
-# $OUT gets loadtest.tgz (a report and JSON per run) and the logs. Knobs: DURATION (20 s a
-# level), MODEL (random:paper/encodec_24khz), DEVICE (cuda), PY (python3), SITE.
+# $OUT gets loadtest.tgz (a report and JSON per run, and the step profile of each:
+# loadtest.profile_step) and the logs. Knobs: DURATION (20 s a level), MODEL
+# (random:paper/encodec_24khz), DEVICE (cuda), PY (python3), SITE, PROFILE (1; 0: no
+# profiles), PROFILE_BATCH ("1 16 64").
 set -uo pipefail
 D=${BUNDLE:-.dev}; OUT=${OUT:-$PWD/gpu_out}; SITE=${SITE:-/root/mamba_site}; PY=${PY:-python3}
 SWEEP=${1:-8,16,32,64}; W=$(mktemp -d)
@@ -28,9 +30,22 @@ graphs_ok() {  # $1: PYTHONPATH. The replay against the eager step, before it is
   PYTHONPATH=$1 $PY -m pytest -q -p no:cacheprovider tests/test_step_graph.py 2>&1 | tail -n 3 | tee -a "$OUT/step_graph_test.log"
   return "${PIPESTATUS[0]}"
 }
+profile() {  # $1: the run's name; $2: PYTHONPATH; then profile_step's own flags. Where a step's time goes
+  [ "${PROFILE:-1}" = 1 ] || return 0
+  mkdir -p "$W/$1"
+  PYTHONPATH=$2 $PY -m loadtest.profile_step --model-path "${MODEL:-random:paper/encodec_24khz}" \
+    --device "${DEVICE:-cuda}" --batch ${PROFILE_BATCH:-1 16 64} --steps 100 --json "$W/$1/profile.json" \
+    --markdown "$W/$1/profile.md" "${@:3}" > "$W/$1/profile.log" 2>&1 || tail -n 5 "$W/$1/profile.log"
+}
 variants() {  # $1: name prefix; $2: PYTHONPATH
+  profile "$1" "$2"
   run "$1" "$2"
-  if graphs_ok "$2"; then run "$1-graphs" "$2" --server-cuda-graphs; else echo "CUDA-graph test failed: not measured"; fi
+  if graphs_ok "$2"; then
+    profile "$1-graphs" "$2" --cuda-graphs
+    run "$1-graphs" "$2" --server-cuda-graphs
+  else
+    echo "CUDA-graph test failed: not measured"
+  fi
 }
 variants torch "$W/site"
 if [ -e "$SITE.ok" ]; then
