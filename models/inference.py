@@ -83,6 +83,9 @@ class DecodeState(DecodeStateView):
         st.none = torch.tensor(model.none_ids(), device=device)
         st.txt_len = [0] * capacity
         st.unrotated = [set() for _ in range(capacity)]  # re-placed chunks awaiting rotate_window
+        # chunk -> its token span, mirrored on the host: finding it in txt_chunk is a device
+        # sync, and chunks are re-placed at almost every step
+        st.spans = [{} for _ in range(capacity)]
         return st
 
     @property
@@ -104,6 +107,7 @@ class DecodeState(DecodeStateView):
         self.txt_pos[slot] = 0
         self.txt_len[slot] = 0
         self.unrotated[slot].clear()
+        self.spans[slot].clear()
         self.inputs[slot] = self.none
         self.step[slot] = 0
         self.eos_frame[slot] = NO_EOS
@@ -162,6 +166,8 @@ class DecodeState(DecodeStateView):
         self.txt_pos[slot, a : a + n] = torch.tensor(list(positions), dtype=torch.float32)
         self.txt_chunk[slot, a : a + n] = chunk
         self.txt_len[slot] = a + n
+        first = self.spans[slot].get(chunk, (a, a))[0]
+        self.spans[slot][chunk] = (first, a + n)
         self._rotate(slot, a, a + n)
 
     def evict_chunks_before(self, slot: int, chunk: int) -> None:
@@ -180,10 +186,10 @@ class DecodeState(DecodeStateView):
             t[slot, n:] = empty
         self.txt_len[slot] = n
         self.unrotated[slot] = {c for c in self.unrotated[slot] if c >= chunk}
+        self.spans[slot] = _spans(self.txt_chunk[slot, :n].tolist())  # rare: one sync is fine
 
     def _chunk_span(self, slot: int, chunk: int) -> Optional[tuple[int, int]]:
-        sel = (self.txt_chunk[slot] == chunk).nonzero().flatten()
-        return (int(sel[0]), int(sel[-1]) + 1) if sel.numel() else None
+        return self.spans[slot].get(chunk)
 
     def set_chunk_positions(self, slot: int, chunk: int, first_position: float) -> None:
         """Re-place a cached chunk on the speech timeline. Its keys are re-rotated (from
@@ -193,7 +199,8 @@ class DecodeState(DecodeStateView):
         span = self._chunk_span(slot, chunk)
         if span is not None:
             a, b = span
-            self.txt_pos[slot, a:b] = first_position + torch.arange(b - a, dtype=torch.float32)
+            pos = self.txt_pos[slot, a:b]
+            torch.arange(b - a, out=pos).add_(first_position)  # on the device: no copy from the host
             self.unrotated[slot].add(chunk)
 
     def rotate_window(self, slot: int, lo: int, hi: int) -> None:
@@ -237,6 +244,15 @@ class DecodeState(DecodeStateView):
         view.inputs.copy_(tokens)
         view.step.add_(1)
         return StepResult(frames=frames, frame_index=done_frame, has_frame=has, done=done)
+
+
+def _spans(chunk_ids: Sequence[int]) -> dict[int, tuple[int, int]]:
+    """chunk id -> (first, last + 1) over a slot's token row (-1: empty)."""
+    out: dict[int, tuple[int, int]] = {}
+    for i, c in enumerate(chunk_ids):
+        if c >= 0:
+            out[c] = (out[c][0] if c in out else i, i + 1)
+    return out
 
 
 def _contiguous(slots: Sequence[int]) -> bool:

@@ -168,6 +168,32 @@ def test_window_mask_selects_chunks(model):
     assert st.txt_pos[0, :3].tolist() == [20.0, 40.0, 41.0]
 
 
+def test_chunk_spans_kept_on_the_host_match_the_text_memory(model):
+    """Re-placing a chunk finds its tokens from a host-side index (no device sync); through
+    appends (a chunk in two pieces too), evictions and a reset it agrees with txt_chunk."""
+    import random
+
+    rng = random.Random(0)
+    st = DecodeState.allocate(model, capacity=2)
+    enroll = torch.zeros(model.n_layers, 2, 4, 4, 16)
+    st.reset_slot(1, enroll)
+    chunk = 0
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.6 and st.text_room(1) >= 3:
+            n = rng.randint(1, 3)
+            st.append_text(1, [1] * n, [0.0] * n, chunk=chunk)
+            chunk += rng.random() < 0.7  # sometimes the same chunk again, right after
+        elif op < 0.9:
+            st.evict_chunks_before(1, rng.randint(0, chunk))
+        else:
+            st.reset_slot(1, enroll)
+        row = st.txt_chunk[1].tolist()
+        for c in range(chunk + 1):
+            idx = [i for i, x in enumerate(row) if x == c]
+            assert st._chunk_span(1, c) == ((idx[0], idx[-1] + 1) if idx else None)
+
+
 def test_replaced_chunks_are_rotated_when_a_window_sees_them(model):
     """A re-placed chunk's keys are re-rotated lazily (rotate_window), only once a window
     includes it; the step then sees exactly the keys of a chunk added at the new place."""
