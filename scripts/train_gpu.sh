@@ -10,12 +10,12 @@
 # sentence packages. Every stage resumes: re-running the script continues where it stopped.
 # Knobs (environment): HOURS (40), WORKERS (nproc), CODEC_MIN (6.5), DECODER_MIN (10.5),
 # DEVICE (cuda), CODEC_BATCH (32), BATCH_FRAMES (80000), MAX_BATCH (256), ENCODERS (2),
-# ENCODE_BATCH (64), EOS_JITTER (0.3: the decoder's --eos-jitter), LR (the decoder's peak, 2e-3;
-# lower when fine-tuning from INIT_DECODER), MAMBA_SITE (below),
-# PY (python3); CODEC=path keeps that codec (no codec training; CODEC_FT_MIN=M then fine-tunes
-# its decoder alone, adversarially, beside the decoder's training: the codes do not change),
-# INIT_DECODER=path starts
-# the decoder from those weights (e.g. models/weights/default/{codec,decoder}.pt). Logs: WORK_DIR/{corpus,codec,encode,decoder,export}.log.
+# ENCODE_BATCH (64), EOS_JITTER (0.3: the decoder's --eos-jitter), LR (the decoder's peak,
+# 2e-3; lower when fine-tuning), MAMBA_SITE (below), PY (python3); CODEC=path keeps that
+# codec (no codec training; CODEC_FT_MIN=M then fine-tunes its decoder alone,
+# adversarially, beside the decoder's training: the codes do not change; CODEC_FT_LR,
+# 3e-4), INIT_DECODER=path starts the decoder from those weights (e.g.
+# models/weights/default/decoder.pt). Logs: WORK_DIR/{corpus,codec,codec_ft,encode,decoder,export}.log.
 set -euo pipefail
 W=${1:?usage: scripts/train_gpu.sh WORK_DIR [CORPUS_DEFINITION_DIR]}
 DEF=${2:-}

@@ -92,7 +92,6 @@ def reconstruction_losses(wav: Tensor, recon: Tensor, sample_rate: int,
     }
 
 
-
 def weighted_reconstruction_losses(wav: Tensor, recon: Tensor, commit: Tensor, sample_rate: int,
                                    cfg: CodecLossConfig | None = None) -> dict[str, Tensor]:
     """`reconstruction_losses` plus 'commit' and their weighted sum 'total'."""

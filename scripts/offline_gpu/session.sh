@@ -66,8 +66,8 @@ start)
   nvidia-smi -L; nproc; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"
   python3 -c "from training.corpus.espeak import ESpeak; print('espeak', ESpeak().sample_rate)" || exit 1
   # the decoder waits for the build (~2-4 min, beside the corpus and the encoding) and
-  # trains on its kernels if their parity test passes (a 3x faster scan; the decoder's
-  # step was no faster with them in the third GPU run, docs/training.md)
+  # trains on its kernels if their parity test passes (a 3x faster scan in the bench;
+  # untried end to end: the third GPU run's model was built without its device)
   rm -f $SITE.ok $SITE.done
   setsid nohup env NICE=0 bash scripts/offline_gpu/build_mamba.sh $SITE > $W/mamba_build.log 2>&1 < /dev/null &
   pipeline
