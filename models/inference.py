@@ -53,7 +53,8 @@ class StepResult:
 
 class DecodeState(DecodeStateView):
     """All slots; also the unrotated text keys and the text positions, which only
-    change when a chunk is added, evicted or re-placed (never inside a step)."""
+    change when a chunk is added, evicted or re-placed (a re-placement is applied when a
+    window next sees the chunk; never inside a step)."""
 
     @classmethod
     def allocate(cls, model: LiveSpeech2, capacity: int, device=None, dtype=torch.float32) -> "DecodeState":
@@ -82,7 +83,9 @@ class DecodeState(DecodeStateView):
         st.delays = torch.tensor(cfg.delays, device=device)
         st.none = torch.tensor(model.none_ids(), device=device)
         st.txt_len = [0] * capacity
-        st.unrotated = [set() for _ in range(capacity)]  # re-placed chunks awaiting rotate_window
+        # re-placed chunk -> its new first position, applied by rotate_window once a window
+        # sees it (until then its keys are masked: a chunk far ahead moves at most steps)
+        st.unrotated = [{} for _ in range(capacity)]
         # chunk -> its token span, mirrored on the host: finding it in txt_chunk is a device
         # sync, and chunks are re-placed at almost every step
         st.spans = [{} for _ in range(capacity)]
@@ -185,33 +188,33 @@ class DecodeState(DecodeStateView):
             t[slot, :n] = t[slot, keep].clone()
             t[slot, n:] = empty
         self.txt_len[slot] = n
-        self.unrotated[slot] = {c for c in self.unrotated[slot] if c >= chunk}
+        self.unrotated[slot] = {c: p for c, p in self.unrotated[slot].items() if c >= chunk}
         self.spans[slot] = _spans(self.txt_chunk[slot, :n].tolist())  # rare: one sync is fine
 
     def _chunk_span(self, slot: int, chunk: int) -> Optional[tuple[int, int]]:
         return self.spans[slot].get(chunk)
 
     def set_chunk_positions(self, slot: int, chunk: int, first_position: float) -> None:
-        """Re-place a cached chunk on the speech timeline. Its keys are re-rotated (from
-        the cached unrotated ones, nothing is re-projected) by `rotate_window` once a
-        step can see it: a chunk far ahead of the speech moves at almost every step, and
-        while it is outside the np/nf window its keys are masked anyway."""
-        span = self._chunk_span(slot, chunk)
-        if span is not None:
-            a, b = span
-            pos = self.txt_pos[slot, a:b]
-            torch.arange(b - a, out=pos).add_(first_position)  # on the device: no copy from the host
-            self.unrotated[slot].add(chunk)
+        """Re-place a cached chunk on the speech timeline. Its positions are written and its
+        keys re-rotated (from the cached unrotated ones, nothing is re-projected) by
+        `rotate_window` once a step can see it: a chunk far ahead of the speech moves at
+        almost every step, and while it is outside the np/nf window its keys are masked
+        anyway. Here it is a dictionary update."""
+        if chunk in self.spans[slot]:
+            self.unrotated[slot][chunk] = first_position
 
     def rotate_window(self, slot: int, lo: int, hi: int) -> None:
-        """Bring the keys of re-placed chunks lo..hi up to date (before a step whose
-        window is lo..hi)."""
+        """Bring the positions and keys of re-placed chunks lo..hi up to date (before a
+        step whose window is lo..hi)."""
         pending = self.unrotated[slot]
         for chunk in [c for c in pending if lo <= c <= hi]:
+            first_position = pending.pop(chunk)
             span = self._chunk_span(slot, chunk)
             if span is not None:
-                self._rotate(slot, *span)
-            pending.discard(chunk)
+                a, b = span
+                pos = self.txt_pos[slot, a:b]
+                torch.arange(b - a, out=pos).add_(first_position)  # on the device: no copy from the host
+                self._rotate(slot, a, b)
 
     def window_mask(self, view: DecodeStateView, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
         """[B, L] keys of chunks lo[b]..hi[b] (the np/nf window)."""
