@@ -71,6 +71,7 @@ class CodecModel(nn.Module):
         self.encoder = SEANetEncoder(config)
         self.quantizer = ResidualVectorQuantizer(config)
         self.decoder = SEANetDecoder(config)
+        self._codes_frozen = False  # freeze_codes: train the decoder alone
 
     @property
     def sample_rate(self) -> int:
@@ -145,7 +146,7 @@ class CodecModel(nn.Module):
 
     def train(self, mode: bool = True) -> "CodecModel":
         super().train(mode)
-        if getattr(self, "_codes_frozen", False):
+        if self._codes_frozen:
             self.encoder.eval()
             self.quantizer.eval()
         return self
@@ -159,7 +160,7 @@ class CodecModel(nn.Module):
         codebook_size frames (16 x 1 s = 1200): with fewer, k-means copies every frame into
         the first codebook, the residual is zero and the later codebooks start at zero
         (dead-code expiry then revives them only gradually)."""
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not getattr(self, "_codes_frozen", False)):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self._codes_frozen):
             quantized, _, commit = self.quantizer(self.encoder(wav))
         return self.decoder(quantized)[..., : wav.shape[-1]], commit
 
