@@ -92,8 +92,7 @@ class ModelRunner:
         top_ks: Sequence[int],
         force_eos: Sequence[bool],
     ) -> list[SlotStep]:
-        for slot, (lo, hi) in zip(slots, windows):
-            self.state.rotate_window(slot, lo, hi)
+        self.state.rotate_windows(slots, windows)
         # the captured step reads the whole state itself: its view gathers no memory
         view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else ())
         mask = self.state.window_mask(view, [w[0] for w in windows], [w[1] for w in windows])
@@ -106,8 +105,10 @@ class ModelRunner:
             mask = mask[:, : int(shown[-1]) + 1 if shown.numel() else 0]
             logits = self.model.step(view.inputs, view.step, view, mask)
         g_logits, a_logits = logits.graphemes.float(), logits.acoustic.float()
-        # a row with non-finite logits fails alone; sample it from zeros so the batch goes on
-        bad = ~(torch.isfinite(g_logits).all(-1) & torch.isfinite(a_logits).flatten(1).all(-1))
+        # a row with non-finite logits fails alone; sample it from zeros so the batch goes on.
+        # A row's sum is non-finite iff one of its logits is (finite logits are far from
+        # overflowing it): two reductions instead of isfinite's passes over every logit
+        bad = ~torch.isfinite(g_logits.sum(-1) + a_logits.flatten(1).sum(-1))
         if bool(bad.any()):
             g_logits = g_logits.masked_fill(bad[:, None], 0.0)
             a_logits = a_logits.masked_fill(bad[:, None, None], 0.0)

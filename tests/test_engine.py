@@ -352,6 +352,33 @@ def test_numerical_failure_ends_only_that_session(engine, voice):
     assert alone.active_at_end == 0
 
 
+@pytest.mark.parametrize("bad_value", [math.inf, -math.inf, math.nan])
+def test_runner_fails_exactly_the_rows_with_a_non_finite_logit(bad_value, monkeypatch):
+    """One non-finite logit anywhere in a row (here one acoustic codebook's) fails that
+    row alone; huge but finite logits do not."""
+    torch.set_num_threads(1)
+    bundle = load_bundle(random_init=True)
+    from models.guidance import GuidanceState
+    from server.runner import ModelRunner
+    runner = ModelRunner(bundle, 3)
+    rng = np.random.default_rng(0)
+    v = runner.make_voice("v", (rng.standard_normal(24000) * 0.1).astype(np.float32), 24000)
+    for s in range(3):
+        runner.admit(s, v, seed=s)
+        runner.add_chunk(s, [100, 101], 0, 0)
+    real_step = bundle.model.step
+
+    def step(*args):
+        out = real_step(*args)
+        out.acoustic[0].fill_(3e4)  # finite, and its row sums to ~2.5e8
+        out.acoustic[1, 5, 17] = bad_value
+        return out
+    monkeypatch.setattr(bundle.model, "step", step)
+    got = runner.step([0, 1, 2], [(0, 0)] * 3, [GuidanceState([]) for _ in range(3)], [0.0] * 3, [20] * 3,
+                      [False] * 3)
+    assert [r.failed for r in got] == [False, True, False]
+
+
 def test_codec_failure_ends_only_the_sessions_of_that_call(engine, voice, monkeypatch):
     """A codec call that raises fails the sessions it decoded, not the engine's others
     (they used to fail with it: the whole engine iteration was abandoned)."""
