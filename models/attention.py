@@ -17,10 +17,25 @@ from torch import nn
 from .derived import derived, transposed
 
 
+_INV_FREQ: dict[tuple, torch.Tensor] = {}
+
+
+def _inv_freq(head_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """RoPE's frequencies, made once per (head_dim, base, device): a decode step asks for
+    them at every step and at every re-rotation (four ops each time otherwise)."""
+    key = (head_dim, float(base), device)
+    freq = _INV_FREQ.get(key)
+    if freq is None:
+        # a plain tensor even when first asked for under inference_mode, so training can use it
+        with torch.inference_mode(False), torch.no_grad():
+            freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+        _INV_FREQ[key] = freq
+    return freq
+
+
 def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape positions.shape + (head_dim // 2,)."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    ang = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    ang = positions.to(torch.float32).unsqueeze(-1) * _inv_freq(head_dim, base, positions.device)
     return ang.cos(), ang.sin()
 
 

@@ -83,7 +83,7 @@ class DecodeState(DecodeStateView):
         st.delays = torch.tensor(cfg.delays, device=device)
         st.none = torch.tensor(model.none_ids(), device=device)
         st.txt_len = [0] * capacity
-        # re-placed chunk -> its new first position, applied by rotate_window once a window
+        # re-placed chunk -> its new first position, applied by rotate_windows once a window
         # sees it (until then its keys are masked: a chunk far ahead moves at most steps)
         st.unrotated = [{} for _ in range(capacity)]
         # chunk -> its token span, mirrored on the host: finding it in txt_chunk is a device
@@ -147,11 +147,18 @@ class DecodeState(DecodeStateView):
     def text_room(self, slot: int) -> int:
         return self.txt_chunk.shape[1] - self.txt_len[slot]
 
-    def _rotate(self, slot: int, a: int, b: int) -> None:
-        """Refresh the rotated copies of text keys a..b-1 from their positions."""
-        n, hd = self.n_enroll, self.head_dim
-        cos, sin = rope_angles(self.txt_pos[slot, a:b], hd, self.model.cfg.rope_base)
-        self.mem_k[:, slot, :, n + a : n + b, hd:] = apply_rope(self.txt_k[:, slot, :, a:b], cos, sin)
+    def _rotate(self, rows: Sequence[int], cols: Sequence[int], positions: Sequence[float]) -> None:
+        """Give text keys (rows[i], cols[i]) = (slot, token) their positions and refresh
+        their rotated copies, all in one go: a step re-rotates the chunks entering the
+        windows of many sessions, and a call per chunk cost ~20 small ops."""
+        e, hd = self.n_enroll, self.head_dim
+        dev = self.txt_pos.device
+        r, c = torch.tensor([list(rows), list(cols)], device=dev)
+        pos = torch.tensor(list(positions), dtype=self.txt_pos.dtype, device=dev)
+        self.txt_pos[r, c] = pos
+        cos, sin = rope_angles(pos, hd, self.model.cfg.rope_base)  # [n, hd/2]
+        # indices on dims 1 and 3 with a slice between: the indexed dim comes first, [n, layers, H, hd]
+        self.mem_k[:, r, :, e + c, hd:] = apply_rope(self.txt_k[:, r, :, c], cos[:, None, None], sin[:, None, None])
 
     @torch.no_grad()
     def append_text(self, slot: int, token_ids: Sequence[int], positions: Sequence[float], chunk: int) -> None:
@@ -166,12 +173,11 @@ class DecodeState(DecodeStateView):
         for i, (k, v) in enumerate(self.model.project_text(ids)):
             self.txt_k[i, slot, :, a : a + n] = k[0].to(self.txt_k.dtype)
             self.mem_v[i, slot, :, e + a : e + a + n] = v[0].to(self.mem_v.dtype)
-        self.txt_pos[slot, a : a + n] = torch.tensor(list(positions), dtype=torch.float32)
         self.txt_chunk[slot, a : a + n] = chunk
         self.txt_len[slot] = a + n
         first = self.spans[slot].get(chunk, (a, a))[0]
         self.spans[slot][chunk] = (first, a + n)
-        self._rotate(slot, a, a + n)
+        self._rotate([slot] * n, range(a, a + n), positions)
 
     def evict_chunks_before(self, slot: int, chunk: int) -> None:
         """Drop cached tokens of chunks < `chunk` (they left the np window for good)."""
@@ -197,24 +203,30 @@ class DecodeState(DecodeStateView):
     def set_chunk_positions(self, slot: int, chunk: int, first_position: float) -> None:
         """Re-place a cached chunk on the speech timeline. Its positions are written and its
         keys re-rotated (from the cached unrotated ones, nothing is re-projected) by
-        `rotate_window` once a step can see it: a chunk far ahead of the speech moves at
+        `rotate_windows` once a step can see it: a chunk far ahead of the speech moves at
         almost every step, and while it is outside the np/nf window its keys are masked
         anyway. Here it is a dictionary update."""
         if chunk in self.spans[slot]:
             self.unrotated[slot][chunk] = first_position
 
-    def rotate_window(self, slot: int, lo: int, hi: int) -> None:
-        """Bring the positions and keys of re-placed chunks lo..hi up to date (before a
-        step whose window is lo..hi)."""
-        pending = self.unrotated[slot]
-        for chunk in [c for c in pending if lo <= c <= hi]:
-            first_position = pending.pop(chunk)
-            span = self._chunk_span(slot, chunk)
-            if span is not None:
-                a, b = span
-                pos = self.txt_pos[slot, a:b]
-                torch.arange(b - a, out=pos).add_(first_position)  # on the device: no copy from the host
-                self._rotate(slot, a, b)
+    def rotate_windows(self, slots: Sequence[int], windows: Sequence[tuple[int, int]]) -> None:
+        """Bring the positions and keys of re-placed chunks up to date before a step in
+        which slots[i] sees chunks windows[i] = (lo, hi)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        positions: list[float] = []
+        for slot, (lo, hi) in zip(slots, windows):
+            pending = self.unrotated[slot]
+            for chunk in [c for c in pending if lo <= c <= hi]:
+                first_position = pending.pop(chunk)
+                span = self._chunk_span(slot, chunk)
+                if span is not None:
+                    a, b = span
+                    rows += [slot] * (b - a)
+                    cols += range(a, b)
+                    positions += [first_position + i for i in range(b - a)]
+        if rows:
+            self._rotate(rows, cols, positions)
 
     def window_mask(self, view: DecodeStateView, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
         """[B, L] keys of chunks lo[b]..hi[b] (the np/nf window)."""

@@ -166,9 +166,9 @@ def test_window_mask_selects_chunks(model):
     assert st.txt_pos[0, :3].tolist() == [20.0, 30.0, 31.0]
     st.set_chunk_positions(0, 3, 40.0)
     assert st.txt_pos[0, :3].tolist() == [20.0, 30.0, 31.0]  # applied when a window sees chunk 3
-    st.rotate_window(0, 2, 2)
+    st.rotate_windows([0], [(2, 2)])
     assert st.txt_pos[0, :3].tolist() == [20.0, 30.0, 31.0]
-    st.rotate_window(0, 2, 3)
+    st.rotate_windows([0], [(2, 3)])
     assert st.txt_pos[0, :3].tolist() == [20.0, 40.0, 41.0]
 
 
@@ -199,7 +199,7 @@ def test_chunk_spans_kept_on_the_host_match_the_text_memory(model):
 
 
 def test_replaced_chunks_are_rotated_when_a_window_sees_them(model):
-    """A re-placed chunk's keys are re-rotated lazily (rotate_window), only once a window
+    """A re-placed chunk's keys are re-rotated lazily (rotate_windows), only once a window
     includes it; the step then sees exactly the keys of a chunk added at the new place."""
     enroll = torch.randn(model.n_layers, 2, 4, 4, 16)
     chunks = [[5, 6], [7, 8, 9], [10], [11, 12]]
@@ -215,7 +215,7 @@ def test_replaced_chunks_are_rotated_when_a_window_sees_them(model):
         lazy.set_chunk_positions(0, c, tau)
     n = model.cfg.n_enroll
     assert not torch.equal(lazy.mem_k[:, 0, :, n + 2 : n + 5], ref.mem_k[:, 0, :, n + 2 : n + 5])  # not yet
-    lazy.rotate_window(0, 0, 2)  # chunk 1 enters a window; chunk 3 is still outside
+    lazy.rotate_windows([0], [(0, 2)])  # chunk 1 enters a window; chunk 3 is still outside
     assert torch.allclose(lazy.mem_k[:, 0, :, : n + 6], ref.mem_k[:, 0, :, : n + 6], atol=1e-6)
     assert torch.equal(lazy.txt_pos[0, :6], ref.txt_pos[0, :6])
     assert not torch.allclose(lazy.mem_k[:, 0, :, n + 6 : n + 8], ref.mem_k[:, 0, :, n + 6 : n + 8])
@@ -224,7 +224,7 @@ def test_replaced_chunks_are_rotated_when_a_window_sees_them(model):
         outs = [model.step(v.inputs, v.step, v, st.window_mask(v, [0], [2]))
                 for st in (lazy, ref) for v in [st.view([0])]]
     assert torch.allclose(outs[0].graphemes, outs[1].graphemes, atol=1e-5)
-    lazy.rotate_window(0, 0, 9)  # chunk 3 too: the whole memory now equals the reference's
+    lazy.rotate_windows([0], [(0, 9)])  # chunk 3 too: the whole memory now equals the reference's
     assert torch.equal(lazy.txt_pos, ref.txt_pos)
     assert torch.allclose(lazy.mem_k, ref.mem_k, atol=1e-6)
     lazy.set_chunk_positions(0, 1, 30.0)
@@ -349,3 +349,30 @@ def test_random_model_with_too_small_codec_is_refused_clearly():
     from models.loading import load_bundle
     with pytest.raises(ValueError, match="paper/encodec_24khz"):
         load_bundle("random:paper")
+
+
+def test_re_placements_of_many_sessions_are_applied_together(model):
+    """One rotate_windows call for a batch applies each slot's own re-placements inside its
+    own window (chunks of different lengths, several per slot) and leaves the rest pending:
+    the keys equal those of chunks added at their new places."""
+    enroll = torch.randn(model.n_layers, 2, 4, 4, 16)
+    chunks = [[5, 6], [7, 8, 9], [10], [11, 12]]
+    moves = {0: {1: 23.0, 2: 31.0, 3: 57.0}, 2: {0: 4.0, 3: 44.0}}  # slot -> chunk -> new tau
+    windows = {0: (1, 2), 1: (0, 3), 2: (0, 3)}
+    lazy, ref = DecodeState.allocate(model, capacity=3), DecodeState.allocate(model, capacity=3)
+    for st in (lazy, ref):
+        for s in range(3):
+            st.reset_slot(s, enroll)
+    for s in range(3):
+        for c, ids in enumerate(chunks):
+            lazy.append_text(s, ids, [10.0 * c + i for i in range(len(ids))], chunk=c)
+            seen = moves.get(s, {}).get(c) if windows[s][0] <= c <= windows[s][1] else None
+            tau = 10.0 * c if seen is None else seen
+            ref.append_text(s, ids, [tau + i for i in range(len(ids))], chunk=c)
+    for s, m in moves.items():
+        for c, tau in m.items():
+            lazy.set_chunk_positions(s, c, tau)
+    lazy.rotate_windows([0, 1, 2], [windows[s] for s in range(3)])
+    assert torch.equal(lazy.txt_pos, ref.txt_pos)
+    assert torch.allclose(lazy.mem_k, ref.mem_k, atol=1e-6)
+    assert lazy.unrotated == [{3: 57.0}, {}, {}]  # slot 0's chunk 3 is outside its window
