@@ -156,7 +156,7 @@ class SConv1d(nn.Module):
                     started: Tensor | None) -> Tensor:
         ctx = self.context
         if ctx == 0:
-            return self.conv(x)
+            return self._stream_conv(x)
         buf = next(states_in)  # the last `ctx` inputs (zeros before the first packet)
         if self.pad_mode == "reflect" and started is not None:
             # a stream's first packet is padded by reflecting its own samples 1..ctx,
@@ -165,7 +165,24 @@ class SConv1d(nn.Module):
             buf = torch.where(started[:, None, None], buf, head)
         x = torch.cat([buf, x], dim=-1)
         states_out.append(x[..., -ctx:].contiguous())
-        return self.conv(x)
+        return self._stream_conv(x)
+
+    def _stream_conv(self, x: Tensor) -> Tensor:
+        """The conv of a streaming step (no padding left to add). On CPU the last layer's
+        conv to one channel runs as one [k, C] matmul over every tap, then k shifted adds:
+        oneDNN's conv with a single output channel was 2-5x slower (docs/loadtest.md)."""
+        conv = self.conv.conv
+        k = self.kernel_size
+        if x.device.type != "cpu" or conv.out_channels != 1 or k == 1:
+            return self.conv(x)
+        w = _cached(self, "_taps", lambda: conv.effective_weight()[0].t().contiguous())  # [k, C]
+        z = torch.matmul(w, x)  # [B, k, L]: tap t of every input sample
+        d = conv.dilation[0]
+        n = x.shape[-1] - (k - 1) * d
+        y = z[:, :1, :n].clone()
+        for t in range(1, k):
+            y += z[:, t : t + 1, t * d : t * d + n]
+        return y if conv.bias is None else y.add_(conv.bias[:, None])
 
 
 class SConvTranspose1d(nn.Module):
@@ -280,11 +297,31 @@ def _stream_init(layers: list[nn.Module], batch: int, ref: Tensor) -> list[Tenso
     return [t for layer in layers if hasattr(layer, "stream_init") for t in layer.stream_init(batch, ref)]
 
 
+_ELU_PIECE = 1 << 17  # elements: a piece's passes stay in a 1 MiB L2 cache
+
+
+def _elu(x: Tensor) -> Tensor:
+    """ELU (alpha 1) as exp(min(x, 0)) - 1 + max(x, 0), a cache-sized piece at a time: on
+    CPU these cheap passes ran ~2x faster than F.elu's expm1 kernel, which made ELU a fifth
+    of a batched streaming decode (docs/loadtest.md). Small inputs keep F.elu (one op)."""
+    if x.device.type != "cpu" or x.numel() < 1 << 15 or not x.is_contiguous():
+        return F.elu(x)
+    out = torch.empty_like(x)
+    flat_x, flat_out = x.view(-1), out.view(-1)
+    for a in range(0, flat_x.numel(), _ELU_PIECE):
+        xs, ys = flat_x[a : a + _ELU_PIECE], flat_out[a : a + _ELU_PIECE]
+        torch.clamp(xs, max=0, out=ys)
+        ys.exp_().sub_(1).add_(xs.clamp_min(0))
+    return out
+
+
 def _stream_seq(layers: list[nn.Module], x: Tensor, states_in: Iterator[Tensor],
                 states_out: list[Tensor], started: Tensor | None) -> Tensor:
     for layer in layers:
         if hasattr(layer, "stream_step"):
             x = layer.stream_step(x, states_in, states_out, started)
+        elif type(layer) is nn.ELU and layer.alpha == 1.0:
+            x = _elu(x)
         else:
             x = layer(x)
     return x
