@@ -268,18 +268,30 @@ class SLSTM(nn.Module):
         shape = (batch, self.lstm.num_layers, self.lstm.hidden_size)
         return [ref.new_zeros(shape), ref.new_zeros(shape)]
 
+    def _loop_weights(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Per layer: W_ih^T, W_hh^T (contiguous) and b_ih + b_hh, with the gates reordered
+        from nn.LSTM's (i, f, g, o) to (i, f, o, g), so one sigmoid covers three gates."""
+        hid = self.lstm.hidden_size
+        order = torch.cat([torch.arange(0, 2 * hid), torch.arange(3 * hid, 4 * hid), torch.arange(2 * hid, 3 * hid)])
+        out = []
+        for layer in range(self.lstm.num_layers):
+            w_ih, w_hh, b_ih, b_hh = (getattr(self.lstm, f"{n}_l{layer}").detach()
+                                      for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+            out.append((w_ih[order].t().contiguous(), w_hh[order].t().contiguous(), (b_ih + b_hh)[order]))
+        return out
+
     def _cell_loop(self, seq: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """nn.LSTM's recurrence written out; seq [T, B, H], h/c [B, layers, H]."""
+        hid = self.lstm.hidden_size
         hs, cs = [], []
-        for layer in range(self.lstm.num_layers):
-            w_ih, w_hh, b_ih, b_hh = (getattr(self.lstm, f"{n}_l{layer}")
-                                      for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
-            gates_x = torch.addmm(b_ih + b_hh, seq.flatten(0, 1), w_ih.t()).view(*seq.shape[:2], -1)
+        for layer, (w_ih, w_hh, bias) in enumerate(_cached(self, "_loop_cache", self._loop_weights)):
+            gates_x = torch.addmm(bias, seq.flatten(0, 1), w_ih).view(*seq.shape[:2], -1)
             h_l, c_l, outs = h[:, layer], c[:, layer], []
             for t in range(seq.shape[0]):
-                i, f, g, o = torch.addmm(gates_x[t], h_l, w_hh.t()).chunk(4, dim=1)
-                c_l = torch.sigmoid(f) * c_l + torch.sigmoid(i) * torch.tanh(g)
-                h_l = torch.sigmoid(o) * torch.tanh(c_l)
+                gates = torch.addmm(gates_x[t], h_l, w_hh)
+                ifo = torch.sigmoid(gates[:, : 3 * hid])
+                c_l = torch.addcmul(ifo[:, hid : 2 * hid] * c_l, ifo[:, :hid], torch.tanh(gates[:, 3 * hid :]))
+                h_l = ifo[:, 2 * hid :] * torch.tanh(c_l)
                 outs.append(h_l)
             seq = torch.stack(outs)
             hs.append(h_l)
