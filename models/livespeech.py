@@ -184,10 +184,13 @@ class LiveSpeech2(nn.Module):
         bias = torch.zeros(h.shape[0], 1, 1, m, dtype=h.dtype, device=h.device)
         bias[:, 0, 0, cfg.n_enroll:].masked_fill_(~text_mask, float("-inf"))
 
+        # every layer's state as views, made in four ops (two per layer and tensor otherwise)
+        conv, ssm = state.conv.unbind(0), state.ssm.unbind(0)
+        mem_k, mem_v = state.mem_k[:, :, :, :m].unbind(0), state.mem_v[:, :, :, :m].unbind(0)
+
         def run(h, ids):
             for i in ids:
-                h = self.layers[i].step(h, state.conv[i], state.ssm[i], q_cos, q_sin,
-                                        state.mem_k[i][:, :, :m], state.mem_v[i][:, :, :m], bias)
+                h = self.layers[i].step(h, conv[i], ssm[i], q_cos, q_sin, mem_k[i], mem_v[i], bias)
             return h
 
         outs = self._grouped_logits(h, run, fused_heads=True)
