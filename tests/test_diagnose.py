@@ -1,0 +1,71 @@
+"""training.diagnose on a random tiny model and the smoke corpus: forced codebooks come
+out where the delay pattern puts them, and the free mode steps the model exactly as the
+server's ModelRunner does."""
+import numpy as np
+import pytest
+import torch
+
+from models import graphemes as G
+from models.guidance import GuidanceState
+from models.loading import load_bundle
+from server.runner import ModelRunner
+from training import diagnose
+from training.dataset import read_manifest
+from training.evaluate import SR, read_audio, select_utterances
+from training.smoke import make_smoke_corpus
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("diag")
+    corpus, _ = make_smoke_corpus(str(root), n_utts=4, with_codes=False)
+    rows = read_manifest(corpus)
+    utts = select_utterances(rows, root / "corpus", 1, split="dev")
+    bundle = load_bundle(random_init=True)
+    preps = diagnose.prepare(bundle, rows, utts, str(root / "codes"))
+    runner = ModelRunner(bundle, capacity=1)
+    voice = runner.make_voice("v", read_audio(utts[0].enroll_audio), SR)
+    return bundle, preps[0], runner, voice
+
+
+def test_oracle_modes_emit_the_forced_codes_in_their_frames(setup):
+    bundle, p, runner, voice = setup
+    T = p.n_frames
+    gt = p.example.codes
+    assert gt[0, T] == G.EOS and p.chunk_tau[-1] == T and p.example.text_pos[-1] == T
+    s = diagnose.synthesize(runner, voice, p, "oracle-g+cb1", seed=3)
+    assert s.frames.shape == (T, bundle.model.cfg.n_codebooks)  # ends exactly at the forced EOS
+    np.testing.assert_array_equal(s.frames[:, 0], gt[0, :T])
+    np.testing.assert_array_equal(s.frames[:, 1], gt[1, :T])  # frame t - delay_1, not step t
+    assert s.steps == T + bundle.model.cfg.max_delay  # the last frame completes at T - 1 + max delay
+    g = diagnose.synthesize(runner, voice, p, "oracle-g", seed=3)
+    np.testing.assert_array_equal(g.frames[:, 0], gt[0, :T])
+    assert not np.array_equal(g.frames[:, 1], gt[1, :T])  # sampled (random model: never all right)
+    ac = diagnose.synthesize(runner, voice, p, "oracle-acoustic", seed=3)
+    n = min(T, len(ac.frames))
+    np.testing.assert_array_equal(ac.frames[:n, 1:].T, gt[1:, :n])  # every codebook at its own delay
+    m = diagnose.stream_metrics(p, s.frames)
+    assert m["frame_match"][0] == m["frame_match"][1] == 1.0 and m["graph_stream_errors"] == 0
+    tf = diagnose.teacher_forced(bundle.model, p, 4, 2)
+    assert tf["full"]["n"][0] == T + 1 and tf["full"]["n"][1] == T  # grapheme EOS frame is a target
+    assert all(np.isfinite(tf[k]["ce"]).all() for k in ("full", "window"))
+
+
+def test_free_mode_steps_like_the_server_runner(setup):
+    bundle, p, runner, voice = setup
+    free = diagnose.synthesize(runner, voice, p, "free", seed=7)
+    runner.admit(0, voice, 7)
+    for c in range(len(p.chunk_tau)):
+        js = [j for j, cj in enumerate(p.token_chunk) if cj == c]
+        runner.add_chunk(0, [p.example.text_ids[j] for j in js], p.example.text_pos[js[0]], c)
+    frames, guide = [], GuidanceState(input_complete=True)
+    for t in range(free.steps):
+        r = runner.step([0], [diagnose.window(p.chunk_tau, t, 4, 2)], [guide], [0.0], [20],
+                        [t > p.n_frames + 225])[0]
+        if r.frame is not None:
+            frames.append(r.frame)
+        if r.done:
+            break
+    assert t + 1 == free.steps
+    np.testing.assert_array_equal(free.frames[:, 1:], np.array(frames).reshape(-1, free.frames.shape[1] - 1))

@@ -1,0 +1,410 @@
+"""Where the decoder fails: the grapheme stream (which letter when) or the acoustic
+codebooks (intelligible audio for a given letter)?
+
+    python -m training.diagnose --corpus data/corpus --model default --limit 20 \\
+        --out docs/eval-runs/2026-11-23-oracle-graphemes.md
+
+On the test utterances training.evaluate picks (same selection, same enrollment, same
+per-utterance seed), each laid out exactly as training lays it out
+(training/dataset.py `DecoderData.example`, the enrollment replaced by the eval's):
+
+1. teacher forcing: per-codebook accuracy and cross-entropy of `LiveSpeech2.forward`
+   (training.train `forward_loss`) with the text fully visible (training's dev metric)
+   and with the server's np/nf chunk window at the ground-truth chunk times;
+2. synthesis through `LiveSpeech2.step` + `DecodeState` (as server/runner.py steps it),
+   the text chunks at their ground-truth times with the end-of-text key at the last
+   frame (as in training), the np/nf window of server/session.py, top-k sampling of
+   every codebook, no guidance, the engine's runaway guard (EOS forced 3 s past the end
+   key), in three modes:
+   - `free`: every codebook sampled;
+   - `oracle-g`: the grapheme codebook forced to the ground truth (EOS at the last
+     frame), the acoustic codebooks sampled;
+   - `oracle-g+cb1`: also the first acoustic codebook forced (codebook k at step t
+     carries frame t - delay_k), codebooks 2-8 sampled;
+   - `oracle-acoustic` (not run by default): every acoustic codebook forced, the
+     graphemes sampled (the alignment given the true audio so far).
+   Every step draws its samples in the same order whatever is forced, so the modes
+   share their random numbers. Each result is decoded with the bundle's codec and
+   scored with training.evaluate's Whisper scorer, next to the ground truth and its
+   codec resynthesis.
+
+Writes a markdown report and, next to it, a JSON with every utterance's numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import random
+import shlex
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models import graphemes as G
+from models.attention import current_chunk, window_chunk_range
+from models.guidance import sample_top_k
+from training.dataset import DecoderData, Example, codes_path, collate, read_manifest, read_wav_segment
+from training.encode_corpus import encode_batch, save_codes
+from training.eval import report
+from training.eval.backends import make_backends
+from training.eval.text import edit_distance, error_counts, get_normalizer
+from training.evaluate import (SR, Scorer, Utterance, _json_default, codec_resynthesis, model_info, read_audio,
+                               select_utterances)
+
+SYNTH_MODES = ("free", "oracle-g", "oracle-g+cb1", "oracle-acoustic")
+DEFAULT_MODES = SYNTH_MODES[:3]
+MODE_LABELS = {"free": "free (graphemes sampled)", "oracle-g": "oracle graphemes",
+               "oracle-g+cb1": "oracle graphemes + codebook 1",
+               "oracle-acoustic": "oracle acoustic codes (graphemes sampled)"}
+# per mode: (graphemes forced, how many acoustic codebooks forced, first ones first)
+FORCING = {"free": (False, 0), "oracle-g": (True, 0), "oracle-g+cb1": (True, 1), "oracle-acoustic": (False, None)}
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One test utterance in the training layout."""
+    utt: Utterance
+    example: Example  # codes [K, T + 1] (graphemes + EOS, acoustic), text ids / positions, enrollment
+    token_chunk: list[int]  # chunk of each text token; the end-of-text key is a chunk of its own
+    chunk_tau: list[int]  # first position of each chunk (the end key's: T)
+
+    @property
+    def n_frames(self) -> int:  # T: frames of speech (the grapheme EOS is frame T)
+        return self.example.n_frames - 1
+
+
+def prepare(bundle, rows: list[dict], utts: list[Utterance], codes_dir: str) -> list[Prepared]:
+    """Encode the utterances with the bundle's codec as training.encode_corpus does, build
+    their training examples (DecoderData) and put in each the enrollment the eval uses
+    (the whole enrollment utterance, encoded as the server's `make_voice` does)."""
+    model, tok = bundle.model, bundle.tokenizer
+    q = model.cfg.n_acoustic_codebooks
+    for u in utts:
+        codes = encode_batch(bundle.codec, [read_wav_segment(str(u.audio))], q, bundle.device)[0]
+        save_codes(codes_path(codes_dir, u.id), codes)
+    by_id = {r["id"]: r for r in rows}
+    recs = [by_id[u.id] for u in utts]
+    split = recs[0]["split"] if recs else "test"
+    data = DecoderData("", codes_dir, model.cfg, split, max_seconds=1e9, records=recs, tokenizer=tok)
+    index = {it["rec"]["id"]: i for i, it in enumerate(data.items)}
+    out = []
+    for u in utts:
+        if u.id not in index:  # text longer than the model's text memory (as in training: skipped)
+            continue
+        ex = data.example(index[u.id], random.Random(0))
+        enroll = bundle.encode_audio(read_audio(u.enroll_audio), SR).cpu().numpy()
+        ex = dataclasses.replace(ex, enroll=enroll)
+        rec = by_id[u.id]
+        words = [w[0] for w in rec["words"]]
+        token_chunk: list[int] = []
+        for i, (first, n, _tau) in enumerate(rec["chunks"]):  # as training.dataset.text_tokens
+            token_chunk += [i] * len(tok.encode_words(words[first:first + n], first_in_text=(i == 0)))
+        token_chunk.append(len(rec["chunks"]))
+        assert len(token_chunk) == len(ex.text_ids), "chunking differs from training.dataset.text_tokens"
+        chunk_tau = [int(c[2]) for c in rec["chunks"]] + [ex.text_pos[-1]]
+        out.append(Prepared(u, ex, token_chunk, chunk_tau))
+    return out
+
+
+def window(chunk_tau: list[int], step: int, n_past: int, n_future: int) -> tuple[int, int]:
+    """(first, last) chunk visible at `step` with the chunks at these positions (n_past < 0:
+    unbounded), by the window functions the server uses."""
+    return window_chunk_range(current_chunk(step, chunk_tau), None if n_past < 0 else n_past, n_future,
+                              len(chunk_tau))
+
+
+# --- 1. teacher forcing --------------------------------------------------------------------------
+@torch.no_grad()
+def teacher_forced(model, prep: Prepared, n_past: int, n_future: int) -> dict:
+    """Per-codebook CE and accuracy (and the count of positions scored) of model.forward
+    on the utterance's training batch, text fully visible and with the np/nf window."""
+    from training.train import forward_loss
+
+    batch = collate([prep.example], model).to(next(model.parameters()).device)
+    s = batch.inputs.shape[2]
+    chunk = torch.tensor(prep.token_chunk)
+    win = torch.zeros(1, s, len(prep.token_chunk), dtype=torch.bool)
+    for t in range(s):
+        lo, hi = window(prep.chunk_tau, t, n_past, n_future)
+        win[0, t] = (chunk >= lo) & (chunk <= hi)
+    n = batch.valid.sum((0, 2)).tolist()
+    out = {}
+    for name, mask in (("full", batch.text_valid), ("window", win.to(batch.inputs.device))):
+        _, losses, accs = forward_loss(model, batch, mask, torch.ones(model.cfg.n_codebooks))
+        out[name] = {"ce": [round(float(x), 4) for x in losses], "acc": [round(float(x), 4) for x in accs], "n": n}
+    return out
+
+
+# --- 2. synthesis with forcing -------------------------------------------------------------------
+@dataclasses.dataclass
+class Synth:
+    frames: np.ndarray  # [F, K] emitted frames (grapheme first), F = frames before the grapheme EOS
+    steps: int
+
+
+@torch.inference_mode()
+def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int = 20, n_past: int = 4,
+               n_future: int = 2, max_overrun: int = 225) -> Synth:
+    """Decode one utterance in slot 0 of `runner` (a server.runner.ModelRunner), stepping
+    the model as ModelRunner.step does (guidance off), with the forcing of `mode`."""
+    if mode not in SYNTH_MODES:
+        raise ValueError(f"mode must be one of {SYNTH_MODES}")
+    model, st = runner.model, runner.state
+    runner.admit(0, voice, seed)
+    ids, pos = prep.example.text_ids, prep.example.text_pos
+    for c in range(len(prep.chunk_tau)):
+        js = [j for j, cj in enumerate(prep.token_chunk) if cj == c]
+        if js:
+            runner.add_chunk(0, [ids[j] for j in js], pos[js[0]], c)
+    gt = torch.from_numpy(prep.example.codes)  # [K, T + 1]
+    T = prep.n_frames
+    force_g, n_ac = FORCING[mode]
+    n_ac = model.cfg.n_acoustic_codebooks if n_ac is None else n_ac
+    delays = model.cfg.delays
+    gens = [runner.generators[0]]
+    frames = []
+    for t in range(T + max_overrun + model.cfg.max_delay + 2):
+        lo, hi = window(prep.chunk_tau, t, n_past, n_future)
+        view = st.view([0])
+        mask = st.window_mask(view, [lo], [hi])
+        shown = mask.any(0).nonzero()  # as ModelRunner.step: only up to the last visible slot
+        mask = mask[:, : int(shown[-1]) + 1 if shown.numel() else 0]
+        logits = model.step(view.inputs, view.step, view, mask)
+        g = sample_top_k(logits.graphemes.float(), [top_k], gens)
+        a = sample_top_k(logits.acoustic.float(), [top_k], gens)
+        if force_g:
+            g[:] = int(gt[0, min(t, T)])  # frame t; EOS at T (later steps: none ids in commit)
+        elif t > T + max_overrun:  # the engine's runaway guard (server/engine.py _must_end)
+            g[:] = G.EOS
+        for k in range(1, 1 + n_ac):  # codebook k at step t carries frame t - delay_k
+            if 0 <= t - delays[k] < T:
+                a[:, k - 1] = int(gt[k, t - delays[k]])
+        res = st.commit(view, torch.cat((g.unsqueeze(1), a), dim=1))
+        if bool(res.has_frame[0]):
+            frames.append(res.frames[0].tolist())
+        if bool(res.done[0]):
+            break
+    k = model.cfg.n_codebooks
+    return Synth(np.array(frames, np.int64).reshape(-1, k), t + 1)
+
+
+def decode_audio(bundle, frames: np.ndarray) -> np.ndarray:
+    if len(frames) == 0:
+        return np.zeros(0, np.float32)
+    codes = torch.from_numpy(np.ascontiguousarray(frames[:, 1:].T)).to(bundle.device)
+    with torch.no_grad():
+        return bundle.codec.decode(codes.unsqueeze(0))[0, 0].float().cpu().numpy()
+
+
+def stream_metrics(prep: Prepared, frames: np.ndarray) -> dict:
+    """How the emitted frames compare with the ground truth frame by frame (frames past
+    either end count as mismatches), and the CTC-collapsed grapheme stream's error rate
+    against the ground-truth stream's."""
+    T = prep.n_frames
+    gt = prep.example.codes[:, :T]
+    n = min(T, len(frames))
+    match = (frames[:n].T == gt[:, :n]).sum(1) / max(T, len(frames), 1)
+    ref = G.ctc_collapse(gt[0].tolist())
+    hyp = G.ctc_collapse(frames[:, 0].tolist()) if len(frames) else []
+    return {"frames": int(len(frames)), "gt_frames": T, "frame_match": [round(float(x), 4) for x in match],
+            "graph_stream_errors": edit_distance(ref, hyp), "graph_stream_ref": len(ref)}
+
+
+# --- report --------------------------------------------------------------------------------------
+def summarize(records: list[dict], utterances: list[dict]) -> tuple[list[dict], dict]:
+    """Rows of the synthesis table (corpus-level rates, frame matches pooled over frames)
+    and the teacher-forced CE / accuracy per codebook pooled over scored positions."""
+    rows = []
+    for label in [report.GT, report.CODEC] + [MODE_LABELS[m] for m in SYNTH_MODES]:
+        recs = [r for r in records if r["system"] == label]
+        if not recs:
+            continue
+        st = report.aggregate(label, recs)
+        row = {"label": label, "wer": st.wer, "cer": st.cer, "dur_ratio": st.dur_ratio, "n": st.n}
+        sm = [r for r in recs if "frame_match" in r]
+        if sm:
+            span = np.array([[max(r["frames"], r["gt_frames"])] for r in sm], float)  # frame_match's denominator
+            row["frame_match"] = ((np.array([r["frame_match"] for r in sm]) * span).sum(0) / span.sum()).tolist()
+            errors, ref = sum(r["graph_stream_errors"] for r in sm), sum(r["graph_stream_ref"] for r in sm)
+            row["graph_stream_cer"] = errors / max(1, ref)
+        rows.append(row)
+    tf: dict = {}
+    for name in ("full", "window"):
+        ce = np.array([u["teacher_forced"][name]["ce"] for u in utterances])
+        acc = np.array([u["teacher_forced"][name]["acc"] for u in utterances])
+        n = np.array([u["teacher_forced"][name]["n"] for u in utterances], float)
+        if len(n):
+            tf[name] = {"ce": ((ce * n).sum(0) / n.sum(0)).tolist(), "acc": ((acc * n).sum(0) / n.sum(0)).tolist()}
+    return rows, tf
+
+
+def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
+    pct = lambda x: "–" if x is None else f"{100 * x:.1f}"  # noqa: E731
+    synth = report.markdown_table(
+        ["System", "WER %", "CER %", "grapheme stream CER %", "grapheme frames = GT %", "codebook 1 frames = GT %",
+         "dur/GT", "n"],
+        [[r["label"], pct(r["wer"]), pct(r["cer"]), pct(r.get("graph_stream_cer")),
+          pct(r["frame_match"][0]) if "frame_match" in r else "–",
+          pct(r["frame_match"][1]) if "frame_match" in r else "–",
+          "–" if r["dur_ratio"] is None or r["label"] == report.GT else f"{r['dur_ratio']:.2f}", str(r["n"])]
+         for r in rows])
+    k = len(tf.get("full", {}).get("ce", []))
+    heads = ["text", "metric", "graphemes"] + [f"cb{i}" for i in range(1, k)] + ["acoustic mean"]
+    tf_rows = []
+    for name, label in (("full", "fully visible"), ("window", f"np={meta['n_past']}, nf={meta['n_future']} window")):
+        if name not in tf:
+            continue
+        ce, acc = tf[name]["ce"], tf[name]["acc"]
+        tf_rows.append([label, "accuracy %"] + [f"{100 * x:.1f}" for x in acc] + [f"{100 * np.mean(acc[1:]):.1f}"])
+        tf_rows.append([label, "cross-entropy"] + [f"{x:.3f}" for x in ce] + [f"{np.mean(ce[1:]):.3f}"])
+    return "\n".join([
+        "# Diagnostic: oracle graphemes",
+        "",
+        f"Generated by `{meta['command']}` on {meta['date']} ({meta['wall_s']} s; {meta['threads']} thread; "
+        f"torch {meta['torch']}; load average {meta['loadavg_start']:.2f} at start, {meta['loadavg_end']:.2f} at end).",
+        "",
+        f"- Model: `{meta['model']}`",
+        f"- Corpus: `{meta['corpus']}` split `{meta['split']}`: {meta['n_utterances']} utterances "
+        f"({meta['n_heldout']} of held-out voices), selected and enrolled as `training.evaluate` does "
+        f"(seed {meta['seed']}); per-utterance sampling seed as there.",
+        f"- Text: the manifest's chunks at their ground-truth times, the end-of-text key at the last frame "
+        f"(training's layout); np={meta['n_past']}, nf={meta['n_future']} chunk window; top-k {meta['top_k']} for "
+        "every codebook, no guidance; EOS forced 3 s past the end key (the engine's runaway guard).",
+        f"- WER/CER: {meta['asr']}; normaliser: {meta['normalizer']}; corpus-level.",
+        "- grapheme stream CER: edit distance of the CTC-collapsed emitted grapheme stream to the collapsed "
+        "ground-truth stream; `= GT %`: emitted frames equal to the ground truth's frame by frame "
+        "(frames past either end count as mismatches).",
+        f"- Per-utterance numbers: `{json_path}`.",
+        "",
+        "## Synthesis",
+        "",
+        synth,
+        "",
+        "## Teacher forcing (model.forward, training's inputs and targets)",
+        "",
+        "Per codebook, averaged over every scored position of the utterances.",
+        "",
+        report.markdown_table(heads, tf_rows),
+        "",
+    ])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training.diagnose", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", default="data/corpus")
+    p.add_argument("--model", default="default", help="model directory, 'default' or 'random:<preset>'")
+    p.add_argument("--out", default="docs/eval-runs/oracle-graphemes.md")
+    p.add_argument("--limit", type=int, default=20, help="test utterances (training.evaluate's selection)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--seed", type=int, default=0, help="as training.evaluate --seed")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma list of {','.join(SYNTH_MODES)}")
+    p.add_argument("--top-k", type=int, default=20, help="the server's default (SessionConfig.top_k)")
+    p.add_argument("--n-past", type=int, default=4)
+    p.add_argument("--n-future", type=int, default=2)
+    p.add_argument("--asr", choices=("tiny.en", "base", "none"), default="base")
+    p.add_argument("--threads", type=int, default=1, help="torch and ASR threads")
+    p.add_argument("--save-audio", default=None, help="folder for the WAVs")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    torch.set_num_threads(max(1, a.threads))
+    t_start, load_start = time.time(), os.getloadavg()[0]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in SYNTH_MODES:
+            print(f"unknown mode {m!r}", file=sys.stderr)
+            return 2
+    log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
+
+    from models.loading import load_bundle, write_wav
+    from server.runner import ModelRunner
+
+    corpus = Path(a.corpus)
+    rows = read_manifest(str(corpus))
+    utts = select_utterances(rows, corpus, a.limit or None, a.split, a.seed)
+    info = model_info(a.model)
+    bundle = load_bundle(None if a.model == "default" else a.model)
+    model = bundle.model.eval()
+    backends = make_backends({"sim", "mos"} | ({"asr"} if a.asr == "none" else set()),
+                             asr_model="base" if a.asr == "none" else a.asr, threads=a.threads)
+    normalizer = get_normalizer()
+    scorer = Scorer(backends, normalizer, {})
+    runner = ModelRunner(bundle, capacity=1)
+    save = Path(a.save_audio) if a.save_audio else None
+    if save:
+        save.mkdir(parents=True, exist_ok=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        preps = prepare(bundle, rows, utts, tmp)
+    log(f"diagnose: {len(preps)} of {len(utts)} utterances, modes {modes}")
+    records: list[dict] = []
+    utt_out: list[dict] = []
+    for i, p in enumerate(preps):
+        t0 = time.time()
+        u = p.utt
+        tf = teacher_forced(model, p, a.n_past, a.n_future)
+        utt_out.append({"utt": u.id, "voice": u.voice, "heldout_voice": u.heldout, "enrollment": u.enroll_id,
+                        "text": u.text, "frames": p.n_frames, "teacher_forced": tf})
+        base = dict(utt=u.id, heldout_voice=u.heldout)
+        gt = read_audio(u.audio)
+        base["ref_duration_s"] = len(gt) / SR
+        audios = [(report.GT, gt, {}), (report.CODEC, codec_resynthesis(bundle, gt)[0], {})]
+        seed = (zlib.crc32(u.id.encode()) + a.seed) % (2**31)
+        voice = runner.make_voice(u.enroll_id, read_audio(u.enroll_audio), SR)
+        for m in modes:
+            t1 = time.perf_counter()
+            s = synthesize(runner, voice, p, m, seed, a.top_k, a.n_past, a.n_future)
+            dt = time.perf_counter() - t1
+            audios.append((MODE_LABELS[m], decode_audio(bundle, s.frames),
+                           {**stream_metrics(p, s.frames), "steps": s.steps, "compute_s": round(dt, 3), "seed": seed}))
+        for label, audio, extra in audios:
+            rec = {**base, "system": label, "audio_s": len(audio) / SR, **extra}
+            if audio.size:
+                rec.update(scorer.score(audio, u))
+            elif backends["asr"].available():
+                c = error_counts(u.text, "", normalizer)
+                rec.update(hyp="", word_errors=c.word_errors, ref_words=c.ref_words, char_errors=c.char_errors,
+                           ref_chars=c.ref_chars, wer=round(c.wer, 4))
+            records.append(rec)
+            if save and audio.size:
+                write_wav(save / f"{u.id}_{label.replace(' ', '_')}.wav", audio, SR)
+        log(f"[{i + 1}/{len(preps)}] {u.id} ({time.time() - t0:.0f} s): "
+            + ", ".join(f"{r['system']} wer {100 * r['wer']:.0f}" for r in records if r["utt"] == u.id and "wer" in r)
+            + f"; teacher-forced acc g {tf['full']['acc'][0]:.2f} cb1 {tf['full']['acc'][1]:.2f}")
+
+    summary, tf_summary = summarize(records, utt_out)
+    meta = dict(
+        command="python -m training.diagnose " + " ".join(shlex.quote(x) for x in argv),
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        model=bundle.source + ("" if not info else " (" + ", ".join(f"{k} {v}" for k, v in info.items()) + ")"),
+        corpus=str(corpus), split=a.split, seed=a.seed, n_utterances=len(preps),
+        n_heldout=sum(p.utt.heldout for p in preps), modes=modes, top_k=a.top_k, n_past=a.n_past,
+        n_future=a.n_future, asr=backends["asr"].description if backends["asr"].available() else backends["asr"].reason,
+        normalizer=normalizer.name, threads=a.threads, torch=torch.__version__,
+        loadavg_start=load_start, loadavg_end=os.getloadavg()[0], wall_s=round(time.time() - t_start, 1),
+    )
+    out = Path(a.out)
+    json_path = out.with_suffix(".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(meta, summary, tf_summary, json_path))
+    with open(json_path, "w") as f:
+        json.dump({"meta": meta, "summary": summary, "teacher_forced": tf_summary,
+                   "utterances": utt_out, "records": records}, f, indent=1, default=_json_default)
+    log(f"wrote {out} and {json_path} in {meta['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
