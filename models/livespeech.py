@@ -203,16 +203,25 @@ class CodebookLossWeights:
     weight grows with its running error rate, and lambda_cb is a floor so codebooks that
     are already predicted well keep training: w_k ∝ (1 - acc_k) + lambda_cb, mean 1."""
 
-    def __init__(self, n_codebooks: int, lambda_cb: float = 0.1, momentum: float = 0.99):
+    def __init__(self, n_codebooks: int, lambda_cb: float = 0.1, momentum: float = 0.99,
+                 boost: Optional[dict[int, float]] = None):
         self.lambda_cb = lambda_cb
         self.momentum = momentum
         self.acc = torch.zeros(n_codebooks)
+        # codebook -> a factor on its weight before the mean is taken: the first acoustic
+        # codebook carries the intelligibility (docs/eval.md, "oracle graphemes"), while
+        # accuracy-based weights give it less than the others
+        self.boost = torch.ones(n_codebooks)
+        for k, x in (boost or {}).items():
+            if not (0 <= k < n_codebooks and x > 0):
+                raise ValueError(f"codebook boost {k}:{x}: codebook in [0, {n_codebooks}), factor > 0")
+            self.boost[k] = x
 
     def update(self, accuracies: torch.Tensor) -> None:
         self.acc = self.momentum * self.acc + (1 - self.momentum) * accuracies.detach().cpu().float()
 
     def weights(self) -> torch.Tensor:
-        w = (1.0 - self.acc) + self.lambda_cb
+        w = ((1.0 - self.acc) + self.lambda_cb) * self.boost
         return w / w.mean()
 
 

@@ -11,11 +11,12 @@
 # Knobs (environment): HOURS (40), WORKERS (nproc), CODEC_MIN (6.5), DECODER_MIN (10.5),
 # DEVICE (cuda), CODEC_BATCH (32), BATCH_FRAMES (80000), MAX_BATCH (256), ENCODERS (2),
 # ENCODE_BATCH (64), EOS_JITTER (0.3: the decoder's --eos-jitter), LR (the decoder's peak,
-# 2e-3; lower when fine-tuning), MAMBA_SITE (below), PY (python3); CODEC=path keeps that
-# codec (no codec training; CODEC_FT_MIN=M then fine-tunes its decoder alone,
-# adversarially, beside the decoder's training: the codes do not change; CODEC_FT_LR,
-# 3e-4), INIT_DECODER=path starts the decoder from those weights (e.g.
-# models/weights/default/decoder.pt). Logs: WORK_DIR/{corpus,codec,codec_ft,encode,decoder,export}.log.
+# 2e-3; lower when fine-tuning), CB_BOOST (the decoder's --codebook-boost, e.g. 1:3; none),
+# MAMBA_SITE (below), PY (python3); CODEC=path keeps that codec (no codec training;
+# CODEC_FT_MIN=M then fine-tunes its decoder alone, adversarially, beside the decoder's
+# training: the codes do not change; CODEC_FT_LR, 3e-4), INIT_DECODER=path starts the
+# decoder from those weights (e.g. models/weights/default/decoder.pt).
+# Logs: WORK_DIR/{corpus,codec,codec_ft,encode,decoder,export}.log.
 set -euo pipefail
 W=${1:?usage: scripts/train_gpu.sh WORK_DIR [CORPUS_DEFINITION_DIR]}
 DEF=${2:-}
@@ -99,7 +100,7 @@ stamp "decoder: $DECODER_MIN min"
 $PY -m training.train --corpus "$W/corpus" --codes "$W/codes" --out "$W/decoder" --device "$DEVICE" --resume \
   --minutes "$DECODER_MIN" --steps 1000000 --batch-frames "$BATCH_FRAMES" --max-batch "$MAX_BATCH" --lr "$LR" --warmup 100 \
   --rescan-every 50 --eval-every 100 --ckpt-minutes 2 --threads 4 --eos-jitter "$EOS_JITTER" \
-  ${INIT_DECODER:+--init "$INIT_DECODER"} \
+  ${INIT_DECODER:+--init "$INIT_DECODER"} ${CB_BOOST:+--codebook-boost "$CB_BOOST"} \
   > "$W/decoder.log" 2>&1
 wait "${ENC[@]}" || true
 tail -n 2 "$W/decoder.log"

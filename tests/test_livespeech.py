@@ -297,6 +297,13 @@ def test_losses_and_weights(model):
     ws = w.weights()
     assert abs(float(ws.mean()) - 1) < 1e-6 and ws[0] < ws[1]
     (loss * ws).sum().backward()
+    boosted = CodebookLossWeights(cfg.n_codebooks, lambda_cb=0.1, momentum=0.0, boost={1: 3.0})
+    boosted.update(torch.tensor([0.9] + [0.1] * cfg.n_acoustic_codebooks))
+    wb = boosted.weights()
+    assert abs(float(wb.mean()) - 1) < 1e-6
+    assert abs(float(wb[1] / wb[2]) - 3.0) < 1e-5 and abs(float(wb[0] / wb[2]) - float(ws[0] / ws[2])) < 1e-5
+    with pytest.raises(ValueError):
+        CodebookLossWeights(cfg.n_codebooks, boost={cfg.n_codebooks: 2.0})
 
 
 def _one_step(model, mask_len=None, seed=3):

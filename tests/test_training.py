@@ -1,6 +1,7 @@
 """Training pipeline smoke tests on a tiny synthetic corpus (sine tones, fake words): codec
 steps + resume, corpus encoding, decoder steps + exact resume, example layout, and that
 the decoder loss goes down on one repeated batch. No eSpeak, no GPU; well under a minute."""
+import argparse
 import json
 import math
 import os
@@ -343,5 +344,13 @@ def test_decoder_loss_decreases_on_a_repeated_batch(pipeline):
 
 
 def test_smoke_mode_runs(tmp_path):
-    assert train.main(["--smoke", "--out", str(tmp_path / "smoke"), "--steps", "3"]) == 0
+    assert train.main(["--smoke", "--out", str(tmp_path / "smoke"), "--steps", "3", "--codebook-boost", "1:3"]) == 0
     assert os.path.exists(tmp_path / "smoke" / "last.pt")
+
+
+def test_codebook_boost_option():
+    assert train.parse_boost("1:3") == {1: 3.0}
+    assert train.parse_boost("1:3,0:1.5") == {1: 3.0, 0: 1.5}
+    for bad in ("1", "a:2", "1:x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            train.parse_boost(bad)

@@ -37,6 +37,14 @@ from .dataset import Batch, DecoderData, collate
 from .schedule import Schedule, setup_device
 
 
+def parse_boost(s: str) -> dict[int, float]:
+    """'1:3' or '1:3,0:1.5' -> {codebook: factor} (--codebook-boost)."""
+    try:
+        return {int(k): float(x) for k, x in (part.split(":") for part in s.split(",") if part.strip())}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K:X[,K:X], got {s!r}") from None
+
+
 def parse_overrides(s: Optional[str]) -> dict:
     """'d_model=128,n_shared_layers=2' -> dict (ints/floats/tuples as written)."""
     out = {}
@@ -182,6 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--eos-jitter", type=float, default=0.0,
                    help="log-normal sigma of the end-of-text key's position around the last frame "
                         "(0: at the last frame, as the paper; training data only, dev stays exact)")
+    p.add_argument("--codebook-boost", type=parse_boost, default={}, metavar="K:X[,K:X]",
+                   help="multiply codebook K's loss weight by X (0 = graphemes, 1 = the first acoustic "
+                        "codebook), before the weights are normalised to mean 1")
     p.add_argument("--ckpt-minutes", type=float, default=3.0)
     p.add_argument("--ckpt-every", type=int, default=None, help="also checkpoint every N steps")
     p.add_argument("--eval-every", type=int, default=100)
@@ -222,7 +233,7 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.98),
                             fused=device.type in ("cpu", "cuda"))
-    lw = CodebookLossWeights(cfg.n_codebooks, cfg.cb_loss_lambda)
+    lw = CodebookLossWeights(cfg.n_codebooks, cfg.cb_loss_lambda, boost=a.codebook_boost)
     sampler = Sampler(a.seed, a.batch_frames, a.max_batch)
     mask_gen = torch.Generator().manual_seed(a.seed + 1)
     py_rng = random.Random(a.seed + 2)
