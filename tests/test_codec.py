@@ -344,3 +344,16 @@ def test_quantizer_forward_matches_encode_decode():
     quantized, codes, commit = quantizer(z)
     assert torch.equal(codes, quantizer.encode(z)) and commit == 0
     assert torch.allclose(quantized, quantizer.decode(codes), atol=1e-6)
+
+
+def test_streaming_elu_equals_elu_across_its_pieces():
+    """The streaming decoder's ELU (cheap passes over cache-sized pieces) equals F.elu,
+    below its size threshold, across piece boundaries and in a partial last piece."""
+    from models.codec.modules import _ELU_PIECE, _elu
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1000, 40_000, 2 * _ELU_PIECE + 12_345):
+        x = torch.randn(n, generator=g) * 3
+        torch.testing.assert_close(_elu(x), torch.nn.functional.elu(x), atol=1e-6, rtol=1e-6)
+    x = torch.randn(4, 16, 1920, generator=g)
+    assert torch.equal(_elu(x.transpose(1, 2)), torch.nn.functional.elu(x.transpose(1, 2)))  # strided: F.elu itself
