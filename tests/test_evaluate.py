@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+from server.session_api import SessionConfig
 from training import evaluate
 from training.eval import report
 from training.eval.backends import MOSPredictor, SpeakerEncoder, WhisperASR, cosine
@@ -167,17 +168,25 @@ def test_selection_balances_voices_and_never_enrolls_with_the_target(tmp_path):
     assert evaluate.select_utterances(rows, tmp_path, limit=1)[0].id == "u1"
 
 
-def test_end_to_end_random_model_without_backends(tmp_path):
+def test_end_to_end_random_model_without_backends(tmp_path, monkeypatch):
     _write_corpus(tmp_path / "corpus")
     out = tmp_path / "docs" / "eval.md"
+    made = []
+
+    class Recording(SessionConfig):  # the sessions get the --top-k given
+        def __init__(self, **kw):
+            made.append(kw["top_k"])
+            super().__init__(**kw)
+    monkeypatch.setattr(evaluate, "SessionConfig", Recording)
     rc = evaluate.main([
         "--corpus", str(tmp_path / "corpus"), "--model", "random:tiny", "--out", str(out), "--limit", "2",
         "--modes", "online", "--lambdas", "1", "--skip", "all", "--threads", "1", "--max-overrun-s", "0.5",
-        "--quiet",
+        "--top-k", "3", "--quiet",
     ])
     assert rc == 0
+    assert made == [3, 3]
     md = out.read_text()
-    assert "python -m training.evaluate --corpus" in md and "random:tiny" in md
+    assert "python -m training.evaluate --corpus" in md and "random:tiny" in md and "top-k 3 sampling" in md
     assert "load average" in md
     for label in ("| ground truth |", "| codec resynthesis |", "| online (λ=1) |"):
         assert label in md

@@ -48,6 +48,7 @@ from typing import Optional
 
 import numpy as np
 
+from server.session_api import SessionConfig
 from training.eval import report
 from training.eval.backends import Backend, cosine, make_backends
 from training.dataset import read_manifest
@@ -256,15 +257,15 @@ def session_audio(events: list) -> np.ndarray:
 
 
 def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int, pacing: str,
-               timeout_s: float) -> SynthResult:
+               timeout_s: float, top_k: int = SessionConfig.top_k) -> SynthResult:
     """Stream the utterance's text into an engine session chunk by chunk (the whole text
     at once, as a fast upstream LLM would; with pacing='speech-time' each chunk carries the
     time it is spoken in the ground truth, as in the paper's simulated streams)."""
-    from server.session_api import ChunkingConfig, Failed, Finished, SessionConfig, WordTiming
+    from server.session_api import ChunkingConfig, Failed, Finished, WordTiming
 
     speech_time = pacing == "speech-time"
     cfg = SessionConfig(
-        n_past_chunks=mode.n_past, n_future_chunks=mode.n_future, guidance_lambda=lam, seed=seed,
+        n_past_chunks=mode.n_past, n_future_chunks=mode.n_future, guidance_lambda=lam, seed=seed, top_k=top_k,
         sample_rate=SR, timestamps_are_speech_time=speech_time,
         # chunks are cut here and flushed explicitly, so the chunker passes them through
         chunking=ChunkingConfig(min_words=1, max_words=1 if mode.one_word else 16, timer_ms=10_000,
@@ -398,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="selection shuffle and sampling seed offset")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-overrun-s", type=float, default=3.0, help="engine runaway guard past the text's end")
+    p.add_argument("--top-k", type=int, default=SessionConfig.top_k, help="sessions' top-k (the server's default)")
     p.add_argument("--save-audio", default=None, help="folder for the generated WAVs")
     p.add_argument("--quiet", action="store_true")
     return p
@@ -491,7 +493,7 @@ def main(argv=None) -> int:
                 for m in modes:
                     for lam in lambdas:
                         r = synthesize(engine, voice, u, MODES[m], lam, seed, a.pacing,
-                                       timeout_s=max(120.0, 30.0 * u.duration_s))
+                                       timeout_s=max(120.0, 30.0 * u.duration_s), top_k=a.top_k)
                         rec = {**base, "system": report.MODEL, "mode": m, "lambda": _json_lambda(lam),
                                "audio_s": len(r.audio) / SR, "compute_s": r.compute_s, "wall_s": round(r.wall_s, 4),
                                "ttfa_s": r.ttfa_s, "model_words": r.words, "seed": seed}
@@ -528,7 +530,7 @@ def main(argv=None) -> int:
         n_heldout=sum(u.heldout for u in utts), n_voices=len({u.voice for u in utts}),
         n_heldout_refs=len(scorer.heldout_refs),
         modes={m: MODES[m].description for m in modes}, lambdas=[_json_lambda(x) for x in lambdas],
-        pacing=a.pacing, normalizer=normalizer.name, normalizer_note=normalizer.note,
+        pacing=a.pacing, top_k=a.top_k, normalizer=normalizer.name, normalizer_note=normalizer.note,
         backends={k: (b.description if b.available() else b.reason) for k, b in backends.items()},
         threads=a.threads, torch=torch.__version__, python=platform.python_version(), host_cpus=os.cpu_count(),
         loadavg_start=[round(x, 2) for x in load_before], loadavg_end=[round(x, 2) for x in os.getloadavg()],
@@ -598,7 +600,8 @@ def render(meta: dict, main_rows, ablation, na: dict, json_path: Path) -> str:
         f"({meta['n_utterances'] - meta['n_heldout']} training voices, {meta['n_heldout']} held-out voices; "
         f"{meta['n_voices']} voices). Enrollment: another utterance of the same voice.",
         f"- Text stream: pacing `{meta['pacing']}`; modes: "
-        + ("; ".join(f"`{k}` = {v}" for k, v in meta["modes"].items()) or "none") + ".",
+        + ("; ".join(f"`{k}` = {v}" for k, v in meta["modes"].items()) or "none")
+        + f"; top-k {meta.get('top_k', 20)} sampling.",
         f"- WER/CER: {meta['backends']['asr']}; normaliser: {meta['normalizer']}"
         + (f" ({meta['normalizer_note']})" if meta["normalizer_note"] else "") + "; corpus-level (errors / reference words).",
         f"- SIM: {meta['backends']['sim']}; held-out ID = share of held-out-voice clips closer to their own "
