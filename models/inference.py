@@ -270,6 +270,14 @@ def _spans(chunk_ids: Sequence[int]) -> dict[int, tuple[int, int]]:
     return out
 
 
+def visible_prefix(mask: torch.Tensor) -> torch.Tensor:
+    """A window mask [B, L] cut after the last text slot any row shows: the attention then
+    reads no slot past it (past chunks are evicted from the front, so the windows sit
+    near the memory's start)."""
+    shown = mask.any(0).nonzero()
+    return mask[:, : int(shown[-1]) + 1 if shown.numel() else 0]
+
+
 def _contiguous(slots: Sequence[int]) -> bool:
     """Whether slots are consecutive, so the batch is a slice of the state (no copy)."""
     return list(slots) == list(range(slots[0], slots[0] + len(slots)))

@@ -17,7 +17,7 @@ import torch
 
 from models import graphemes
 from models.guidance import GuidanceState, sample_graphemes, sample_top_k
-from models.inference import DecodeState, enrollment_kv
+from models.inference import DecodeState, enrollment_kv, visible_prefix
 from models.loading import ModelBundle
 from models.step_graph import CapturedStep
 
@@ -99,11 +99,7 @@ class ModelRunner:
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
         else:
-            # attention reads text slots only up to the last one any window shows: past
-            # chunks are evicted from the front, so the window sits near the memory's start
-            shown = mask.any(0).nonzero()
-            mask = mask[:, : int(shown[-1]) + 1 if shown.numel() else 0]
-            logits = self.model.step(view.inputs, view.step, view, mask)
+            logits = self.model.step(view.inputs, view.step, view, visible_prefix(mask))
         g_logits, a_logits = logits.graphemes.float(), logits.acoustic.float()
         # a row with non-finite logits fails alone; sample it from zeros so the batch goes on.
         # A row's sum is non-finite iff one of its logits is (finite logits are far from

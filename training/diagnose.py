@@ -51,6 +51,7 @@ import torch
 from models import graphemes as G
 from models.attention import current_chunk, window_chunk_range
 from models.guidance import sample_top_k
+from models.inference import visible_prefix
 from training.dataset import DecoderData, Example, codes_path, collate, read_manifest, read_wav_segment
 from training.encode_corpus import encode_batch, save_codes
 from training.eval import report
@@ -174,10 +175,7 @@ def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int =
     for t in range(T + max_overrun + model.cfg.max_delay + 2):
         lo, hi = window(prep.chunk_tau, t, n_past, n_future)
         view = st.view([0])
-        mask = st.window_mask(view, [lo], [hi])
-        shown = mask.any(0).nonzero()  # as ModelRunner.step: only up to the last visible slot
-        mask = mask[:, : int(shown[-1]) + 1 if shown.numel() else 0]
-        logits = model.step(view.inputs, view.step, view, mask)
+        logits = model.step(view.inputs, view.step, view, visible_prefix(st.window_mask(view, [lo], [hi])))
         g = sample_top_k(logits.graphemes.float(), [top_k], gens)
         a = sample_top_k(logits.acoustic.float(), [top_k], gens)
         if force_g:
