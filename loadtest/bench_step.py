@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cuda-graphs", action="store_true", help="the model step replayed from a CUDA graph")
+    ap.add_argument("--eager-step", action="store_true", help="the eager model step on the CPU (default: frozen graph)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from server.runner import ModelRunner
@@ -46,9 +47,10 @@ def main(argv=None) -> int:
 
     bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
     out = {"preset": args.preset, "threads": args.threads, "device": args.device,
-           "cuda_graphs": args.cuda_graphs, "rows": []}
+           "cuda_graphs": args.cuda_graphs, "frozen_step": None, "rows": []}
     for b in args.batch:
-        runner = ModelRunner(bundle, b, cuda_graphs=args.cuda_graphs)
+        runner = ModelRunner(bundle, b, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step)
+        out["frozen_step"] = runner.model_step != bundle.model.step
         voice = runner.make_voice("v", np.random.randn(24000).astype(np.float32) * 0.1, 24000)
         slots = list(range(b))
         for s in slots:
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
                 if runner.captured is not None:
                     runner.captured(slots, view.inputs, view.step, mask)
                 else:
-                    bundle.model.step(view.inputs, view.step, view, mask)
+                    runner.model_step(view.inputs, view.step, view, mask)
             t_model = bench(model_only, args.steps)
             guides = [GuidanceState() for _ in slots]
             for g in guides:

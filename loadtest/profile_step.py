@@ -182,7 +182,8 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
     for name in ("view", "window_mask", "commit", "write_back"):
         p.wrap(scopes, f"state.{name}", r.state, name)
     m = r.model
-    p.wrap(scopes, "model.step", m, "step")
+    # the step the runner calls: `model.step`, or the frozen graph, whose layers are one scope
+    p.wrap(scopes, "model.step", r, "model_step")
     for layer in m.layers:
         p.wrap(scopes, "mamba", layer.mamba, "step")
         p.wrap(scopes, "cross-attention", layer.xattn, "attend_step")
@@ -208,7 +209,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs back into
 
 def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_function: bool = False,
                 trace_dir: Optional[Path] = None, text_chars: int = 160, timeout_s: float = 600.0,
-                cuda_graphs: bool = False) -> dict:
+                cuda_graphs: bool = False, frozen_step: bool = True) -> dict:
     """Run the engine on `batch` sessions of `text_chars` characters each (all sent at
     once, like an LLM far ahead of the speech; a finished session is replaced at once)
     and time `steps` steps after `warmup`."""
@@ -216,7 +217,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     from server.session_api import SessionConfig
 
     engine = Engine(bundle, EngineConfig(max_sessions=batch, max_lead_s=1e6, max_session_s=3600.0,
-                                         cuda_graphs=cuda_graphs))
+                                         cuda_graphs=cuda_graphs, frozen_step=frozen_step))
     voice = engine.make_voice("profile", (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32),
                               24000)
     text_chars = text_chars or 160
@@ -494,7 +495,8 @@ def roofline(flops: float, nbytes: float, t_s: float, machine: dict) -> dict:
 
 
 def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, trace_dir: Optional[Path] = None,
-            plain: bool = True, packet_ms: int = 80, text_chars: int = 160, cuda_graphs: bool = False) -> dict:
+            plain: bool = True, packet_ms: int = 80, text_chars: int = 160, cuda_graphs: bool = False,
+            frozen_step: bool = True) -> dict:
     from models.config import FRAME_RATE
 
     machine = measure_machine(bundle.device)
@@ -505,15 +507,17 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
                            "torch": torch.__version__, "machine": machine, "analytic": cost,
                            "codec": ccost, "packet_frames": pf, "text_chars": text_chars, "steps": steps,
                            "cuda_graphs": cuda_graphs,
+                           "frozen_step": frozen_step and bundle.device.type == "cpu" and not cuda_graphs,
                            "warmup": warmup, "batches": []}
     for b in batches:
         la = list(os.getloadavg())
         run = _engine_run(bundle, b, steps, warmup, fine=True, record_function=trace_dir is not None,
-                          trace_dir=trace_dir, text_chars=text_chars, cuda_graphs=cuda_graphs)
+                          trace_dir=trace_dir, text_chars=text_chars, cuda_graphs=cuda_graphs, frozen_step=frozen_step)
         rows, cats = scope_table(run)
         plain_ms = None
         if plain:
-            pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, cuda_graphs=cuda_graphs)
+            pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, cuda_graphs=cuda_graphs,
+                             frozen_step=frozen_step)
             plain_ms = pr["iteration_ms"]
         counted = counted_cost(bundle, b, pf)
         step_s = run["window_s"] / steps
@@ -558,6 +562,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None, help="directory for torch.profiler chrome traces and op tables")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="the model step replayed from a CUDA graph (its time then shows in runner.step)")
+    ap.add_argument("--eager-step", action="store_true",
+                    help="the eager model step on the CPU, whose layers are timed one by one (default: the frozen "
+                         "graph the server runs, timed as one scope)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, help="write the tables as markdown here")
     args = ap.parse_args(argv)
@@ -570,7 +577,7 @@ def main(argv=None) -> int:
     bundle = load_bundle(None if args.model_path in ("", "default") else args.model_path, device=args.device)
     res = profile(bundle, args.batch, args.steps, args.warmup, torch.get_num_threads(),
                   Path(args.trace) if args.trace else None, plain=not args.no_plain, text_chars=args.text_chars,
-                  cuda_graphs=args.cuda_graphs)
+                  cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step)
     res["loadavg"] = list(os.getloadavg())
     from .report import render_profile_markdown
 

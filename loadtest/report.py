@@ -249,7 +249,8 @@ def render_profile_markdown(prof: dict) -> str:
              f"(read + write); load average {' / '.join(f'{v:.2f}' for v in prof.get('loadavg') or [])}; "
              f"{prof.get('text_chars', '?')} characters of text per session.\n")
     for row in prof.get("batches", []):
-        graphs = ", the model step replayed from a CUDA graph" if prof.get("cuda_graphs") else ""
+        graphs = (", the model step replayed from a CUDA graph" if prof.get("cuda_graphs") else
+                  ", the model step as a frozen TorchScript graph (one scope)" if prof.get("frozen_step") else "")
         L.append(f"### batch {row['batch']}  (model `{prof.get('model')}`{graphs})\n")
         L.append(f"- engine step (instrumented): {_f(row['step_ms'], '{:.2f}')} ms per step, "
                  f"uninstrumented {_f(row.get('step_ms_plain'), '{:.2f}')} ms; mean batch {_f(row.get('mean_batch'), '{:.1f}')}"

@@ -1,4 +1,7 @@
-"""The decode step over every slot of a DecodeState, recorded once as a CUDA graph.
+"""The decode step recorded once and replayed: as a CUDA graph on a GPU
+(`CapturedStep`), as a frozen TorchScript graph on the CPU (`FrozenStep`).
+
+CUDA graph: the decode step over every slot of a DecodeState.
 
 On a GPU the eager step is bound by kernel launches, not by math: the paper preset's
 step costs about the same at batch 1 and at batch 128 (docs/loadtest.md), hundreds of
@@ -13,12 +16,17 @@ the CPU tests check everything but the recording itself.
 """
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Sequence
 
 import torch
+from torch import nn
 
-from .inference import DecodeState
+from .inference import DecodeState, DecodeStateView
 from .livespeech import LiveSpeech2, StepLogits
+
+log = logging.getLogger(__name__)
 
 
 class CapturedStep:
@@ -69,3 +77,61 @@ class CapturedStep:
             self.state.conv.index_copy_(1, keep, saved[0])
             self.state.ssm.index_copy_(1, keep, saved[1])
         return StepLogits(graphemes=out.graphemes.index_select(0, idx), acoustic=out.acoustic.index_select(0, idx))
+
+
+class _StepOverTensors(nn.Module):
+    """`LiveSpeech2.step` with the state's tensors as arguments, which tracing needs."""
+
+    def __init__(self, model: LiveSpeech2):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs, frame, conv, ssm, mem_k, mem_v, text_mask):
+        view = DecodeStateView(conv=conv, ssm=ssm, mem_k=mem_k, mem_v=mem_v, txt_chunk=None, inputs=None,
+                               step=None, eos_frame=None, ring=None)
+        out = self.model.step(inputs, frame, view, text_mask)
+        return out.graphemes, out.acoustic
+
+
+class FrozenStep:
+    """`LiveSpeech2.step` as a frozen TorchScript graph, called like it.
+
+    On the CPU the eager step is bound by Python and op dispatch, not by math: ~350 ops,
+    each a Python call (docs/loadtest.md). Traced once and frozen, with the weights and
+    the derived step tensors as constants, the same ops run from TorchScript's
+    interpreter with no Python between them: 1.8x faster at batch 1, 1.3x at batch 16
+    (default model, one thread). The trace keeps batch size and text length symbolic;
+    the model's own branches (device, biases) are fixed when it is made, and so are its
+    weights: a model that changes needs a new FrozenStep.
+    """
+
+    def __init__(self, model: LiveSpeech2, warmup: int = 3):
+        example = DecodeState.allocate(model, capacity=2, device=next(model.parameters()).device)
+        mask = torch.zeros(2, 4, dtype=torch.bool, device=example.step.device)
+        mask[:, :2] = True
+        args = (example.inputs, torch.arange(2, device=mask.device), example.conv, example.ssm,
+                example.mem_k, example.mem_v, mask)
+        with warnings.catch_warnings(), torch.inference_mode():
+            # torch.jit is deprecated in favour of torch.compile, which on the CPU needs a C++
+            # compiler at run time and measured slower here (docs/loadtest.md); the tracer's
+            # warnings are about constants, which is what freezing makes of the weights
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(_StepOverTensors(model).eval(), args, check_trace=False)
+            self.graph = torch.jit.freeze(traced)
+            for _ in range(warmup):  # the executor profiles its first calls, then optimises
+                self.graph(*args)
+
+    def __call__(self, inputs: torch.Tensor, frame: torch.Tensor, state: DecodeStateView,
+                 text_mask: torch.Tensor) -> StepLogits:
+        g, a = self.graph(inputs, frame, state.conv, state.ssm, state.mem_k, state.mem_v, text_mask)
+        return StepLogits(graphemes=g, acoustic=a)
+
+
+def frozen_or_eager(model: LiveSpeech2):
+    """A `FrozenStep` of `model`, or `model.step` itself where tracing fails (a torch
+    without torch.jit): slower, the same results."""
+    try:
+        return FrozenStep(model)
+    except Exception as e:  # noqa: BLE001 - any failure here only costs speed
+        log.warning("the decode step runs eagerly: tracing it failed (%s: %s)", type(e).__name__, e)
+        return model.step

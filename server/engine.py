@@ -75,6 +75,8 @@ class EngineConfig:
     low_water_steps: float = 3.0
     # the model step replayed from a CUDA graph over every slot (models/step_graph.py)
     cuda_graphs: bool = False
+    # on the CPU, the model step as a frozen TorchScript graph (models/step_graph.py)
+    frozen_step: bool = True
     # steady-state packets are decoded on a codec thread while the next model step runs
     # (their audio goes out one step later; first and ramp packets stay on the engine
     # thread). Off by default: under glibc's malloc its arena costs memory; the CPU image
@@ -96,7 +98,8 @@ class Engine:
         self.config = config.validate()
         self.bundle = bundle
         self.metrics = metrics or Metrics()
-        self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs)
+        self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs,
+                                  frozen_step=config.frozen_step)
         self._codec_pool = (ThreadPoolExecutor(1, thread_name_prefix="livespeech-codec")
                             if config.codec_thread else None)
         self._in_flight: Optional[InFlightDecode] = None  # at most one call on the codec thread

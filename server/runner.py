@@ -19,7 +19,7 @@ from models import graphemes
 from models.guidance import GuidanceState, sample_graphemes, sample_top_k
 from models.inference import DecodeState, enrollment_kv, visible_prefix
 from models.loading import ModelBundle
-from models.step_graph import CapturedStep
+from models.step_graph import CapturedStep, frozen_or_eager
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Voice:
 
 
 class ModelRunner:
-    def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False):
+    def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True):
         self.bundle = bundle
         self.model = bundle.model
         self.codec = bundle.codec
@@ -51,6 +51,10 @@ class ModelRunner:
         # which only tests use: it costs the whole capacity at every step)
         self.captured = (CapturedStep(self.model, self.state, capture=self.device.type == "cuda")
                          if cuda_graphs else None)
+        # on the CPU, the step as a frozen TorchScript graph (the same ops, no Python
+        # between them); `model.step` itself elsewhere
+        self.model_step = (frozen_or_eager(self.model) if frozen_step and self.device.type == "cpu"
+                           and self.captured is None else self.model.step)
         self.codec_state = self.codec.streaming_state(capacity)
         self.generators: list[torch.Generator] = [torch.Generator() for _ in range(capacity)]
         self._voice_lock = threading.Lock()
@@ -99,7 +103,7 @@ class ModelRunner:
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
         else:
-            logits = self.model.step(view.inputs, view.step, view, visible_prefix(mask))
+            logits = self.model_step(view.inputs, view.step, view, visible_prefix(mask))
         g_logits, a_logits = logits.graphemes.float(), logits.acoustic.float()
         # a row with non-finite logits fails alone; sample it from zeros so the batch goes on.
         # A row's sum is non-finite iff one of its logits is (finite logits are far from

@@ -59,6 +59,12 @@ def test_server_config_flags_env_defaults() -> None:
         ServerConfig.from_args(["--device", "cuda", "--cuda-graphs", "maybe"], env={})
     with pytest.raises(ConfigError, match="cuda_graphs needs a cuda device"):
         ServerConfig.from_args(["--cuda-graphs", "yes"], env={})
+    # the frozen CPU step is on unless switched off, and reaches the engine's settings
+    from server.app import engine_config
+    assert ServerConfig().frozen_step and engine_config(ServerConfig()).frozen_step
+    off = ServerConfig.from_args(["--frozen-step", "false"], env={})
+    assert not off.frozen_step and not engine_config(off).frozen_step
+    assert not ServerConfig.from_args([], env={"LIVESPEECH_FROZEN_STEP": "0"}).frozen_step
 
 
 def test_serve_refuses_a_bad_config_in_one_line(capsys, monkeypatch) -> None:

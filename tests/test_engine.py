@@ -366,14 +366,14 @@ def test_runner_fails_exactly_the_rows_with_a_non_finite_logit(bad_value, monkey
     for s in range(3):
         runner.admit(s, v, seed=s)
         runner.add_chunk(s, [100, 101], 0, 0)
-    real_step = bundle.model.step
+    real_step = runner.model_step
 
     def step(*args):
         out = real_step(*args)
         out.acoustic[0].fill_(3e4)  # finite, and its row sums to ~2.5e8
         out.acoustic[1, 5, 17] = bad_value
         return out
-    monkeypatch.setattr(bundle.model, "step", step)
+    monkeypatch.setattr(runner, "model_step", step)
     got = runner.step([0, 1, 2], [(0, 0)] * 3, [GuidanceState([]) for _ in range(3)], [0.0] * 3, [20] * 3,
                       [False] * 3)
     assert [r.failed for r in got] == [False, True, False]

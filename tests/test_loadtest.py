@@ -303,18 +303,21 @@ def test_tiny_end_to_end_run(tmp_path):
 
 def test_step_profile_runs_and_attributes_the_step(tmp_path):
     """The step profiler (loadtest.profile_step) on a tiny random model: every scope it
-    reports lies inside the engine step, and the model and sampling scopes are there."""
+    reports lies inside the engine step, and the model and sampling scopes are there; the
+    eager step's layers are scopes of their own, the frozen graph (the default) is one."""
     from loadtest import profile_step
 
-    out = tmp_path / "p.json"
-    assert profile_step.main(["--batch", "2", "--steps", "3", "--warmup", "2", "--no-plain",
-                              "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    row = res["batches"][0]
-    scopes = {r["name"]: r for r in row["scopes"]}
-    assert {"engine.step", "runner.step", "model.step", "sampling.graphemes"} <= set(scopes)
-    assert 0 < scopes["model.step"]["incl_ms_per_step"] <= scopes["runner.step"]["incl_ms_per_step"]
-    assert scopes["runner.step"]["incl_ms_per_step"] <= scopes["engine.step"]["incl_ms_per_step"]
-    assert res["cuda_graphs"] is False
+    for eager in (False, True):
+        out = tmp_path / f"p{eager}.json"
+        assert profile_step.main(["--batch", "2", "--steps", "3", "--warmup", "2", "--no-plain",
+                                  "--json", str(out)] + ["--eager-step"] * eager) == 0
+        res = json.loads(out.read_text())
+        row = res["batches"][0]
+        scopes = {r["name"]: r for r in row["scopes"]}
+        assert {"engine.step", "runner.step", "model.step", "sampling.graphemes"} <= set(scopes)
+        assert 0 < scopes["model.step"]["incl_ms_per_step"] <= scopes["runner.step"]["incl_ms_per_step"]
+        assert scopes["runner.step"]["incl_ms_per_step"] <= scopes["engine.step"]["incl_ms_per_step"]
+        assert ("mamba" in scopes) is eager and res["frozen_step"] is not eager
+        assert res["cuda_graphs"] is False
     with pytest.raises(SystemExit):
         profile_step.main(["--cuda-graphs", "--device", "cpu"])

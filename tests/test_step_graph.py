@@ -1,7 +1,13 @@
-"""The captured decode step (models/step_graph.py): stepping a batch of slots over the
-whole state equals the eager step of those slots alone, and leaves every other slot as
-it was. On the CPU it runs eagerly (capture=False); the recording itself needs CUDA."""
-import copy
+"""The recorded decode steps (models/step_graph.py).
+
+The captured step: stepping a batch of slots over the whole state equals the eager step
+of those slots alone, and leaves every other slot as it was. On the CPU it runs eagerly
+(capture=False); the recording itself needs CUDA.
+
+The frozen step (TorchScript, CPU): equals the eager step at every batch size and text
+length, on gathered and sliced batches, and the runner uses it unless told not to.
+"""
+import logging
 
 import numpy as np
 import pytest
@@ -9,7 +15,7 @@ import torch
 
 from models.inference import DecodeState, enrollment_kv
 from models.livespeech import LiveSpeech2
-from models.step_graph import CapturedStep
+from models.step_graph import CapturedStep, FrozenStep, frozen_or_eager
 from tests.test_livespeech import small_cfg
 
 
@@ -26,14 +32,20 @@ def _state(model, device="cpu"):
     return st
 
 
-def _run(model, st, step_fn, batches):
+def _run(model, st, step_fn, batches, whole_state=True):
     """Steps `batches` (lists of slots) in turn; each step's greedy tokens are committed.
-    Returns the logits of every step."""
+    `step_fn`: None (the eager step), a step over the whole state (`whole_state`,
+    called with the slots) or one called like `LiveSpeech2.step`. Returns the logits of
+    every step."""
     outs = []
     for slots in batches:
-        view = st.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if step_fn else ())
+        whole = step_fn is not None and whole_state
+        view = st.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if whole else ())
         mask = st.window_mask(view, [0] * len(slots), [0] * len(slots))
-        out = step_fn(slots, view.inputs, view.step, mask) if step_fn else model.step(view.inputs, view.step, view, mask)
+        if whole:
+            out = step_fn(slots, view.inputs, view.step, mask)
+        else:
+            out = (step_fn or model.step)(view.inputs, view.step, view, mask)
         tok = torch.cat((out.graphemes.argmax(-1, keepdim=True), out.acoustic.argmax(-1)), 1)
         st.commit(view, tok)
         st.write_back(view)
@@ -45,13 +57,16 @@ def _run(model, st, step_fn, batches):
 BATCHES = [[0, 2, 3], [0, 3], [2], [0, 2, 3], [3, 0], [2, 3]]
 
 
-def _check(device, capture):
+def _check(device, capture=False, frozen=False, batches=BATCHES):
     torch.manual_seed(0)
     model = LiveSpeech2(small_cfg(), device=device).to(device).eval()
     eager_state, graph_state = _state(model, device), _state(model, device)
     with torch.no_grad():
-        want = _run(model, eager_state, None, BATCHES)
-        got = _run(model, graph_state, CapturedStep(model, graph_state, capture=capture), BATCHES)
+        want = _run(model, eager_state, None, batches)
+        if frozen:
+            got = _run(model, graph_state, FrozenStep(model), batches, whole_state=False)
+        else:
+            got = _run(model, graph_state, CapturedStep(model, graph_state, capture=capture), batches)
     for a, b in zip(want, got):
         assert torch.allclose(a.graphemes, b.graphemes, atol=1e-5)
         assert torch.allclose(a.acoustic, b.acoustic, atol=1e-5)
@@ -68,9 +83,53 @@ def test_cuda_graph_replay_equals_the_eager_step():
     _check("cuda", capture=True)
 
 
-def test_engine_with_the_whole_state_step_speaks():
-    """The engine on `cuda_graphs` (eager here): two concurrent sessions finish with their
-    audio, and one session's audio equals the plain engine's for the same seed."""
+def test_frozen_step_equals_the_eager_step():
+    """Traced at batch 2, it serves batches of 1 to 3, gathered ([0, 2, 3]) and sliced
+    ([2, 3]), as the text grows (the window's length is symbolic in the graph)."""
+    torch.set_num_threads(1)
+    _check("cpu", frozen=True, batches=BATCHES + [[0], [0, 1, 2, 3]])
+
+
+def test_frozen_step_with_no_visible_text():
+    """A window mask cut to zero text slots (visible_prefix of an all-masked window)."""
+    torch.manual_seed(0)
+    model = LiveSpeech2(small_cfg()).eval()
+    states = _state(model), _state(model)
+    frozen = FrozenStep(model)
+    with torch.no_grad():
+        outs = []
+        for st, step in zip(states, (model.step, frozen)):
+            view = st.view([0, 2, 3])
+            outs.append(step(view.inputs, view.step, view, torch.zeros(3, 0, dtype=torch.bool)))
+    assert torch.allclose(outs[0].graphemes, outs[1].graphemes, atol=1e-5)
+    assert torch.allclose(outs[0].acoustic, outs[1].acoustic, atol=1e-5)
+    assert torch.allclose(states[0].ssm, states[1].ssm, atol=1e-5)
+
+
+def test_runner_steps_through_the_frozen_graph_unless_told_not_to():
+    from models.loading import load_bundle
+    from server.runner import ModelRunner
+
+    bundle = load_bundle(random_init=True)
+    assert isinstance(ModelRunner(bundle, 2).model_step, FrozenStep)
+    assert ModelRunner(bundle, 2, frozen_step=False).model_step == bundle.model.step
+
+
+def test_a_step_that_cannot_be_traced_runs_eagerly(monkeypatch, caplog):
+    def no_jit(*args, **kwargs):
+        raise RuntimeError("no TorchScript here")
+
+    monkeypatch.setattr(torch.jit, "trace", no_jit)
+    model = LiveSpeech2(small_cfg()).eval()
+    with caplog.at_level(logging.WARNING, logger="models.step_graph"):
+        assert frozen_or_eager(model) == model.step
+    assert "no TorchScript here" in caplog.text
+
+
+def test_engine_with_the_recorded_steps_speaks():
+    """The engine with the eager step, the frozen step (the CPU default) and the whole-state
+    step (`cuda_graphs`, eager here): two concurrent sessions finish with their audio,
+    and each session's audio equals the eager engine's for the same seed."""
     from server.engine import Engine, EngineConfig
     from server.session_api import AudioPacket, Finished, SessionConfig
     from models.loading import load_bundle
@@ -78,8 +137,9 @@ def test_engine_with_the_whole_state_step_speaks():
 
     torch.set_num_threads(1)
     audio = {}
-    for graphs in (False, True):
-        eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3, low_water_steps=0, cuda_graphs=graphs))
+    steps = {"eager": dict(frozen_step=False), "frozen": {}, "whole state": dict(cuda_graphs=True)}
+    for kind, options in steps.items():
+        eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3, low_water_steps=0, **options))
         eng.start()
         try:
             v = eng.make_voice("t", (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32), 24000)
@@ -94,6 +154,7 @@ def test_engine_with_the_whole_state_step_speaks():
         finally:
             eng.stop()
         assert all(c.of(Finished) for c in cs)
-        audio[graphs] = [np.frombuffer(b"".join(p.data for p in c.of(AudioPacket)), dtype="<i2").astype(int) for c in cs]
-    for plain, graphed in zip(audio[False], audio[True]):
-        assert len(plain) == len(graphed) and np.abs(plain - graphed).max() <= 2
+        audio[kind] = [np.frombuffer(b"".join(p.data for p in c.of(AudioPacket)), dtype="<i2").astype(int) for c in cs]
+    for kind in ("frozen", "whole state"):
+        for plain, other in zip(audio["eager"], audio[kind]):
+            assert len(plain) == len(other) and np.abs(plain - other).max() <= 2, kind
