@@ -113,8 +113,9 @@ class FrozenStep:
                 example.mem_k, example.mem_v, mask)
         with warnings.catch_warnings(), torch.inference_mode():
             # torch.jit is deprecated in favour of torch.compile, which on the CPU needs a C++
-            # compiler at run time and measured slower here (docs/loadtest.md); the tracer's
-            # warnings are about constants, which is what freezing makes of the weights
+            # compiler at run time and was slower than eager from batch 8 here
+            # (docs/loadtest.md); the tracer's warnings are about constants, which is what
+            # freezing makes of the weights
             warnings.simplefilter("ignore")
             traced = torch.jit.trace(_StepOverTensors(model).eval(), args, check_trace=False)
             self.graph = torch.jit.freeze(traced)
