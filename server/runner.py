@@ -19,7 +19,7 @@ from models import graphemes
 from models.guidance import GuidanceState, sample_graphemes, sample_top_k
 from models.inference import DecodeState, enrollment_kv, visible_prefix
 from models.loading import ModelBundle
-from models.step_graph import CapturedStep, frozen_or_eager
+from models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
 
 
 @dataclass
@@ -51,10 +51,15 @@ class ModelRunner:
         # which only tests use: it costs the whole capacity at every step)
         self.captured = (CapturedStep(self.model, self.state, capture=self.device.type == "cuda")
                          if cuda_graphs else None)
-        # on the CPU, the step as a frozen TorchScript graph (the same ops, no Python
-        # between them); `model.step` itself elsewhere
-        self.model_step = (frozen_or_eager(self.model) if frozen_step and self.device.type == "cpu"
-                           and self.captured is None else self.model.step)
+        # on the CPU, the model step and the streaming codec as frozen TorchScript graphs
+        # (the same ops, no Python between them); the eager calls elsewhere
+        frozen = frozen_step and self.device.type == "cpu"
+        self.model_step, self.codec_step = self.model.step, self.codec.decode_step
+        if frozen and self.captured is None:
+            self.model_step = frozen_or_eager(lambda: FrozenStep(self.model), self.model.step)
+        if frozen:
+            n_codebooks = self.model.cfg.n_acoustic_codebooks
+            self.codec_step = frozen_or_eager(lambda: FrozenCodecStep(self.codec, n_codebooks), self.codec.decode_step)
         self.codec_state = self.codec.streaming_state(capacity)
         self.generators: list[torch.Generator] = [torch.Generator() for _ in range(capacity)]
         self._voice_lock = threading.Lock()
@@ -160,7 +165,7 @@ class ModelRunner:
 
     def _decode_step(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
         sub = self.codec_state.select(slots)
-        wav = self.codec.decode_step(codes, sub)  # [B, 1, F * hop]
+        wav = self.codec_step(codes, sub)  # [B, 1, F * hop]
         self.codec_state.update(slots, sub)
         return wav
 

@@ -4,8 +4,9 @@ The captured step: stepping a batch of slots over the whole state equals the eag
 of those slots alone, and leaves every other slot as it was. On the CPU it runs eagerly
 (capture=False); the recording itself needs CUDA.
 
-The frozen step (TorchScript, CPU): equals the eager step at every batch size and text
-length, on gathered and sliced batches, and the runner uses it unless told not to.
+The frozen steps (TorchScript, CPU): the model's equals the eager step at every batch
+size and text length, on gathered and sliced batches; the codec's equals `decode_step`
+at every batch and packet size; the runner uses both unless told not to.
 """
 import logging
 
@@ -15,7 +16,7 @@ import torch
 
 from models.inference import DecodeState, enrollment_kv
 from models.livespeech import LiveSpeech2
-from models.step_graph import CapturedStep, FrozenStep, frozen_or_eager
+from models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
 from tests.test_livespeech import small_cfg
 
 
@@ -111,8 +112,9 @@ def test_runner_steps_through_the_frozen_graph_unless_told_not_to():
     from server.runner import ModelRunner
 
     bundle = load_bundle(random_init=True)
-    assert isinstance(ModelRunner(bundle, 2).model_step, FrozenStep)
-    assert ModelRunner(bundle, 2, frozen_step=False).model_step == bundle.model.step
+    frozen, eager = ModelRunner(bundle, 2), ModelRunner(bundle, 2, frozen_step=False)
+    assert isinstance(frozen.model_step, FrozenStep) and isinstance(frozen.codec_step, FrozenCodecStep)
+    assert eager.model_step == bundle.model.step and eager.codec_step == bundle.codec.decode_step
 
 
 def test_a_step_that_cannot_be_traced_runs_eagerly(monkeypatch, caplog):
@@ -122,8 +124,49 @@ def test_a_step_that_cannot_be_traced_runs_eagerly(monkeypatch, caplog):
     monkeypatch.setattr(torch.jit, "trace", no_jit)
     model = LiveSpeech2(small_cfg()).eval()
     with caplog.at_level(logging.WARNING, logger="models.step_graph"):
-        assert frozen_or_eager(model) == model.step
+        assert frozen_or_eager(lambda: FrozenStep(model), model.step) == model.step
     assert "no TorchScript here" in caplog.text
+
+
+def _codec(pad_mode: str = "constant"):
+    from tests.test_codec import random_model
+
+    return random_model("small", pad_mode=pad_mode)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_frozen_codec_step_equals_the_eager_one(batch):
+    """Traced at 2 streams x 2 frames, it decodes any batch and packet size (here 1 to
+    9 frames in a row, past the 8-frame GEMM path and the LSTM's own switch), with the
+    same audio and the same carried state as `decode_step`."""
+    torch.set_num_threads(1)
+    codec = _codec()
+    frozen = FrozenCodecStep(codec, n_codebooks=8)
+    eager_state, frozen_state = codec.streaming_state(batch), codec.streaming_state(batch)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for frames in (2, 1, 3, 6, 9, 6):
+            codes = torch.randint(0, codec.config.codebook_size, (batch, 8, frames), generator=g)
+            want, got = codec.decode_step(codes, eager_state), frozen(codes, frozen_state)
+            assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
+            assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(eager_state.tensors, frozen_state.tensors))
+            assert torch.equal(eager_state.frames, frozen_state.frames)
+
+
+def test_frozen_codec_step_leaves_what_it_cannot_run_to_the_eager_one(monkeypatch):
+    """A reflect-padded codec's first packet (its padding reads the packet) and codes
+    with another number of codebooks go to `decode_step`; started streams do not."""
+    codec = _codec("reflect")
+    frozen = FrozenCodecStep(codec, n_codebooks=8)
+    calls = []
+    real = codec.decode_step
+    monkeypatch.setattr(codec, "decode_step", lambda codes, state: calls.append(codes.shape) or real(codes, state))
+    state = codec.streaming_state(1)
+    with torch.inference_mode():
+        frozen(torch.zeros(1, 8, codec.min_first_frames, dtype=torch.long), state)
+        frozen(torch.zeros(1, 8, 2, dtype=torch.long), state)
+        frozen(torch.zeros(1, 4, 2, dtype=torch.long), state)
+    assert calls == [(1, 8, codec.min_first_frames), (1, 4, 2)]
 
 
 def test_engine_with_the_recorded_steps_speaks():

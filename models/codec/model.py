@@ -119,6 +119,16 @@ class CodecModel(nn.Module):
         With reflect padding a session's first packet needs >= `min_first_frames`
         frames (the reflection reads that far ahead). Updates `state` in place.
         """
+        started = self.check_step(codes, state)
+        new_states: list[Tensor] = []
+        wav = self.decoder.stream_step(self.quantizer.decode(codes), iter(state.tensors), new_states, started)
+        state.tensors = new_states
+        state.frames = state.frames + codes.shape[-1]
+        return wav
+
+    def check_step(self, codes: Tensor, state: StreamState) -> Tensor | None:
+        """Raises ValueError unless `decode_step(codes, state)` can run; returns its
+        `started` mask (None when every stream in the batch has started)."""
         if codes.dim() != 3 or codes.shape[0] != state.batch_size:
             raise ValueError(f"codes must be [B={state.batch_size}, K, F], got {tuple(codes.shape)}")
         started = state.frames > 0
@@ -129,11 +139,12 @@ class CodecModel(nn.Module):
                              f"with {self.config.pad_mode} padding, got {codes.shape[-1]}")
         if [t.shape[1:] for t in state.tensors] != self._stream_shapes:
             raise ValueError("stream state does not belong to this model")
-        new_states: list[Tensor] = []
-        wav = self.decoder.stream_step(self.quantizer.decode(codes), iter(state.tensors), new_states, started)
-        state.tensors = new_states
-        state.frames = state.frames + codes.shape[-1]
-        return wav
+        return started
+
+    def stream_step_module(self) -> nn.Module:
+        """The streaming decode of started streams as a module over plain tensors,
+        (codes, *state tensors) -> (wav, *new state tensors): what tracing needs."""
+        return _StreamStep(self)
 
     def freeze_codes(self) -> None:
         """Train the decoder alone from here on: the encoder and the codebooks keep their
@@ -194,3 +205,14 @@ class CodecModel(nn.Module):
         model = cls(config)
         model.load_state_dict(state_dict)
         return model.eval()
+
+
+class _StreamStep(nn.Module):
+    def __init__(self, codec: CodecModel):
+        super().__init__()
+        self.codec = codec
+
+    def forward(self, codes: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+        new_states: list[Tensor] = []
+        wav = self.codec.decoder.stream_step(self.codec.quantizer.decode(codes), iter(tensors), new_states, None)
+        return (wav, *new_states)

@@ -285,15 +285,8 @@ class SLSTM(nn.Module):
         hid = self.lstm.hidden_size
         hs, cs = [], []
         for layer, (w_ih, w_hh, bias) in enumerate(_cached(self, "_loop_cache", self._loop_weights)):
-            gates_x = torch.addmm(bias, seq.flatten(0, 1), w_ih).view(*seq.shape[:2], -1)
-            h_l, c_l, outs = h[:, layer], c[:, layer], []
-            for t in range(seq.shape[0]):
-                gates = torch.addmm(gates_x[t], h_l, w_hh)
-                ifo = torch.sigmoid(gates[:, : 3 * hid])
-                c_l = torch.addcmul(ifo[:, hid : 2 * hid] * c_l, ifo[:, :hid], torch.tanh(gates[:, 3 * hid :]))
-                h_l = ifo[:, 2 * hid :] * torch.tanh(c_l)
-                outs.append(h_l)
-            seq = torch.stack(outs)
+            gates_x = torch.addmm(bias, seq.flatten(0, 1), w_ih).view(seq.shape[0], seq.shape[1], -1)
+            seq, h_l, c_l = _lstm_recurrence()(gates_x, h[:, layer], c[:, layer], w_hh, hid)
             hs.append(h_l)
             cs.append(c_l)
         return seq, torch.stack(hs, 1), torch.stack(cs, 1)
@@ -304,15 +297,48 @@ class SLSTM(nn.Module):
         h, c = next(states_in), next(states_in)
         inp = x.permute(2, 0, 1)
         hidden = self.lstm.hidden_size
-        if inp.shape[0] * 16384 <= hidden * hidden:
+        if torch.jit.is_tracing() or inp.shape[0] * 16384 <= hidden * hidden:
             # oneDNN's LSTM re-lays out its weights on every call (~10 ms at width 512,
             # measured), while a plain loop pays per frame: loop up to (H / 128)^2 frames.
+            # A trace always loops (its loop is scripted: any frame count)
             y, h, c = self._cell_loop(inp, h, c)
         else:
             y, (h, c) = self.lstm(inp, (h.transpose(0, 1).contiguous(), c.transpose(0, 1).contiguous()))
             h, c = h.transpose(0, 1).contiguous(), c.transpose(0, 1).contiguous()
         states_out += [h, c]
         return (y + inp).permute(1, 2, 0)
+
+
+def _recurrence(gates_x: Tensor, h: Tensor, c: Tensor, w_hh: Tensor, hid: int) -> tuple[Tensor, Tensor, Tensor]:
+    """One LSTM layer over time: gates_x [T, B, 4H] (input part, biases in), gates in
+    (i, f, o, g) order; h/c [B, H]. Returns (outputs [T, B, H], h, c)."""
+    outs: list[Tensor] = []
+    for t in range(gates_x.shape[0]):
+        gates = torch.addmm(gates_x[t], h, w_hh)
+        ifo = torch.sigmoid(gates[:, : 3 * hid])
+        c = torch.addcmul(ifo[:, hid : 2 * hid] * c, ifo[:, :hid], torch.tanh(gates[:, 3 * hid :]))
+        h = ifo[:, 2 * hid :] * torch.tanh(c)
+        outs.append(h)
+    return torch.stack(outs), h, c
+
+
+_SCRIPTED: dict[str, object] = {}
+
+
+def _lstm_recurrence():
+    """`_recurrence` as TorchScript, made on first use: a frozen trace of the streaming
+    decoder (models/step_graph.py) then keeps the loop over frames instead of unrolling
+    one frame count, and eager calls run it without Python between the ops."""
+    if "lstm" not in _SCRIPTED:
+        import warnings
+
+        with warnings.catch_warnings():  # torch.jit's deprecation notice
+            warnings.simplefilter("ignore")
+            try:
+                _SCRIPTED["lstm"] = torch.jit.script(_recurrence)
+            except Exception:  # noqa: BLE001 - a torch without TorchScript: the same loop in Python
+                _SCRIPTED["lstm"] = _recurrence
+    return _SCRIPTED["lstm"]
 
 
 def _stream_init(layers: list[nn.Module], batch: int, ref: Tensor) -> list[Tensor]:
@@ -328,6 +354,8 @@ def _elu(x: Tensor) -> Tensor:
     of a batched streaming decode (docs/loadtest.md). Small inputs keep F.elu (one op)."""
     if x.device.type != "cpu" or x.numel() < 1 << 15 or not x.is_contiguous():
         return F.elu(x)
+    if torch.jit.is_tracing():  # one piece: a trace must not depend on the batch's size
+        return torch.clamp(x, max=0).exp_().sub_(1).add_(x.clamp_min(0))
     out = torch.empty_like(x)
     flat_x, flat_out = x.view(-1), out.view(-1)
     for a in range(0, flat_x.numel(), _ELU_PIECE):
