@@ -352,10 +352,10 @@ def _elu(x: Tensor) -> Tensor:
     """ELU (alpha 1) as exp(min(x, 0)) - 1 + max(x, 0), a cache-sized piece at a time: on
     CPU these cheap passes ran ~2x faster than F.elu's expm1 kernel, which made ELU a fifth
     of a batched streaming decode (docs/loadtest.md). Small inputs keep F.elu (one op)."""
+    if torch.jit.is_tracing():  # one piece, whatever the size: a trace serves every batch
+        return torch.clamp(x, max=0).exp_().sub_(1).add_(x.clamp_min(0))
     if x.device.type != "cpu" or x.numel() < 1 << 15 or not x.is_contiguous():
         return F.elu(x)
-    if torch.jit.is_tracing():  # one piece: a trace must not depend on the batch's size
-        return torch.clamp(x, max=0).exp_().sub_(1).add_(x.clamp_min(0))
     out = torch.empty_like(x)
     flat_x, flat_out = x.view(-1), out.view(-1)
     for a in range(0, flat_x.numel(), _ELU_PIECE):
