@@ -170,7 +170,7 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
     r = engine.runner
     p.wrap(scopes, "runner.step", r, "step")
     p.wrap(scopes, "codec", r, "decode")
-    p.wrap(scopes, "codec.decode_step", r.codec, "decode_step")
+    p.wrap(scopes, "codec.decode_step", r, "codec_step")  # the frozen graph or `decode_step`
     p.wrap(scopes, "text.add", r, "add_chunk")
     p.wrap(scopes, "text.place", r, "place_chunk")
     p.wrap(scopes, "text.evict", r, "evict_chunks_before")
