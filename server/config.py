@@ -35,8 +35,8 @@ class ServerConfig:
     device: str = "cpu"  # cpu | cuda | cuda:N
     # replay the decode step from a CUDA graph (models/step_graph.py); CUDA devices only
     cuda_graphs: bool = False
-    # on the CPU, run the decode step as a frozen TorchScript graph (models/step_graph.py):
-    # the same ops without Python between them; false = the eager step
+    # on the CPU, run the model step and the streaming codec as frozen TorchScript graphs
+    # (models/step_graph.py): the same ops without Python between them; false = eager
     frozen_step: bool = True
     # decode steady-state packets on a second thread, beside the next model step
     codec_thread: bool = False

@@ -75,7 +75,7 @@ class EngineConfig:
     low_water_steps: float = 3.0
     # the model step replayed from a CUDA graph over every slot (models/step_graph.py)
     cuda_graphs: bool = False
-    # on the CPU, the model step as a frozen TorchScript graph (models/step_graph.py)
+    # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
     frozen_step: bool = True
     # steady-state packets are decoded on a codec thread while the next model step runs
     # (their audio goes out one step later; first and ramp packets stay on the engine
