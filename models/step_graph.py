@@ -126,8 +126,8 @@ class FrozenCodecStep:
 
     The streaming codec is dispatch-bound too at a packet's size: on the default codec
     the graph saves 2.5-4 ms a call up to 8 sessions (one session: 2 frames 6.0 -> 3.4
-    ms, 6 frames 9.5 -> 6.6 ms), and is level with eager at 16 sessions x 6 frames
-    (docs/loadtest.md). Batch size and frame count stay symbolic (the LSTM's loop
+    ms, 6 frames 9.5 -> 6.6 ms), and 3-6 ms at 16 sessions x 6 frames, a tenth of
+    such a call (docs/loadtest.md). Batch size and frame count stay symbolic (the LSTM's loop
     over frames is scripted, ELU runs in one piece); the number of codebooks is fixed
     (`n_codebooks`). Only started streams: a batch with a stream's first packet on a
     reflect-padded codec (its padding reads the packet itself) decodes eagerly, and so
