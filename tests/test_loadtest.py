@@ -321,3 +321,25 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
         assert res["cuda_graphs"] is False
     with pytest.raises(SystemExit):
         profile_step.main(["--cuda-graphs", "--device", "cpu"])
+
+
+def test_replay_plays_each_turn_and_restores_the_engine(tmp_path):
+    """loadtest.replay on a tiny random model: every turn finishes, its stalls are the
+    simulated listener's underruns, packets are reported, and the text-wait probe it
+    installs on EngineSession is removed afterwards."""
+    from loadtest import replay
+    from server.session import EngineSession
+
+    text = tmp_path / "t.txt"
+    text.write_text("Hello there.\n")
+    before = EngineSession.lookahead_ready
+    out = tmp_path / "r.json"
+    assert replay.main(["--model-path", "random:tiny", "--sessions", "2", "--turns", "1", "--stagger-s", "0.1",
+                        "--llm-rate", "200", "--sentences-per-turn", "1", "--text-file", str(text),
+                        "--json", str(out)]) == 0
+    assert EngineSession.lookahead_ready is before
+    res = json.loads(out.read_text())
+    assert [(r["worker"], r["turn"]) for r in res["turn_results"]] == [(0, 0), (1, 0)]
+    for r in res["turn_results"]:
+        assert r["finished"] and r["first_packets"] and r["underruns"] == len(r["stalls"])
+    assert res["underruns"] == sum(r["underruns"] for r in res["turn_results"])

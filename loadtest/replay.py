@@ -1,0 +1,143 @@
+"""In-process replay of LLM-paced turns: where a session's listener starves, and why.
+
+    python -m loadtest.replay --sessions 2 --turns 3
+    python -m loadtest.replay --sessions 2 --turns 3 --eager-step --json replay.json
+
+The real engine (server/engine.py), no gRPC: `--sessions` workers, started
+`--stagger-s` apart, each speak `--turns` turns one after another, fed like the load
+test's LLM upstream (loadtest.workload). Each session's packets are played by the load
+test's simulated listener (loadtest.playback), so its stalls are the load test's
+underruns, less whatever gRPC adds. Per turn it prints the stalls (timeline position,
+ms), the first packets (frames, ms after the first) and the session's *text waits*: the
+steps at which it stopped for text (`EngineSession.lookahead_ready` false after it had
+started) with the audio its listener held then. A stall with a text wait just before it
+is the start policy's, not the engine's speed. A measurement, not a test: timings vary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .playback import Packet, simulate_playback
+from .workload import Pacing, load_sentences, make_turn
+
+
+def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pacing = Pacing(),
+           sentences_per_turn: int = 2, text_file: Optional[str] = None, frozen_step: bool = True,
+           seed: int = 0, timeout_s: float = 120.0) -> dict[str, Any]:
+    from server.engine import Engine, EngineConfig
+    from server.session import EngineSession, Phase
+    from server.session_api import AudioPacket, Failed, Finished, SessionConfig
+
+    corpus = load_sentences(text_file)
+    engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step))
+    voice = engine.make_voice("replay", (np.random.default_rng(seed).standard_normal(24000) * 0.1).astype(np.float32),
+                              24000)
+    waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
+    ready = EngineSession.lookahead_ready
+
+    def watched_ready(s: EngineSession) -> bool:
+        ok = ready(s)
+        if not ok and s.step_count > 0 and s.phase is not Phase.WAITING:
+            waits.setdefault(id(s), []).append({"step": s.step_count, "frames_sent": s.frames_done,
+                                                "audio_ahead_ms": 1000 * s.audio_ahead_s(time.monotonic())})
+        return ok
+
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        time.sleep(i * stagger_s)
+        for t in range(turns):
+            turn = make_turn(corpus, sentences_per_turn, pacing, seed=seed + 1000 * i + t)
+            packets: list[Packet] = []
+            done = threading.Event()
+
+            def sink(ev) -> None:
+                if isinstance(ev, AudioPacket):
+                    packets.append(Packet(time.monotonic(), ev.start_s, ev.duration_s))
+                elif isinstance(ev, (Finished, Failed)):
+                    done.set()
+
+            t0 = time.monotonic()
+            session = engine.open_session(SessionConfig(seed=seed + 100 * i + t, guidance_lambda=math.inf), voice, sink)
+            for piece in turn.pieces:
+                delay = t0 + piece.t_s - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                session.push_text(piece.text)
+            session.end_input()
+            finished = done.wait(timeout_s)
+            pb = simulate_playback(packets)
+            first = packets[0].arrival_s if packets else 0.0
+            with lock:
+                results.append({
+                    "worker": i, "turn": t, "finished": finished, "underruns": pb.underruns,
+                    "starved_ms": 1000 * pb.starved_s,
+                    "stalls": [(round(pos, 3), round(1000 * ms, 1)) for pos, ms in pb.stalls],
+                    "first_packets": [(round(p.duration_s * 75), round(1000 * (p.arrival_s - first)))
+                                      for p in packets[:8]],
+                    "text_waits": waits.get(id(session), []),
+                })
+
+    EngineSession.lookahead_ready = watched_ready  # for this run only: restored below
+    engine.start()
+    try:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(sessions)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        engine.stop()
+        EngineSession.lookahead_ready = ready
+    results.sort(key=lambda r: (r["worker"], r["turn"]))
+    return {"sessions": sessions, "turns": turns, "stagger_s": stagger_s, "llm_rate": pacing.llm_rate,
+            "frozen_step": frozen_step, "underruns": sum(r["underruns"] for r in results),
+            "starved_ms": sum(r["starved_ms"] for r in results), "text_waits": sum(len(r["text_waits"]) for r in results),
+            "turn_results": results}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.replay", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="default", help="model directory or random:<preset>[/<codec>]")
+    ap.add_argument("--sessions", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=3, help="turns per session, one after another")
+    ap.add_argument("--stagger-s", type=float, default=0.5, help="worker i starts i * this late")
+    ap.add_argument("--llm-rate", type=float, default=40.0, help="LLM pieces per second")
+    ap.add_argument("--sentences-per-turn", type=int, default=2)
+    ap.add_argument("--text-file", default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--eager-step", action="store_true", help="the eager model step and codec (default: frozen)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.sessions < 1 or args.turns < 1:
+        ap.error("--sessions and --turns must be >= 1")
+    torch.set_num_threads(args.threads)
+    from models.loading import load_bundle
+
+    bundle = load_bundle(None if args.model_path in ("", "default") else args.model_path)
+    res = replay(bundle, args.sessions, args.turns, args.stagger_s, Pacing(llm_rate=args.llm_rate).validate(),
+                 args.sentences_per_turn, args.text_file, frozen_step=not args.eager_step, seed=args.seed)
+    print(f"{res['sessions']} sessions x {res['turns']} turns: {res['underruns']} underruns, "
+          f"{res['starved_ms']:.0f} ms starved, {res['text_waits']} text waits")
+    for r in res["turn_results"]:
+        print(f"  worker {r['worker']} turn {r['turn']}: stalls {r['stalls']} first packets {r['first_packets']} "
+              f"text waits {[(w['step'], w['frames_sent'], round(w['audio_ahead_ms'])) for w in r['text_waits']]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
