@@ -50,7 +50,7 @@ def main(argv=None) -> int:
            "cuda_graphs": args.cuda_graphs, "frozen_step": None, "rows": []}
     for b in args.batch:
         runner = ModelRunner(bundle, b, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step)
-        out["frozen_step"] = runner.model_step != bundle.model.step
+        out["frozen_step"] = runner.frozen
         voice = runner.make_voice("v", np.random.randn(24000).astype(np.float32) * 0.1, 24000)
         slots = list(range(b))
         for s in slots:

@@ -226,6 +226,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     scopes = Scopes(record_function)
     if bundle.device.type == "cuda":
         scopes.sync = torch.cuda.synchronize
+    frozen = engine.runner.frozen  # before the wrappers replace its step
     patches = install(scopes, engine, fine)
     n_steps = [0]
     batch_sizes: list[int] = []
@@ -294,6 +295,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     window = step_starts[-1] - step_starts[0]
     out = {"steps": steps, "window_s": window, "iteration_ms": 1000 * window / steps,
            "mean_batch": statistics.fmean(batch_sizes), "sessions_opened": opened, "sessions_finished": finished[0],
+           "frozen_step": frozen,
            "incl": dict(scopes.incl), "excl": dict(scopes.excl), "calls": dict(scopes.calls),
            "parent": dict(scopes.parent)}
     if prof is not None and trace_dir is not None:
@@ -507,13 +509,13 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
                            "torch": torch.__version__, "machine": machine, "analytic": cost,
                            "codec": ccost, "packet_frames": pf, "text_chars": text_chars, "steps": steps,
                            "cuda_graphs": cuda_graphs,
-                           "frozen_step": frozen_step and bundle.device.type == "cpu" and not cuda_graphs,
                            "warmup": warmup, "batches": []}
     for b in batches:
         la = list(os.getloadavg())
         run = _engine_run(bundle, b, steps, warmup, fine=True, record_function=trace_dir is not None,
                           trace_dir=trace_dir, text_chars=text_chars, cuda_graphs=cuda_graphs, frozen_step=frozen_step)
         rows, cats = scope_table(run)
+        out["frozen_step"] = run["frozen_step"]  # what the runner made of the request
         plain_ms = None
         if plain:
             pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, cuda_graphs=cuda_graphs,

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .playback import Packet, simulate_playback
+from .profile_step import Patches
 from .workload import Pacing, load_sentences, make_turn
 
 
@@ -88,7 +89,8 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
                     "text_waits": waits.get(id(session), []),
                 })
 
-    EngineSession.lookahead_ready = watched_ready  # for this run only: restored below
+    patches = Patches()
+    patches.set(EngineSession, "lookahead_ready", watched_ready)  # for this run only
     engine.start()
     try:
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(sessions)]
@@ -98,7 +100,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
             th.join()
     finally:
         engine.stop()
-        EngineSession.lookahead_ready = ready
+        patches.undo()
     results.sort(key=lambda r: (r["worker"], r["turn"]))
     return {"sessions": sessions, "turns": turns, "stagger_s": stagger_s, "llm_rate": pacing.llm_rate,
             "frozen_step": frozen_step, "underruns": sum(r["underruns"] for r in results),

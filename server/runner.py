@@ -64,6 +64,11 @@ class ModelRunner:
         self.generators: list[torch.Generator] = [torch.Generator() for _ in range(capacity)]
         self._voice_lock = threading.Lock()
 
+    @property
+    def frozen(self) -> bool:
+        """Whether the model step runs as a frozen graph (tracing may have fallen back)."""
+        return self.model_step != self.model.step
+
     # --- voices (called from executor threads, not the engine loop) ---------------------
     @torch.no_grad()
     def make_voice(self, voice_id: str, audio: np.ndarray, sample_rate: int) -> Voice:

@@ -52,6 +52,7 @@ from models import graphemes as G
 from models.attention import current_chunk, window_chunk_range
 from models.guidance import sample_top_k
 from models.inference import visible_prefix
+from server.session_api import SessionConfig
 from training.dataset import DecoderData, Example, codes_path, collate, read_manifest, read_wav_segment
 from training.encode_corpus import encode_batch, save_codes
 from training.eval import report
@@ -152,10 +153,11 @@ class Synth:
 
 
 @torch.inference_mode()
-def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int = 20, n_past: int = 4,
-               n_future: int = 2, max_overrun: int = 225) -> Synth:
+def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int = SessionConfig.top_k,
+               n_past: int = 4, n_future: int = 2, max_overrun: int = 225) -> Synth:
     """Decode one utterance in slot 0 of `runner` (a server.runner.ModelRunner), stepping
-    the model as ModelRunner.step does (guidance off), with the forcing of `mode`."""
+    the model as ModelRunner.step does (its model step; guidance off), with the forcing
+    of `mode`."""
     if mode not in SYNTH_MODES:
         raise ValueError(f"mode must be one of {SYNTH_MODES}")
     model, st = runner.model, runner.state
@@ -175,7 +177,7 @@ def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int =
     for t in range(T + max_overrun + model.cfg.max_delay + 2):
         lo, hi = window(prep.chunk_tau, t, n_past, n_future)
         view = st.view([0])
-        logits = model.step(view.inputs, view.step, view, visible_prefix(st.window_mask(view, [lo], [hi])))
+        logits = runner.model_step(view.inputs, view.step, view, visible_prefix(st.window_mask(view, [lo], [hi])))
         g = sample_top_k(logits.graphemes.float(), [top_k], gens)
         a = sample_top_k(logits.acoustic.float(), [top_k], gens)
         if force_g:
@@ -305,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test")
     p.add_argument("--seed", type=int, default=0, help="as training.evaluate --seed")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma list of {','.join(SYNTH_MODES)}")
-    p.add_argument("--top-k", type=int, default=20, help="the server's default (SessionConfig.top_k)")
+    p.add_argument("--top-k", type=int, default=SessionConfig.top_k, help="the server's default (SessionConfig.top_k)")
     p.add_argument("--n-past", type=int, default=4)
     p.add_argument("--n-future", type=int, default=2)
     p.add_argument("--asr", choices=("tiny.en", "base", "none"), default="base")
