@@ -17,9 +17,9 @@ behaves the same. Each scope's exclusive time is reported per step:
           cross-attention  CrossAttention.attend_step (every layer)
           layernorm        norm1/norm2 and the group norms
           heads            the output projections (one stacked matmul per codebook group)
-        sampling.graphemes sample_graphemes (semantic guidance + top-k)
+        sampling           sample_step: semantic guidance and top-k for the grapheme and
+                           the acoustic codes (one TorchScript call)
           guidance.set     GuidanceState.guiding_set (Python)
-        sampling.acoustic  sample_top_k over the acoustic codebooks
         state.*            DecodeState view / window_mask / commit / write_back
       guidance.observe     GuidanceState.observe (Python)
       words/timeline       EngineSession.track_words, SpeechTimeline.replace (Python)
@@ -141,7 +141,7 @@ CATEGORIES = {
     "heads": ("heads",),
     "layernorm": ("layernorm",),
     "model other (embeddings, RoPE, window bias, residuals)": ("model.step",),
-    "guidance + sampling": ("sampling.graphemes", "sampling.acoustic", "guidance.set", "guidance.observe"),
+    "guidance + sampling": ("sampling", "guidance.set", "guidance.observe"),
     "decode-state bookkeeping (gather, mask, commit, tolist)": ("runner.step", "state.view", "state.window_mask",
                                                                 "state.commit", "state.write_back"),
     "text memory (chunk K/V projection, re-rotation, eviction)": ("text.add", "text.place", "text.evict",
@@ -192,8 +192,7 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
     for gn in m.group_norms:
         p.wrap(scopes, "layernorm", gn, "forward")
     p.wrap(scopes, "heads", m, "_fused_heads")  # the step's heads: one matmul per codebook group
-    p.wrap(scopes, "sampling.graphemes", runner_mod, "sample_graphemes")
-    p.wrap(scopes, "sampling.acoustic", runner_mod, "sample_top_k")
+    p.wrap(scopes, "sampling", runner_mod, "sample_step")
     p.wrap(scopes, "guidance.set", GuidanceState, "guiding_set")
     p.wrap(scopes, "guidance.observe", GuidanceState, "observe")
     p.wrap(scopes, "audio.encode", AudioEncoder, "push")
@@ -316,7 +315,7 @@ def scope_table(run: dict) -> tuple[list[dict], dict]:
     parent["engine.loop-other"] = ""
 
     order = ["engine.step", "runner.step", "model.step", "mamba", "cross-attention", "layernorm", "heads",
-             "sampling.graphemes", "guidance.set", "sampling.acoustic", "state.view", "state.window_mask",
+             "sampling", "guidance.set", "state.view", "state.window_mask",
              "state.commit", "state.write_back", "guidance.observe", "words.track", "timeline.replace",
              "engine.evict_past", "engine.fill_memory", "text.add", "text.place", "text.evict", "codec",
              "codec.decode_step", "engine.emit_audio", "audio.encode", "engine.commands", "engine.select",

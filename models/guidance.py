@@ -86,8 +86,9 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 
 from .graphemes import BLANK, EOS, SPACE, VOCAB_SIZE
+from .scripted import scripted
 
-__all__ = ["GuidanceState", "sample_graphemes", "sample_top_k"]
+__all__ = ["GuidanceState", "sample_graphemes", "sample_step", "sample_top_k"]
 
 _INF = float("inf")
 
@@ -369,6 +370,63 @@ def _sample_rows(scores: torch.Tensor, k: torch.Tensor, kmax: int, u: torch.Tens
     return idx.gather(-1, j[:, None]).squeeze(-1)
 
 
+def _guided(scores: torch.Tensor, guide: torch.Tensor, bonus: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1's reweighting in log space: guiding entries (guide [N, V]) + log(1 +
+    lambda) (bonus [N]); a hard row (lambda inf) keeps only them, unless none is finite."""
+    hard = hard & (guide & ~torch.isneginf(scores)).any(-1)
+    return torch.where(guide, scores + bonus[:, None], scores.masked_fill(hard[:, None], -math.inf))
+
+
+def _step_tokens(g_logits: torch.Tensor, a_logits: torch.Tensor, eos_barred: torch.Tensor, guide: torch.Tensor,
+                 bonus: torch.Tensor, hard: torch.Tensor, k_g: torch.Tensor, kmax_g: int, k_a: torch.Tensor,
+                 kmax_a: int, u: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_step`'s tensor work: ([B, 1 + Q] tokens, [B] non-finite rows)."""
+    g, a = g_logits.float(), a_logits.float()
+    # a row's sum is non-finite iff one of its logits is (finite logits are far from
+    # overflowing it): two reductions instead of isfinite's passes over every logit
+    bad = ~torch.isfinite(g.sum(-1) + a.flatten(1).sum(-1))
+    g = g.masked_fill(bad[:, None], 0.0)
+    a = a.masked_fill(bad[:, None, None], 0.0)
+    g[:, eos] = g[:, eos].masked_fill(eos_barred, -math.inf)
+    b, q, v = a.shape
+    g_tok = _sample_rows(_guided(g, guide, bonus, hard), k_g, kmax_g, u[:, 0])
+    a_tok = _sample_rows(a.reshape(b * q, v), k_a.repeat_interleave(q), kmax_a, u[:, 1:].reshape(-1))
+    return torch.cat((g_tok[:, None], a_tok.view(b, q)), 1), bad
+
+
+_scripted_sample_rows = scripted(_sample_rows)
+_scripted_guided = scripted(_guided)
+_scripted_step_tokens = scripted(_step_tokens)
+
+
+def _guidance_inputs(states: Sequence[Optional[GuidanceState]], lambdas: Union[float, Sequence[float]],
+                     shape: tuple[int, int], device) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(guide [B, G] bool, bonus [B], hard [B]) for `_guided`; None when no row is guided."""
+    b, g = shape
+    if len(states) != b:
+        raise ValueError(f"expected {b} guidance states, got {len(states)}")
+    lam = [float(lambdas)] * b if isinstance(lambdas, (int, float)) else [float(x) for x in lambdas]
+    if len(lam) != b:
+        raise ValueError(f"expected {b} lambdas, got {len(lam)}")
+    if any(not x >= 0.0 for x in lam):
+        raise ValueError("guidance lambda must be >= 0 (inf for hard guidance)")
+    rows: list[int] = []
+    cols: list[int] = []
+    for r, st in enumerate(states):
+        if st is None or lam[r] == 0.0:
+            continue
+        gs = st.guiding_set()
+        rows.extend([r] * len(gs))
+        cols.extend(gs)
+    if not rows:
+        return None
+    mask = torch.zeros(b, g, dtype=torch.bool)
+    mask[rows, cols] = True
+    hard = [math.isinf(x) for x in lam]
+    bonus = [0.0 if h else math.log1p(x) for x, h in zip(lam, hard)]
+    return mask.to(device), torch.tensor(bonus, device=device), torch.tensor(hard, device=device)
+
+
 def sample_top_k(logits: torch.Tensor, top_ks: IntsLike,
                  generators: Optional[Sequence[Optional[torch.Generator]]] = None) -> torch.Tensor:
     """Plain top-k sampling of [B, V] -> [B] or [B, K, V] -> [B, K] logits.
@@ -388,7 +446,7 @@ def sample_top_k(logits: torch.Tensor, top_ks: IntsLike,
         if kc > 1:
             k = k.repeat_interleave(kc)
     u = _uniforms(generators, b, kc, device).reshape(-1)
-    out = _sample_rows(logits.reshape(b * kc, v).float(), k, kmax, u)
+    out = _scripted_sample_rows()(logits.reshape(b * kc, v).float(), k, kmax, u)
     return out.reshape(b, kc) if logits.dim() == 3 else out
 
 
@@ -404,32 +462,33 @@ def sample_graphemes(logits: torch.Tensor, states: Sequence[Optional[GuidanceSta
         raise ValueError("grapheme logits must be [B, G]")
     b, g = logits.shape
     device = logits.device
-    if len(states) != b:
-        raise ValueError(f"expected {b} guidance states, got {len(states)}")
-    lam = [float(lambdas)] * b if isinstance(lambdas, (int, float)) else [float(x) for x in lambdas]
-    if len(lam) != b:
-        raise ValueError(f"expected {b} lambdas, got {len(lam)}")
-    if any(not x >= 0.0 for x in lam):
-        raise ValueError("guidance lambda must be >= 0 (inf for hard guidance)")
-    rows: list[int] = []
-    cols: list[int] = []
-    for r, st in enumerate(states):
-        if st is None or lam[r] == 0.0:
-            continue
-        gs = st.guiding_set()
-        rows.extend([r] * len(gs))
-        cols.extend(gs)
+    guide = _guidance_inputs(states, lambdas, (b, g), device)
     k, kmax = _per_row_k(top_ks, b, g, device)
     u = _uniforms(generators, b, 1, device).reshape(-1)
     scores = logits.float()
-    if rows:
-        mask = torch.zeros(b, g, dtype=torch.bool)
-        mask[rows, cols] = True
-        mask = mask.to(device)
-        lam_t = torch.tensor(lam, dtype=torch.float32).to(device)
-        finite = torch.isfinite(lam_t)
-        bonus = torch.where(finite, torch.log1p(torch.where(finite, lam_t, 0.0)), 0.0)
-        hard = ~finite & (mask & ~torch.isneginf(scores)).any(-1)
-        scores = torch.where(mask, scores + bonus[:, None],
-                             scores.masked_fill(hard[:, None], -math.inf))
-    return _sample_rows(scores, k, kmax, u)
+    if guide is not None:
+        scores = _scripted_guided()(scores, *guide)
+    return _scripted_sample_rows()(scores, k, kmax, u)
+
+
+def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Sequence[GuidanceState],
+                lambdas: Sequence[float], top_ks: Sequence[int],
+                generators: Sequence[Optional[torch.Generator]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step's tokens for B sessions in one TorchScript call: the grapheme by
+    `sample_graphemes`, then the acoustic codes by `sample_top_k`, from the same uniforms
+    (so the same tokens). EOS is barred while a row's text may still arrive
+    (`input_complete` false). A row with non-finite logits is sampled from zeros so the
+    batch goes on. g_logits [B, G], a_logits [B, Q, V] -> (tokens [B, 1 + Q] grapheme
+    first, bad [B] bool: the rows whose logits were not finite)."""
+    b, g = g_logits.shape
+    q, v = a_logits.shape[1:]
+    device = g_logits.device
+    guide = _guidance_inputs(states, lambdas, (b, g), device)
+    if guide is None:
+        guide = (torch.zeros(b, g, dtype=torch.bool, device=device), torch.zeros(b, device=device),
+                 torch.zeros(b, dtype=torch.bool, device=device))
+    k_g, kmax_g = _per_row_k(top_ks, b, g, device)
+    k_a, kmax_a = _per_row_k(top_ks, b, v, device)
+    barred = torch.tensor([not st.input_complete for st in states], device=device)
+    u = _uniforms(generators, b, 1 + q, device)  # one draw per token, grapheme first
+    return _scripted_step_tokens()(g_logits, a_logits, barred, *guide, k_g, kmax_g, k_a, kmax_a, u, EOS)

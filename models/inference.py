@@ -17,6 +17,7 @@ import torch
 from . import graphemes
 from .attention import apply_rope, rope_angles
 from .livespeech import LiveSpeech2
+from .scripted import scripted
 
 NO_EOS = 1 << 40
 
@@ -241,24 +242,35 @@ class DecodeState(DecodeStateView):
         """Record the tokens sampled at this step (sampled [B, K]); returns the frame that
         became complete, if any. Tokens at positions the delay pattern leaves empty are
         replaced by the none id, exactly as in training (models/delay.py)."""
-        step = view.step
-        new_eos = (sampled[:, 0] == graphemes.EOS) & (view.eos_frame == NO_EOS)
-        view.eos_frame.copy_(torch.where(new_eos, step, view.eos_frame))
-        last = torch.stack([view.eos_frame] + [view.eos_frame - 1] * (sampled.shape[1] - 1), dim=1)  # [B, K]
-        frame = step.unsqueeze(1) - self.delays.unsqueeze(0)  # [B, K]
-        valid = (frame >= 0) & (frame <= last)
-        tokens = torch.where(valid, sampled, self.none.unsqueeze(0))
-        r = view.ring.shape[1]
-        b_idx = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1)
-        k_idx = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        view.ring[b_idx, frame % r, k_idx] = torch.where(valid, tokens, view.ring[b_idx, frame % r, k_idx])
-        done_frame = step - int(self.delays[-1])
-        frames = view.ring[torch.arange(tokens.shape[0], device=tokens.device), done_frame % r]
-        has = (done_frame >= 0) & (done_frame <= view.eos_frame - 1)
-        done = done_frame >= view.eos_frame - 1
-        view.inputs.copy_(tokens)
-        view.step.add_(1)
-        return StepResult(frames=frames, frame_index=done_frame, has_frame=has, done=done)
+        frames, index, has, done = _scripted_commit()(view.step, view.eos_frame, view.ring, view.inputs,
+                                                      self.delays, self.none, sampled, graphemes.EOS, NO_EOS)
+        return StepResult(frames=frames, frame_index=index, has_frame=has, done=done)
+
+
+def _commit(step: torch.Tensor, eos_frame: torch.Tensor, ring: torch.Tensor, inputs: torch.Tensor,
+            delays: torch.Tensor, none: torch.Tensor, sampled: torch.Tensor, eos: int, no_eos: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`DecodeState.commit`'s tensor work; updates step, eos_frame, ring and inputs in place."""
+    new_eos = (sampled[:, 0] == eos) & (eos_frame == no_eos)
+    eos_frame.copy_(torch.where(new_eos, step, eos_frame))
+    last = torch.cat((eos_frame[:, None], (eos_frame - 1)[:, None].expand(-1, sampled.shape[1] - 1)), 1)  # [B, K]
+    frame = step.unsqueeze(1) - delays.unsqueeze(0)  # [B, K]
+    valid = (frame >= 0) & (frame <= last)
+    tokens = torch.where(valid, sampled, none.unsqueeze(0))
+    r = ring.shape[1]
+    b_idx = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1)
+    k_idx = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+    ring[b_idx, frame % r, k_idx] = torch.where(valid, tokens, ring[b_idx, frame % r, k_idx])
+    done_frame = step - delays[-1]
+    frames = ring[torch.arange(tokens.shape[0], device=tokens.device), done_frame % r]
+    has = (done_frame >= 0) & (done_frame <= eos_frame - 1)
+    done = done_frame >= eos_frame - 1
+    inputs.copy_(tokens)
+    step.add_(1)
+    return frames, done_frame, has, done
+
+
+_scripted_commit = scripted(_commit)
 
 
 def _spans(chunk_ids: Sequence[int]) -> dict[int, tuple[int, int]]:

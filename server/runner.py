@@ -7,7 +7,6 @@ knows about gRPC, timers or text chunking.
 """
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 
 from models import graphemes
-from models.guidance import GuidanceState, sample_graphemes, sample_top_k
+from models.guidance import GuidanceState, sample_step
 from models.inference import DecodeState, enrollment_kv, visible_prefix
 from models.loading import ModelBundle
 from models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
@@ -63,6 +62,20 @@ class ModelRunner:
         self.codec_state = self.codec.streaming_state(capacity)
         self.generators: list[torch.Generator] = [torch.Generator() for _ in range(capacity)]
         self._voice_lock = threading.Lock()
+        self._warm_up()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Compile the TorchScript sampler and commit now: their first calls cost ~0.1 s,
+        which would otherwise land in the first session's first packet."""
+        view = self.state.view([0, 0])  # a gathered copy: the state itself is not written
+        cfg = self.model.cfg
+        g = torch.zeros(2, cfg.n_graphemes, device=self.device)
+        a = torch.zeros(2, cfg.n_acoustic_codebooks, cfg.codebook_size, device=self.device)
+        for _ in range(3):
+            tokens, _ = sample_step(g, a, [GuidanceState(), GuidanceState()], [1.0, 1.0], [1, 1],
+                                    [torch.Generator(device=self.device)] * 2)
+            self.state.commit(view, tokens)
 
     @property
     def frozen(self) -> bool:
@@ -114,33 +127,17 @@ class ModelRunner:
             logits = self.captured(slots, view.inputs, view.step, mask)
         else:
             logits = self.model_step(view.inputs, view.step, view, visible_prefix(mask))
-        g_logits, a_logits = logits.graphemes.float(), logits.acoustic.float()
-        # a row with non-finite logits fails alone; sample it from zeros so the batch goes on.
-        # A row's sum is non-finite iff one of its logits is (finite logits are far from
-        # overflowing it): two reductions instead of isfinite's passes over every logit
-        bad = ~torch.isfinite(g_logits.sum(-1) + a_logits.flatten(1).sum(-1))
-        if bool(bad.any()):
-            g_logits = g_logits.masked_fill(bad[:, None], 0.0)
-            a_logits = a_logits.masked_fill(bad[:, None, None], 0.0)
-        # the speech may not end while more text can still arrive
-        open_text = torch.tensor([not st.input_complete for st in guidance], device=g_logits.device)
-        g_logits[:, graphemes.EOS] = g_logits[:, graphemes.EOS].masked_fill(open_text, -math.inf)
         gens = [self.generators[s] for s in slots]
-        g = sample_graphemes(g_logits, list(guidance), list(lambdas), list(top_ks), gens)
+        # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
+        tokens, bad = sample_step(logits.graphemes, logits.acoustic, guidance, lambdas, top_ks, gens)
         if any(force_eos):
-            g = torch.where(torch.tensor(force_eos, device=g.device), torch.full_like(g, graphemes.EOS), g)
-        a = sample_top_k(a_logits, list(top_ks), gens)
-        res = self.state.commit(view, torch.cat((g.unsqueeze(1), a), dim=1))
+            tokens[:, 0] = tokens[:, 0].masked_fill(torch.tensor(force_eos, device=tokens.device), graphemes.EOS)
+        res = self.state.commit(view, tokens)
         self.state.write_back(view)
-        g_list = g.tolist()
-        has = res.has_frame.tolist()
-        frames = res.frames[:, 1:].tolist()
-        idx = res.frame_index.tolist()
-        done = res.done.tolist()
-        failed = bad.tolist()
-        return [
-            SlotStep(g_list[i], frames[i] if has[i] else None, idx[i], done[i], failed[i]) for i in range(len(slots))
-        ]
+        # one conversion to Python for the whole batch
+        rows = torch.cat((tokens[:, :1], res.frame_index[:, None], res.has_frame[:, None], res.done[:, None],
+                          bad[:, None], res.frames[:, 1:]), 1).tolist()
+        return [SlotStep(r[0], r[5:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
 
     # --- codec ------------------------------------------------------------------------------
     @torch.inference_mode()

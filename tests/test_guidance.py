@@ -466,3 +466,49 @@ def test_sampler_edge_cases():
         sample_graphemes(logits, [st, st], [float("nan"), 0.0], 3)
     allneg = torch.full((1, VOCAB_SIZE), -math.inf)
     assert sample_top_k(allneg, 5).shape == (1,)
+
+
+def test_sample_step_equals_the_two_samplers_with_the_same_draws():
+    """The runner's one-call sampler: the grapheme as `sample_graphemes`, then the acoustic
+    codes as `sample_top_k`, from each session's generator in that order; EOS barred while
+    the text is open; a row with non-finite logits flagged and sampled from zeros."""
+    from models.guidance import sample_step
+    from models.graphemes import EOS
+
+    texts = ["hello world", "the cat sat", "abc", ""]
+    lams = [math.inf, 1.0, 0.0, math.inf]
+    top_ks = [1, 5, 40, 20]
+    states = [GuidanceState(ids(t)) for t in texts]
+    states[1].end_input()  # EOS may be sampled here only
+    g1, g2 = _gens(50, 4), _gens(50, 4)
+    lg = torch.Generator().manual_seed(3)
+    for step in range(60):
+        g_logits = torch.randn(4, VOCAB_SIZE, generator=lg) * 3
+        g_logits[:, EOS] += 4.0  # tempting
+        a_logits = torch.randn(4, 3, 64, generator=lg) * 3
+        tokens, bad = sample_step(g_logits, a_logits, states, lams, top_ks, g1)
+        barred = g_logits.clone()
+        for r, st in enumerate(states):
+            if not st.input_complete:
+                barred[r, EOS] = -math.inf
+        g_want, a_want = [], []
+        for r in range(4):  # one session at a time: draws are per session, grapheme first
+            g_want.append(sample_graphemes(barred[r:r + 1], states[r:r + 1], lams[r], top_ks[r], g2[r:r + 1]))
+            a_want.append(sample_top_k(a_logits[r:r + 1], top_ks[r], g2[r:r + 1]))
+        assert tokens.shape == (4, 4) and not bad.any()
+        assert torch.equal(tokens[:, 0], torch.cat(g_want)) and torch.equal(tokens[:, 1:], torch.cat(a_want))
+        assert all(t != EOS for r, t in enumerate(tokens[:, 0].tolist()) if r != 1)
+        for st, g in zip(states, tokens[:, 0].tolist()):
+            st.observe(g)
+    a_logits[2, 1, 5] = float("nan")
+    tokens, bad = sample_step(g_logits, a_logits, states, lams, top_ks, g1)
+    assert bad.tolist() == [False, False, True, False] and 0 <= int(tokens[2, 2]) < 64
+
+
+def test_the_samplers_run_as_torchscript():
+    """A silent fallback to Python would cost every step its speed, not its results."""
+    from models import guidance, inference
+
+    for get in (guidance._scripted_step_tokens, guidance._scripted_sample_rows, guidance._scripted_guided,
+                inference._scripted_commit):
+        assert isinstance(get(), torch.jit.ScriptFunction)

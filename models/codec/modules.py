@@ -14,14 +14,13 @@ have (reflect padding applies only at the start of a stream).
 """
 from __future__ import annotations
 
-import functools
-import warnings
 from typing import Iterator
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..scripted import scripted
 from .config import CodecConfig
 
 
@@ -324,17 +323,9 @@ def _recurrence(gates_x: Tensor, h: Tensor, c: Tensor, w_hh: Tensor, hid: int) -
     return torch.stack(outs), h, c
 
 
-@functools.cache
-def _lstm_recurrence():
-    """`_recurrence` as TorchScript, made on first use: a frozen trace of the streaming
-    decoder (models/step_graph.py) then keeps the loop over frames instead of unrolling
-    one frame count, and eager calls run it without Python between the ops."""
-    with warnings.catch_warnings():  # torch.jit's deprecation notice
-        warnings.simplefilter("ignore")
-        try:
-            return torch.jit.script(_recurrence)
-        except Exception:  # noqa: BLE001 - a torch without TorchScript: the same loop in Python
-            return _recurrence
+# as TorchScript: a frozen trace of the streaming decoder (models/step_graph.py) then keeps
+# the loop over frames instead of unrolling one frame count
+_lstm_recurrence = scripted(_recurrence)
 
 
 def _stream_init(layers: list[nn.Module], batch: int, ref: Tensor) -> list[Tensor]:
