@@ -25,6 +25,10 @@ def test_first_chunk_is_released_at_first_max_words():
     ch = Chunker(ChunkingConfig(min_words=2, max_words=4, first_max_words=3))
     assert words(ch.push("one two three four five six seven ", 0.0)) == [
         ["one", "two", "three"], ["four", "five", "six", "seven"]]
+    # a one-word first chunk (speech may start at the second token) with later chunks of 2-4
+    cfg = ChunkingConfig(min_words=2, max_words=4, first_max_words=1)
+    cfg.validate()
+    assert words(Chunker(cfg).push("one two three four five six ", 0.0)) == [["one"], ["two", "three", "four", "five"]]
 
 
 def test_punctuation_flushes_and_indices_increase():
