@@ -33,20 +33,21 @@ from .workload import Pacing, load_sentences, make_turn
 
 def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pacing = Pacing(),
            sentences_per_turn: int = 2, text_file: Optional[str] = None, frozen_step: bool = True,
-           seed: int = 0, timeout_s: float = 120.0) -> dict[str, Any]:
+           seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None) -> dict[str, Any]:
     from server.engine import Engine, EngineConfig
     from server.session import EngineSession, Phase
     from server.session_api import AudioPacket, Failed, Finished, SessionConfig
 
     corpus = load_sentences(text_file)
+    options = {} if start_future_chunks is None else {"start_future_chunks": start_future_chunks}
     engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step))
     voice = engine.make_voice("replay", (np.random.default_rng(seed).standard_normal(24000) * 0.1).astype(np.float32),
                               24000)
     waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
     ready = EngineSession.lookahead_ready
 
-    def watched_ready(s: EngineSession) -> bool:
-        ok = ready(s)
+    def watched_ready(s: EngineSession, now: Optional[float] = None) -> bool:
+        ok = ready(s, now)
         if not ok and s.step_count > 0 and s.phase is not Phase.WAITING:
             waits.setdefault(id(s), []).append({"step": s.step_count, "frames_sent": s.frames_done,
                                                 "audio_ahead_ms": 1000 * s.audio_ahead_s(time.monotonic())})
@@ -60,16 +61,19 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
         for t in range(turns):
             turn = make_turn(corpus, sentences_per_turn, pacing, seed=seed + 1000 * i + t)
             packets: list[Packet] = []
+            summary: list = []
             done = threading.Event()
 
             def sink(ev) -> None:
                 if isinstance(ev, AudioPacket):
                     packets.append(Packet(time.monotonic(), ev.start_s, ev.duration_s))
                 elif isinstance(ev, (Finished, Failed)):
+                    summary.append(getattr(ev, "summary", None))
                     done.set()
 
             t0 = time.monotonic()
-            session = engine.open_session(SessionConfig(seed=seed + 100 * i + t, guidance_lambda=math.inf), voice, sink)
+            session = engine.open_session(SessionConfig(seed=seed + 100 * i + t, guidance_lambda=math.inf, **options),
+                                          voice, sink)
             for piece in turn.pieces:
                 delay = t0 + piece.t_s - time.monotonic()
                 if delay > 0:
@@ -87,6 +91,8 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
                     "first_packets": [(round(p.duration_s * 75), round(1000 * (p.arrival_s - first)))
                                       for p in packets[:8]],
                     "text_waits": waits.get(id(session), []),
+                    **{f"{name}_ms": None if value is None else 1000 * value
+                       for name, value in _latencies(summary[0] if summary else None).items()},
                 })
 
     patches = Patches()
@@ -108,6 +114,16 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
             "turn_results": results}
 
 
+def _latencies(summary) -> dict[str, Optional[float]]:
+    """The engine's own TTFA, lookahead wait and compute FPL of one turn (seconds)."""
+    return {name: getattr(summary, f"{name}_s", None) for name in ("ttfa", "lookahead_wait", "compute_fpl")}
+
+
+def percentiles(results: list[dict], key: str) -> Optional[tuple[float, float]]:
+    values = [r[key] for r in results if r.get(key) is not None]
+    return (float(np.percentile(values, 50)), float(np.percentile(values, 95))) if values else None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.replay", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--text-file", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--eager-step", action="store_true", help="the eager model step and codec (default: frozen)")
+    ap.add_argument("--start-future-chunks", type=int, default=None, help="the sessions' start policy (default: the server's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -130,9 +147,13 @@ def main(argv=None) -> int:
 
     bundle = load_bundle(None if args.model_path in ("", "default") else args.model_path)
     res = replay(bundle, args.sessions, args.turns, args.stagger_s, Pacing(llm_rate=args.llm_rate).validate(),
-                 args.sentences_per_turn, args.text_file, frozen_step=not args.eager_step, seed=args.seed)
+                 args.sentences_per_turn, args.text_file, frozen_step=not args.eager_step, seed=args.seed,
+                 start_future_chunks=args.start_future_chunks)
     print(f"{res['sessions']} sessions x {res['turns']} turns: {res['underruns']} underruns, "
           f"{res['starved_ms']:.0f} ms starved, {res['text_waits']} text waits")
+    for key in ("ttfa_ms", "lookahead_wait_ms", "compute_fpl_ms"):
+        if (q := percentiles(res["turn_results"], key)) is not None:
+            print(f"  {key[:-3]} p50 / p95: {q[0]:.1f} / {q[1]:.1f} ms")
     for r in res["turn_results"]:
         print(f"  worker {r['worker']} turn {r['turn']}: stalls {r['stalls']} first packets {r['first_packets']} "
               f"text waits {[(w['step'], w['frames_sent'], round(w['audio_ahead_ms'])) for w in r['text_waits']]}")
