@@ -1,8 +1,9 @@
 """Plain tensor functions as TorchScript, compiled on first use.
 
 A scripted function runs its ops from TorchScript's interpreter, with no Python between
-them (a few microseconds an op instead of ~10 on the CPU), and a trace that calls one
-keeps its control flow (loops over a runtime length) instead of unrolling it.
+them (the decode step's sampler, ~40 small ops: 0.57 ms against 0.85 ms eager at batch
+1 on the CPU, docs/loadtest.md), and a trace that calls one keeps its control flow
+(loops over a runtime length) instead of unrolling it.
 """
 from __future__ import annotations
 
