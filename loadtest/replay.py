@@ -46,8 +46,8 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
     waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
     ready = EngineSession.lookahead_ready
 
-    def watched_ready(s: EngineSession, now: Optional[float] = None) -> bool:
-        ok = ready(s, now)
+    def watched_ready(s: EngineSession) -> bool:
+        ok = ready(s)
         if not ok and s.step_count > 0 and s.phase is not Phase.WAITING:
             waits.setdefault(id(s), []).append({"step": s.step_count, "frames_sent": s.frames_done,
                                                 "audio_ahead_ms": 1000 * s.audio_ahead_s(time.monotonic())})

@@ -73,10 +73,6 @@ class EngineConfig:
     # while a session's packets ramp up to packet_ms, a shorter one goes out as soon as
     # its listener has less than this many step periods of audio left
     low_water_steps: float = 3.0
-    # the start policy (`EngineSession.lookahead_ready`): a listener holding less audio
-    # than this cannot afford to wait for nf chunks of lookahead, so a chunk is spoken
-    # with `start_future_chunks` after it (an LLM's next chunk comes ~0.1-0.2 s later)
-    lookahead_buffer_s: float = 0.3
     # the model step replayed from a CUDA graph over every slot (models/step_graph.py)
     cuda_graphs: bool = False
     # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
@@ -94,8 +90,6 @@ class EngineConfig:
             raise ConfigError("engine time limits must be positive")
         if not 0 <= self.low_water_steps <= 100:
             raise ConfigError("low_water_steps must be in [0, 100]")
-        if not 0 <= self.lookahead_buffer_s <= 60:
-            raise ConfigError("lookahead_buffer_s must be in [0, 60]")
         return self
 
 
@@ -348,7 +342,7 @@ class Engine:
         if r.done:
             s.done_decoding = True
         self._evict_past(s)
-        if not s.done_decoding and not s.lookahead_ready(now):
+        if not s.done_decoding and not s.lookahead_ready():
             s.phase = Phase.WAITING  # text ran dry: wait for more
         if plan := self._packet_due(s, now):
             return plan

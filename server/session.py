@@ -186,13 +186,10 @@ class EngineSession:
         hi = min(n_memory_chunks - 1, c + self.config.n_future_chunks)
         return c, lo, hi
 
-    def lookahead_ready(self, now: Optional[float] = None) -> bool:
-        """The start policy: current chunk c is spoken once nf chunks after it are in
-        memory (the paper's rule), or the text has ended. While the listener holds less
-        than the engine's `lookahead_buffer_s` of audio (at the start, and after the text
-        ran dry), `start_future_chunks` after it are enough: waiting for more text would
-        starve the listener. Never past the text: once the speech has covered every
-        grapheme so far, it waits for more (or the end)."""
+    def lookahead_ready(self) -> bool:
+        """The start policy: current chunk c is spoken once min(nf, start_future_chunks + c)
+        chunks after it are in memory, or the text has ended. Never past the text: once
+        the speech has covered every grapheme so far, it waits for more (or the end)."""
         n = sum(1 for ch in self.chunks if ch.in_memory)
         if n == 0:
             return False
@@ -201,10 +198,7 @@ class EngineSession:
         if self.guidance.progress >= self.n_chars:
             return False
         c = self.timeline.current_chunk(self.step_count)
-        need = self.config.n_future_chunks
-        if self.audio_ahead_s(time.monotonic() if now is None else now) < self.engine.config.lookahead_buffer_s:
-            need = min(need, self.config.start_future_chunks)
-        return n - 1 >= c + need
+        return n - 1 >= c + min(self.config.n_future_chunks, self.config.start_future_chunks + c)
 
     def track_words(self, frame: int) -> None:
         """Update word start/end frames from the guidance progress."""

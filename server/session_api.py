@@ -66,12 +66,9 @@ class SessionConfig:
     min_packet_ms: int = 20
     n_past_chunks: int = 4  # np; -1 means unbounded (offline mode)
     n_future_chunks: int = 2  # nf
-    # start policy: a chunk is spoken once nf chunks after it arrived, or this many while
-    # the listener holds little audio (the engine's lookahead_buffer_s: at the start, and
-    # after the text ran dry); nf is the paper's policy. 0 starts at the first chunk
-    # (TTFA ~40 % lower with an LLM at 40 tokens/s), but a model that speaks faster than
-    # the chunks arrive then catches up with the text at the start and its listener runs
-    # dry (tests/test_overload.py at 2 slots, docs/loadtest.md "Eleventh session")
+    # start policy: chunk k is spoken once min(nf, start_future_chunks + k) chunks after it
+    # arrived. 0 starts sooner but let a fast-speaking model catch up with the text (and
+    # its listener run dry) at the start in tests/test_overload.py; 1 did not
     start_future_chunks: int = 1
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     guidance_lambda: float = 1.0  # math.inf = hard guidance

@@ -441,26 +441,3 @@ def test_start_policy_speaks_the_first_chunk_without_waiting_for_lookahead(engin
         assert c.of(Finished)[0].summary.spoken_text == "Hello there and goodbye."
     assert got[0] > 0 and got[2] == 0
 
-
-def test_start_policy_waits_for_full_lookahead_once_the_listener_can_afford_it(voice):
-    """Below the engine's lookahead_buffer_s of audio in the listener's hands, a chunk is
-    spoken with start_future_chunks after it; at or above it, only with nf. With the
-    buffer at 0 every listener can afford the wait: the paper's policy from the start."""
-    import time
-
-    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=1, low_water_steps=0, lookahead_buffer_s=0.0))
-    eng.start()
-    try:
-        c = Collector()
-        h = eng.open_session(SessionConfig(**HARD, n_future_chunks=2, start_future_chunks=0), voice, c)
-        h.push_text("Hello there ", flush=True)
-        time.sleep(1.0)
-        assert not c.of(AudioPacket)  # one chunk, none after it: waits for nf = 2
-        h.push_text("and good ", flush=True)
-        h.push_text("bye now.")
-        h.end_input()
-        assert c.done.wait(60)
-        assert c.of(Finished)[0].summary.spoken_text == "Hello there and good bye now."
-    finally:
-        eng.stop()
-
