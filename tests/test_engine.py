@@ -440,4 +440,3 @@ def test_start_policy_speaks_the_first_chunk_without_waiting_for_lookahead(engin
         assert c.done.wait(60)
         assert c.of(Finished)[0].summary.spoken_text == "Hello there and goodbye."
     assert got[0] > 0 and got[2] == 0
-
