@@ -106,7 +106,8 @@ class Engine:
         self.scheduler = Scheduler(config.max_lead_s)
         self._free_slots = list(range(config.max_sessions))
         self._sessions: dict[int, EngineSession] = {}  # slot -> session
-        self._commands: collections.deque = collections.deque()
+        self._commands: collections.deque = collections.deque()  # text and end of input, in order
+        self._urgent: collections.deque = collections.deque()  # open, cancel, close
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -166,7 +167,10 @@ class Engine:
         return session
 
     def submit(self, session: EngineSession, command: tuple) -> None:
-        self._commands.append((session, command))
+        # opening, cancelling and closing go ahead of queued text: a client flooding text
+        # must not delay another session's admission (text and its end keep their order)
+        urgent = command[0] in ("open", "cancel", "close")
+        (self._urgent if urgent else self._commands).append((session, command))
         self._wake.set()
 
     # --- the loop ----------------------------------------------------------------------------
@@ -193,8 +197,8 @@ class Engine:
         for s in list(self._sessions.values()):
             self._fail(s, "UNAVAILABLE", "server is shutting down")
         # sessions whose open command never ran
-        while self._commands:
-            s, cmd = self._commands.popleft()
+        while self._urgent:
+            s, cmd = self._urgent.popleft()
             if cmd[0] == "open":
                 self._end(s, "failed")
 
@@ -208,8 +212,11 @@ class Engine:
         return wait
 
     def _apply_commands(self) -> None:
-        while self._commands:
-            s, cmd = self._commands.popleft()
+        # the urgent ones, then only the text queued so far: a flood of text arriving
+        # faster than it is handled must not keep the loop from stepping everyone else
+        queued = [self._urgent.popleft() for _ in range(len(self._urgent))]
+        queued += [self._commands.popleft() for _ in range(len(self._commands))]
+        for s, cmd in queued:
             kind = cmd[0]
             try:
                 if kind == "open":
