@@ -26,7 +26,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .playback import Packet, simulate_playback
+from .playback import Packet, describe, simulate_playback
 from .profile_step import Patches
 from .workload import Pacing, load_sentences, make_turn
 
@@ -119,11 +119,6 @@ def _latencies(summary) -> dict[str, Optional[float]]:
     return {name: getattr(summary, f"{name}_s", None) for name in ("ttfa", "lookahead_wait", "compute_fpl")}
 
 
-def percentiles(results: list[dict], key: str) -> Optional[tuple[float, float]]:
-    values = [r[key] for r in results if r.get(key) is not None]
-    return (float(np.percentile(values, 50)), float(np.percentile(values, 95))) if values else None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.replay", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,8 +147,8 @@ def main(argv=None) -> int:
     print(f"{res['sessions']} sessions x {res['turns']} turns: {res['underruns']} underruns, "
           f"{res['starved_ms']:.0f} ms starved, {res['text_waits']} text waits")
     for key in ("ttfa_ms", "lookahead_wait_ms", "compute_fpl_ms"):
-        if (q := percentiles(res["turn_results"], key)) is not None:
-            print(f"  {key[:-3]} p50 / p95: {q[0]:.1f} / {q[1]:.1f} ms")
+        if (q := describe([r[key] for r in res["turn_results"]]))["n"]:
+            print(f"  {key[:-3]} p50 / p95: {q['p50']:.1f} / {q['p95']:.1f} ms")
     for r in res["turn_results"]:
         print(f"  worker {r['worker']} turn {r['turn']}: stalls {r['stalls']} first packets {r['first_packets']} "
               f"text waits {[(w['step'], w['frames_sent'], round(w['audio_ahead_ms'])) for w in r['text_waits']]}")
