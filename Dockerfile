@@ -11,10 +11,8 @@
 # (EDITABLE=0 EXTRAS="" = runtime only). Only the torch wheel's index differs: here pip
 # cannot see the CPU wheel CI machines keep on disk, so the CPU build adds PyTorch's CPU
 # index (otherwise PyPI's torch for Linux is the multi-GB CUDA build).
-# See docs/deploy.md. The runtime images preload jemalloc: in 5,000-session soaks the
-# codec thread cost ~66 MB and twice the RSS drift under glibc's malloc, nothing
-# measurable under jemalloc, so the CPU image also turns the codec thread on
-# (docs/reliability.md, section 4; docs/loadtest.md for what the thread buys).
+# See docs/deploy.md. The runtime images preload jemalloc: it starts lower than glibc's
+# malloc and its RSS settles in long soaks (docs/reliability.md, section 4).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # Keep CUDA_VERSION and TORCH_CUDA_INDEX paired (same CUDA major.minor): mamba-ssm is
@@ -121,8 +119,7 @@ ENV PATH=/opt/livespeech/bin:${PATH} \
     LIVESPEECH_PORT=50051 \
     LIVESPEECH_METRICS_PORT=9090 \
     LIVESPEECH_VOICES_DIR=/var/lib/livespeech/voices \
-    LIVESPEECH_DEVICE=cpu \
-    LIVESPEECH_CODEC_THREAD=true
+    LIVESPEECH_DEVICE=cpu
 WORKDIR /var/lib/livespeech
 USER 10001:10001
 EXPOSE 50051 9090

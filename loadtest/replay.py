@@ -12,10 +12,16 @@ ms), the first packets (frames, ms after the first) and the session's *text wait
 steps at which it stopped for text (`EngineSession.lookahead_ready` false after it had
 started) with the audio its listener held then. A stall with a text wait just before it
 is the start policy's, not the engine's speed. A measurement, not a test: timings vary.
+
+`--max-delay N` is a what-if for latency only: it caps the decoder's codebook delays at
+N (0..8 -> 0,1,..,N,N,..), so the first frame is complete N + 1 steps after the start
+instead of 9. The weights were trained with their own delays, so the speech is not
+meaningful; the step count and the step's cost are the same as a model trained so.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import threading
@@ -132,18 +138,27 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--eager-step", action="store_true", help="the eager model step and codec (default: frozen)")
     ap.add_argument("--start-future-chunks", type=int, default=None, help="the sessions' start policy (default: the server's)")
+    ap.add_argument("--max-delay", type=int, default=None,
+                    help="cap the decoder's codebook delays (latency what-if; the speech is not meaningful)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.sessions < 1 or args.turns < 1:
         ap.error("--sessions and --turns must be >= 1")
+    if args.max_delay is not None and args.max_delay < 0:
+        ap.error("--max-delay must be >= 0")
     torch.set_num_threads(args.threads)
     from models.loading import load_bundle
 
     bundle = load_bundle(None if args.model_path in ("", "default") else args.model_path)
+    if args.max_delay is not None:
+        cfg = bundle.model.cfg
+        bundle.model.cfg = dataclasses.replace(cfg, delays=tuple(min(d, args.max_delay) for d in cfg.delays))
     res = replay(bundle, args.sessions, args.turns, args.stagger_s, Pacing(llm_rate=args.llm_rate).validate(),
                  args.sentences_per_turn, args.text_file, frozen_step=not args.eager_step, seed=args.seed,
                  start_future_chunks=args.start_future_chunks)
+    res["delays"] = list(bundle.model.cfg.delays)
+    print(f"codebook delays {res['delays']}")
     print(f"{res['sessions']} sessions x {res['turns']} turns: {res['underruns']} underruns, "
           f"{res['starved_ms']:.0f} ms starved, {res['text_waits']} text waits")
     for key in ("ttfa_ms", "lookahead_wait_ms", "compute_fpl_ms"):

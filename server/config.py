@@ -38,8 +38,8 @@ class ServerConfig:
     # on the CPU, run the model step and the streaming codec as frozen TorchScript graphs
     # (models/step_graph.py): the same ops without Python between them; false = eager
     frozen_step: bool = True
-    # decode steady-state packets on a second thread, beside the next model step
-    codec_thread: bool = False
+    # on the CPU, decode steady-state packets on a second thread, beside the next model step
+    codec_thread: bool = True
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
     voices_dir: Optional[Path] = None  # None = voices kept in memory only

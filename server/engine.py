@@ -77,11 +77,13 @@ class EngineConfig:
     cuda_graphs: bool = False
     # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
     frozen_step: bool = True
-    # steady-state packets are decoded on a codec thread while the next model step runs
-    # (their audio goes out one step later; first and ramp packets stay on the engine
-    # thread). Off by default: under glibc's malloc its arena costs memory; the CPU image
-    # turns it on with jemalloc preloaded (docs/reliability.md, section 4)
-    codec_thread: bool = False
+    # on the CPU, steady-state packets are decoded on a codec thread while the next model
+    # step runs on the other core (their audio goes out one step later; first and ramp
+    # packets stay on the engine thread). On 2 cores it cut the starved audio at four
+    # sessions four- to sevenfold (docs/loadtest.md); its memory cost was within the
+    # soak's noise (docs/reliability.md, section 4). CUDA devices keep the codec on the
+    # engine thread (unmeasured there).
+    codec_thread: bool = True
 
     def validate(self) -> "EngineConfig":
         if not 1 <= self.max_sessions <= 4096:
@@ -101,7 +103,7 @@ class Engine:
         self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs,
                                   frozen_step=config.frozen_step)
         self._codec_pool = (ThreadPoolExecutor(1, thread_name_prefix="livespeech-codec")
-                            if config.codec_thread else None)
+                            if config.codec_thread and self.runner.device.type == "cpu" else None)
         self._in_flight: Optional[InFlightDecode] = None  # at most one call on the codec thread
         self.scheduler = Scheduler(config.max_lead_s)
         self._free_slots = list(range(config.max_sessions))

@@ -344,3 +344,21 @@ def test_replay_plays_each_turn_and_restores_the_engine(tmp_path):
         assert r["finished"] and r["first_packets"] and r["underruns"] == len(r["stalls"])
         assert r["ttfa_ms"] >= r["compute_fpl_ms"] > 0 and r["lookahead_wait_ms"] >= 0
     assert res["underruns"] == sum(r["underruns"] for r in res["turn_results"])
+
+
+def test_replay_max_delay_caps_the_decoders_codebook_delays(tmp_path):
+    """The latency what-if: the tiny model's delays 0..8 capped at 2, and a turn still
+    runs to its end under them."""
+    from loadtest import replay
+
+    text = tmp_path / "t.txt"
+    text.write_text("Hello there.\n")
+    out = tmp_path / "r.json"
+    assert replay.main(["--model-path", "random:tiny", "--sessions", "1", "--turns", "1", "--llm-rate", "200",
+                        "--sentences-per-turn", "1", "--text-file", str(text), "--max-delay", "2",
+                        "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["delays"] == [0, 1, 2, 2, 2, 2, 2, 2, 2]
+    assert [r["finished"] for r in res["turn_results"]] == [True] and res["turn_results"][0]["first_packets"]
+    with pytest.raises(SystemExit):
+        replay.main(["--model-path", "random:tiny", "--max-delay", "-1"])
