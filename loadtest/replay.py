@@ -39,13 +39,16 @@ from .workload import Pacing, load_sentences, make_turn
 
 def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pacing = Pacing(),
            sentences_per_turn: int = 2, text_file: Optional[str] = None, frozen_step: bool = True,
-           seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None) -> dict[str, Any]:
+           seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None,
+           release_when_waiting: Optional[bool] = None) -> dict[str, Any]:
     from server.engine import Engine, EngineConfig
     from server.session import EngineSession, Phase
-    from server.session_api import AudioPacket, Failed, Finished, SessionConfig
+    from server.session_api import AudioPacket, ChunkingConfig, Failed, Finished, SessionConfig
 
     corpus = load_sentences(text_file)
-    options = {} if start_future_chunks is None else {"start_future_chunks": start_future_chunks}
+    options: dict[str, Any] = {} if start_future_chunks is None else {"start_future_chunks": start_future_chunks}
+    if release_when_waiting is not None:
+        options["chunking"] = ChunkingConfig(release_when_waiting=release_when_waiting)
     engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step))
     voice = engine.make_voice("replay", (np.random.default_rng(seed).standard_normal(24000) * 0.1).astype(np.float32),
                               24000)
@@ -138,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--eager-step", action="store_true", help="the eager model step and codec (default: frozen)")
     ap.add_argument("--start-future-chunks", type=int, default=None, help="the sessions' start policy (default: the server's)")
+    ap.add_argument("--release-when-waiting", choices=("on", "off"), default=None,
+                    help="chunking: release min_words at once while the speech waits for text (default: the server's)")
     ap.add_argument("--max-delay", type=int, default=None,
                     help="cap the decoder's codebook delays (latency what-if; the speech is not meaningful)")
     ap.add_argument("--seed", type=int, default=0)
@@ -156,7 +161,8 @@ def main(argv=None) -> int:
         bundle.model.cfg = dataclasses.replace(cfg, delays=tuple(min(d, args.max_delay) for d in cfg.delays))
     res = replay(bundle, args.sessions, args.turns, args.stagger_s, Pacing(llm_rate=args.llm_rate).validate(),
                  args.sentences_per_turn, args.text_file, frozen_step=not args.eager_step, seed=args.seed,
-                 start_future_chunks=args.start_future_chunks)
+                 start_future_chunks=args.start_future_chunks,
+                 release_when_waiting=None if args.release_when_waiting is None else args.release_when_waiting == "on")
     res["delays"] = list(bundle.model.cfg.delays)
     print(f"codebook delays {res['delays']}")
     print(f"{res['sessions']} sessions x {res['turns']} turns: {res['underruns']} underruns, "

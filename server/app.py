@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
 import signal
+from pathlib import Path
 from typing import Optional
 
 import grpc
@@ -205,12 +208,54 @@ def engine_config(config: ServerConfig):
     )
 
 
+def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup CPU quota (a container's
+    CPU limit, which `os.cpu_count()` and torch's default thread count do not see)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_cpu_quota(cgroup_root)
+    return max(1, min(cpus, math.ceil(quota)) if quota else cpus)
+
+
+def _cgroup_cpu_quota(root: Path) -> Optional[float]:
+    """The CPU quota in CPUs (cgroup v2 `cpu.max`, else v1 `cpu.cfs_*`); None if unlimited."""
+    def read(*names: str) -> Optional[list[str]]:
+        try:
+            return [(root / n).read_text().strip() for n in names]
+        except OSError:
+            return None
+
+    v2 = read("cpu.max")  # "quota period" or "max period"
+    fields = v2[0].split() if v2 else read("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")
+    if not fields or len(fields) != 2:
+        return None
+    quota, period = fields
+    if not (quota.isdigit() and period.isdigit()) or int(period) == 0:
+        return None  # "max" / "-1": no limit
+    return int(quota) / int(period)
+
+
+def torch_threads(config: ServerConfig, cpus: int) -> int:
+    """Intra-op threads for the engine. Set: as set. Auto (0): with the codec on its own
+    thread (the CPU), each of the two stepping threads gets half the CPUs, since both
+    run torch ops at once and each would otherwise start a team of `cpus` threads: on 2
+    cores 2 threads starved listeners 1.4-3.8x longer than 1 at 2-4 sessions
+    (docs/loadtest.md, "Fourteenth session"). Else all of them."""
+    if config.torch_threads:
+        return config.torch_threads
+    if config.device == "cpu" and config.codec_thread:
+        return max(1, cpus // 2)
+    return cpus
+
+
 def make_engine(config: ServerConfig, metrics: Metrics) -> EngineAPI:
     """The real engine on the configured (or embedded default) model bundle."""
-    if config.torch_threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(config.torch_threads)
+    cpus = available_cpus()
+    threads = torch_threads(config, cpus)
+    torch.set_num_threads(threads)
+    log.info("torch threads: %d (%s; %d CPUs available)", threads,
+             "set" if config.torch_threads else "auto", cpus)
     from models.loading import load_bundle
     from server.engine import Engine
 

@@ -4,9 +4,10 @@ An LLM sends sub-word pieces ("Hel", "lo", ","); BPE of a partial word differs f
 the word's, so only whole words leave the chunker. A word is whole once whitespace
 follows it, or on flush / end of input. Words are grouped into chunks of up to
 `max_words` (the first chunk: `first_max_words`, so speech can start sooner); a chunk
-is released early at sentence punctuation, on a client flush, at end of input, or when
-its words have waited `timer_ms` for more (the LLM paused): the timer releases a chunk
-of at least `min_words`, or any pending words after twice that.
+is released early at sentence punctuation, on a client flush, at end of input, when
+the speech is waiting for text and `min_words` are pending, or when its words have
+waited `timer_ms` for more (the LLM paused): the timer releases a chunk of at least
+`min_words`, or any pending words after twice that.
 """
 from __future__ import annotations
 
@@ -61,10 +62,13 @@ class Chunker:
             out.append(self._release(now))
         return out
 
-    def poll(self, now: float) -> list[TextChunk]:
-        """Release words that have waited too long (call periodically)."""
+    def poll(self, now: float, waiting: bool = False) -> list[TextChunk]:
+        """Release words that have waited too long (call periodically), or, while the
+        speech waits for text (`waiting`), min_words of them at once."""
         if not self._words:
             return []
+        if waiting and self.config.release_when_waiting and len(self._words) >= self.config.min_words:
+            return [self._release(now)]
         waited = now - self._last_word_at
         limit = self.config.timer_ms / 1000.0
         if (waited >= limit and len(self._words) >= self.config.min_words) or waited >= 2 * limit:

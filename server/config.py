@@ -59,7 +59,7 @@ class ServerConfig:
     max_session_wall_s: float = 3_600.0  # a session open this long -> DEADLINE_EXCEEDED (frees its slot)
     drain_grace_s: float = 30.0  # SIGTERM: in-flight sessions may finish for this long
     max_buffered_packets: int = 256  # per session; more and the client "is not reading"
-    torch_threads: int = 0  # 0 = torch's default
+    torch_threads: int = 0  # intra-op threads; 0 = auto (app.torch_threads: half the CPUs beside the codec thread)
     retry_after_ms: int = 1_000  # advertised to clients refused for capacity
     # security (server/auth.py): TLS with a PEM certificate chain and key; mutual TLS
     # when a client CA is set (clients without a certificate it signed cannot connect)

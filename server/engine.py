@@ -183,7 +183,7 @@ class Engine:
                 now = time.monotonic()
                 for s in list(self._sessions.values()):
                     with self._isolated(s, "releasing text"):
-                        self._release_chunks(s, s.chunker.poll(now))
+                        self._release_chunks(s, s.chunker.poll(now, waiting=s.waiting_for_text()))
                 batch = self.scheduler.select(list(self._sessions.values()), now)
                 if batch:
                     self._step(batch)

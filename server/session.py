@@ -200,6 +200,10 @@ class EngineSession:
         c = self.timeline.current_chunk(self.step_count)
         return n - 1 >= c + min(self.config.n_future_chunks, self.config.start_future_chunks + c)
 
+    def waiting_for_text(self) -> bool:
+        """Whether the speech is held up for want of text (not started, or the text ran dry)."""
+        return self.phase is Phase.WAITING and not self.done_decoding and not self.lookahead_ready()
+
     def track_words(self, frame: int) -> None:
         """Update word start/end frames from the guidance progress."""
         progress = self.guidance.progress

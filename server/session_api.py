@@ -41,6 +41,10 @@ class ChunkingConfig:
     flush_on_punctuation: bool = True
     # the first chunk is released at this many words (None: min_words), so speech can start sooner
     first_max_words: Optional[int] = None
+    # while the speech waits for text (before it starts, or when the text ran dry), pending
+    # words go out as a chunk once min_words are there, not at max_words: the wait is what
+    # the listener hears (a 2-4-word chunk is what training sees either way)
+    release_when_waiting: bool = True
 
     @property
     def first_chunk_words(self) -> int:

@@ -61,3 +61,20 @@ def test_client_flush_and_timestamps():
     ch = Chunker(ChunkingConfig(min_words=2, max_words=4))
     out = ch.push("hi there", 0.0, client_time_s=1.5, flush=True)
     assert words(out) == [["hi", "there"]] and out[0].client_time_s == 1.5
+
+
+def test_waiting_speech_takes_min_words_at_once():
+    """While the speech waits for text, min_words pending words go out as a chunk, not
+    max_words; otherwise chunks fill up as before (or the timer releases them)."""
+    ch = Chunker(ChunkingConfig(min_words=2, max_words=4, timer_ms=300))
+    assert words(ch.push("one two ", 0.0)) == [["one", "two"]]
+    assert ch.push("three ", 0.1) == []
+    assert ch.poll(0.1, waiting=True) == []  # fewer than min_words
+    assert ch.push("four ", 0.12) == []  # not max_words
+    assert ch.poll(0.13) == []  # not waiting, the timer not due
+    assert words(ch.poll(0.13, waiting=True)) == [["three", "four"]]
+    assert words(ch.push("five six seven eight ", 0.2)) == [["five", "six", "seven", "eight"]]
+    off = Chunker(ChunkingConfig(min_words=2, max_words=4, timer_ms=300, release_when_waiting=False))
+    off.push("one two three four ", 0.0)
+    assert off.poll(0.1, waiting=True) == []
+    assert words(off.poll(0.4, waiting=True)) == [["three", "four"]]  # the timer's

@@ -67,6 +67,32 @@ def test_server_config_flags_env_defaults() -> None:
     assert not ServerConfig.from_args([], env={"LIVESPEECH_FROZEN_STEP": "0"}).frozen_step
 
 
+def test_torch_threads_auto_splits_the_cpus_beside_the_codec_thread(tmp_path) -> None:
+    from server.app import available_cpus, torch_threads
+    auto = ServerConfig()
+    assert auto.torch_threads == 0 and auto.codec_thread
+    assert [torch_threads(auto, n) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
+    no_codec_thread = ServerConfig.from_args(["--codec-thread", "false"], env={})
+    assert [torch_threads(no_codec_thread, n) for n in (1, 2, 4)] == [1, 2, 4]
+    assert torch_threads(ServerConfig.from_args(["--device", "cuda"], env={}), 4) == 4
+    assert torch_threads(ServerConfig.from_args(["--torch-threads", "3"], env={}), 16) == 3  # set: as set
+
+    # the CPUs: affinity, capped by a container's cgroup quota (v2, then v1); none: affinity
+    own = len(os.sched_getaffinity(0))
+    assert available_cpus(tmp_path / "none") == own
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    for text, want in (("150000 100000", min(own, 2)), ("max 100000", own), ("50000 100000", 1), ("junk", own)):
+        (v2 / "cpu.max").write_text(text + "\n")
+        assert available_cpus(v2) == want, text
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    for quota, want in (("100000", 1), ("-1", own)):
+        (v1 / "cpu.cfs_quota_us").write_text(quota + "\n")
+        assert available_cpus(v1.parent) == want, quota
+
+
 def test_serve_refuses_a_bad_config_in_one_line(capsys, monkeypatch) -> None:
     monkeypatch.delenv("LIVESPEECH_DEVICE", raising=False)
     assert main(["serve", "--port", "70000"]) == 2

@@ -440,3 +440,28 @@ def test_start_policy_speaks_the_first_chunk_without_waiting_for_lookahead(engin
         assert c.done.wait(60)
         assert c.of(Finished)[0].summary.spoken_text == "Hello there and goodbye."
     assert got[0] > 0 and got[2] == 0
+
+
+def test_a_waiting_session_starts_on_min_words_of_lookahead(engine, voice):
+    """The start policy needs a chunk after the first; while the speech waits, the chunker
+    releases it at min_words (2) rather than waiting for max_words (4) or the timer."""
+    import time
+
+    from server.session_api import ChunkingConfig
+
+    started = {}
+    for on in (True, False):
+        c = Collector()
+        chunking = ChunkingConfig(min_words=2, max_words=4, timer_ms=10_000, release_when_waiting=on)
+        h = engine.open_session(SessionConfig(**HARD, n_future_chunks=2, start_future_chunks=1, chunking=chunking),
+                                voice, c)
+        h.push_text("Hello there my friend ")  # chunk 0: two words; two more pending
+        deadline = time.monotonic() + (5.0 if on else 3.0)  # both well before the timer
+        while not c.of(AudioPacket) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        started[on] = bool(c.of(AudioPacket))
+        h.push_text("and goodbye.")
+        h.end_input()
+        assert c.done.wait(60)
+        assert c.of(Finished)[0].summary.spoken_text == "Hello there my friend and goodbye."
+    assert started == {True: True, False: False}

@@ -184,6 +184,18 @@ def test_half_close_means_end_of_input_and_started_echo(srv) -> None:
     assert echo.sample_rate == 16000 and echo.packet_ms == 80 and echo.n_future_chunks == 2
     assert echo.encoding == pb.AUDIO_ENCODING_PCM16_LE and echo.voice_id
     assert echo.chunking.HasField("min_words") and echo.HasField("top_k")
+    assert echo.chunking.HasField("release_when_waiting") and echo.chunking.release_when_waiting
+
+
+def test_chunking_release_when_waiting_crosses_the_wire() -> None:
+    from server.protocol import config_from_proto, config_to_proto
+    from server.session_api import ChunkingConfig, SessionConfig
+
+    assert config_from_proto(pb.SynthesizeConfig())[0].chunking.release_when_waiting  # unset: the default
+    off = pb.SynthesizeConfig(chunking=pb.ChunkingPolicy(release_when_waiting=False))
+    assert not config_from_proto(off)[0].chunking.release_when_waiting
+    cfg = SessionConfig(chunking=ChunkingConfig(release_when_waiting=False))
+    assert not config_from_proto(config_to_proto(cfg))[0].chunking.release_when_waiting
 
 
 def test_explicit_end_of_input_and_unbounded_past(srv) -> None:
