@@ -264,6 +264,43 @@ def test_steady_packets_are_decoded_on_the_codec_thread_in_order(voice, monkeypa
     assert [p.seq for p in threaded.of(AudioPacket)] == list(range(len(threaded.of(AudioPacket))))
 
 
+def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
+    """Only a new codec call waits for the one in flight: steps with nothing new to
+    decode run beside it (they used to wait for it at the first step after it began)."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)  # no timing in the packet sizes
+    eng = Engine(load_bundle(random_init=True),
+                 EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0))
+    release, began, decode = threading.Event(), threading.Event(), eng.runner.decode
+
+    def held(slots, frames):
+        if threading.current_thread().name.startswith("livespeech-codec") and not release.is_set():
+            began.set()
+            release.wait(10)
+        return decode(slots, frames)
+
+    eng.runner.decode = held
+    eng.start()
+    try:
+        c = Collector()
+        h = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, c)
+        h.push_text("The engine keeps stepping while the codec thread holds a packet of this session. " * 2)
+        h.end_input()
+        assert began.wait(30), "no packet went to the codec thread"
+        session = next(iter(eng._sessions.values()))
+        steps = session.step_count
+        threading.Event().wait(0.5)
+        ran = session.step_count - steps
+        release.set()
+        assert c.done.wait(60)
+    finally:
+        release.set()
+        eng.stop()
+    assert ran >= 5  # up to the next packet's worth (6 frames at 80 ms), then the next call waits
+    assert isinstance(c.events[-1], Finished) and not c.of(Failed)
+    assert [p.seq for p in c.of(AudioPacket)] == list(range(len(c.of(AudioPacket))))
+
+
 def test_same_seed_same_audio(engine, voice):
     # the same text timing too: with the default start policy the first chunk may start
     # before the next words are in, which depends on thread timing; the paper's policy
