@@ -171,7 +171,8 @@ def render_markdown(result: dict, plots: list[str]) -> str:
     L.append(f"- load average (1/5/15 min) at start {la[0]}, at end {la[1]} on {host.get('nproc', '?')} CPUs"
              + ("  **machine was busy: treat timings as noisy**" if result.get("noisy") else ""))
     L.append(f"- server: {srv.get('mode')} {srv.get('target')} model `{srv.get('model_path')}` device {srv.get('device')}"
-             f" torch threads {srv.get('torch_threads') or 'auto'}; metrics {srv.get('metrics_url') or 'off'}")
+             f" torch threads {srv.get('torch_threads') or ('auto' if srv.get('mode') == 'spawn' else 'as the server set them')};"
+             f" metrics {srv.get('metrics_url') or 'off'}")
     L.append(f"- workload: {wl.get('pacing')}; {wl.get('sentences_per_turn')} sentence(s)/turn from "
              f"{wl.get('text_source')}; {wl.get('duration_s')} s per level, at most {wl.get('max_sessions')} turns; "
              f"session config {wl.get('config')}")
