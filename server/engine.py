@@ -77,12 +77,12 @@ class EngineConfig:
     cuda_graphs: bool = False
     # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
     frozen_step: bool = True
-    # on the CPU, steady-state packets are decoded on a codec thread while the next model
-    # step runs on the other core (their audio goes out one step later; first and ramp
-    # packets stay on the engine thread). On 2 cores it cut the starved audio at four
-    # sessions four- to sevenfold (docs/loadtest.md); its memory cost was within the
-    # soak's noise (docs/reliability.md, section 4). CUDA devices keep the codec on the
-    # engine thread (unmeasured there).
+    # on the CPU, packets after a session's first are decoded on a codec thread while the
+    # next model step runs on the other core (their audio goes out a step later; a
+    # session's first and last packets stay on the engine thread). On 2 cores it cut the
+    # starved audio at four sessions four- to sevenfold (docs/loadtest.md); its memory
+    # cost was within the soak's noise (docs/reliability.md, section 4). CUDA devices
+    # keep the codec on the engine thread (unmeasured there).
     codec_thread: bool = True
 
     def validate(self) -> "EngineConfig":
@@ -369,10 +369,11 @@ class Engine:
         least `low_water_steps` step periods of it, so it lasts until the next); the
         ramp after it (a packet may be as long as all the audio sent before it, so the
         listener's buffer covers its making; sooner if it would run dry first), which
-        ends once two full packets' worth were sent; and when the text ran dry."""
+        ends as `_ramp_over` says; and when the text ran dry."""
         n = len(s.pending_frames)
         full = self._packet_frames(s)
-        ramp = s.frames_done < 2 * full
+        s.clocked = s.clocked or self._ramp_over(s, full, now)
+        ramp = not s.clocked
         waiting = s.phase is Phase.WAITING
         if n == 0:
             return None
@@ -394,6 +395,17 @@ class Engine:
                 or (ramp and (n >= s.frames_done or s.audio_ahead_s(now) < self._low_water_s))):
             return PacketPlan(n, True)
         return None
+
+    def _ramp_over(self, s: EngineSession, full: int, now: float) -> bool:
+        """Whether a session's packets leave the ramp for the packet clock (for good).
+        After two full packets' worth, and then only once its listener holds a clocked
+        packet's longest wait (up to full - 1 steps to the tick, then full steps of
+        frames), or after four: a listener left with less at the ramp's end ran dry
+        before its first clocked packet (the N=1 stalls 0.16-0.19 s into the audio,
+        docs/loadtest.md "Fifteenth session")."""
+        if s.frames_done < 2 * full:
+            return False
+        return s.frames_done >= 4 * full or s.audio_ahead_s(now) >= 2 * full * self._step_period_s
 
     def _on_packet_clock(self, full: int) -> bool:
         """Whether steady sessions' full packets are decoded at this step: every `full`
@@ -441,13 +453,17 @@ class Engine:
 
     def _decode(self, due: list[tuple[EngineSession, PacketPlan]]) -> None:
         """Decode each session's planned packet: one batched codec call per distinct
-        frame count (usually one: see `_on_packet_clock`). Steady full packets go to the
-        codec thread, overlapping the next model steps (delivered after the first step
-        that ends with it done); the others are decoded and delivered now. A new call
-        settles the previous one first: calls on the codec state run one at a time, in
-        order. With nothing new to decode the engine does not wait for the codec thread:
-        waiting there cost the step after each threaded call the rest of that call
-        (~3.5 ms of a 5.5 ms step at one session, docs/loadtest.md "Fourteenth session")."""
+        frame count (usually one: see `_on_packet_clock`). Calls go to the codec thread,
+        overlapping the next model steps (delivered after the first step that ends with
+        it done), except those with a session's first packet (its TTFA) or its last (its
+        end follows): those are decoded and delivered now. Ramp packets too go to the
+        thread: on the engine thread each cost the engine a codec call, and its 2-frame
+        packets came about as fast as they played (docs/loadtest.md, "Fifteenth
+        session"). A new call settles the previous one first: calls on the codec state
+        run one at a time, in order. With nothing new to decode the engine does not wait
+        for the codec thread: waiting there cost the step after each threaded call the
+        rest of that call (~3.5 ms of a 5.5 ms step at one session, docs/loadtest.md
+        "Fourteenth session")."""
         if due or (self._in_flight is not None and self._in_flight.future.done()):
             self._settle_decode()
         by_len: dict[int, list[tuple[EngineSession, bool]]] = collections.defaultdict(list)
@@ -455,7 +471,8 @@ class Engine:
             by_len[plan.frames].append((s, plan.short))
         calls = []  # (on the codec thread?, n, planned); the engine thread's calls go first
         for n, planned in by_len.items():
-            threaded = self._codec_pool is not None and not any(short or s.done_decoding for s, short in planned)
+            threaded = self._codec_pool is not None and not any(s.frames_done == 0 or s.done_decoding
+                                                                 for s, _ in planned)
             calls.append((threaded, n, planned))
         for threaded, n, planned in sorted(calls, key=lambda c: c[0]):
             group = [s for s, _ in planned]

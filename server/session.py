@@ -89,6 +89,7 @@ class EngineSession:
         self.progress_step = 0
         self.step_count = 0
         self.frames_done = 0
+        self.clocked = False  # past the packet ramp: full packets on the packet clock
         self.pending_frames: list[list[int]] = []
         self.encoder = AudioEncoder(config.sample_rate, config.encoding, config.packet_ms, config.min_packet_ms)
         self.packet_seq = 0

@@ -231,10 +231,11 @@ def test_steady_packets_of_concurrent_sessions_are_decoded_together(voice, monke
     assert max(per_step.values()) == 3  # all three in one codec call
 
 
-def test_steady_packets_are_decoded_on_the_codec_thread_in_order(voice, monkeypatch):
-    """First and ramp packets are decoded on the engine thread (no added latency); steady
-    full packets on the codec thread, overlapping the next model step. The audio is the
-    same as without the codec thread, and a session's end comes after all its packets."""
+def test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order(voice, monkeypatch):
+    """A session's first packet (its TTFA) and its last are decoded on the engine thread;
+    ramp and steady packets on the codec thread, overlapping the next model step. The
+    audio is the same as without the codec thread, and a session's end comes after all
+    its packets."""
     torch.set_num_threads(1)
     monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)  # no timing in the packet sizes
     runs = {}
@@ -257,11 +258,45 @@ def test_steady_packets_are_decoded_on_the_codec_thread_in_order(voice, monkeypa
     (plain, plain_threads), (threaded, threaded_threads) = runs[False], runs[True]
     assert all(t.startswith("livespeech-engine") for t in plain_threads)
     assert threaded_threads[0].startswith("livespeech-engine")  # the first packet
+    assert threaded_threads[1].startswith("livespeech-codec")  # the ramp's second
+    assert threaded_threads[-1].startswith("livespeech-engine")  # the last
     assert any(t.startswith("livespeech-codec") for t in threaded_threads)
     pa, pb = (np.frombuffer(b"".join(p.data for p in c.of(AudioPacket)), dtype="<i2").astype(int) for c in (plain, threaded))
     assert packet_ms(plain.of(AudioPacket)) == packet_ms(threaded.of(AudioPacket))
     assert len(pa) == len(pb) and np.abs(pa - pb).max() <= 2
     assert [p.seq for p in threaded.of(AudioPacket)] == list(range(len(threaded.of(AudioPacket))))
+
+
+def test_the_packet_ramp_lasts_until_the_listener_holds_a_clocked_packets_wait(voice, monkeypatch):
+    """Packets ramp up for two full packets' worth of frames, then follow the packet clock
+    if the listener holds a clocked packet's longest wait (2 x packet steps); a listener
+    with less keeps the ramp (packets as soon as frames are in) up to four packets'
+    worth. The listener's buffer is pinned, so this machine's timing plays no part, and
+    the clock never ticks, so the packets before the last are the ramp's."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(Engine, "_on_packet_clock", lambda self, full: False)
+    last_ramp = {}
+    for held_s in (50.0, 0.0):
+        monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: held_s)
+        eng = Engine(load_bundle(random_init=True),
+                     EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0, codec_thread=False))
+        sent_before, decode = [], eng._decode  # frames sent before each packet
+        monkeypatch.setattr(eng, "_decode", lambda due: sent_before.extend(s.frames_done for s, _ in due)
+                            or decode(due))
+        eng.start()
+        try:
+            c = Collector()
+            h = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, c)
+            h.push_text("The ramp of this session lasts as long as its listener runs short of audio. " * 2)
+            h.end_input()
+            assert c.done.wait(60)
+        finally:
+            eng.stop()
+        assert isinstance(c.events[-1], Finished) and not c.of(Failed)
+        assert c.of(Finished)[0].summary.frames > 5 * 6, "the speech ended inside the ramp"
+        last_ramp[held_s] = max(sent_before[:-1])  # the last packet is the speech's end
+    full = 6  # 80 ms at 75 Hz
+    assert last_ramp[50.0] < 2 * full <= last_ramp[0.0] < 4 * full
 
 
 def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
@@ -274,7 +309,9 @@ def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
     release, began, decode = threading.Event(), threading.Event(), eng.runner.decode
 
     def held(slots, frames):
-        if threading.current_thread().name.startswith("livespeech-codec") and not release.is_set():
+        # a full packet's call: a short ramp packet's is followed by the next within a few steps
+        full = len(frames[0]) >= 6
+        if threading.current_thread().name.startswith("livespeech-codec") and full and not release.is_set():
             began.set()
             release.wait(10)
         return decode(slots, frames)
