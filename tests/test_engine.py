@@ -190,6 +190,21 @@ def test_runner_decodes_a_stream_shorter_than_a_first_packet():
     np.testing.assert_allclose(got[1], whole, atol=1e-4)
 
 
+def speak_alone(eng: Engine, voice, text: str) -> Collector:
+    """Start `eng`, speak `text` (given whole) in one session of 80 ms packets, stop it."""
+    eng.start()
+    try:
+        c = Collector()
+        h = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, c)
+        h.push_text(text)
+        h.end_input()
+        assert c.done.wait(60)
+    finally:
+        eng.stop()
+    assert isinstance(c.events[-1], Finished) and not c.of(Failed)
+    return c
+
+
 def test_steady_packets_of_concurrent_sessions_are_decoded_together(voice, monkeypatch):
     """Past the ramp, full packets are decoded on a shared clock (every packet's worth of
     engine steps), so sessions that started at different times batch their codec calls.
@@ -244,16 +259,7 @@ def test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order(voice,
                      EngineConfig(max_sessions=2, low_water_steps=0, max_lead_s=100.0, codec_thread=codec_thread))
         threads, decode = [], eng.runner.decode
         eng.runner.decode = lambda slots, frames: threads.append(threading.current_thread().name) or decode(slots, frames)
-        eng.start()
-        try:
-            c = Collector()
-            h = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, c)
-            h.push_text("The codec thread decodes the steady packets of this session.")
-            h.end_input()
-            assert c.done.wait(60)
-        finally:
-            eng.stop()
-        assert isinstance(c.events[-1], Finished) and not c.of(Failed)
+        c = speak_alone(eng, voice, "The codec thread decodes the steady packets of this session.")
         runs[codec_thread] = (c, threads)
     (plain, plain_threads), (threaded, threaded_threads) = runs[False], runs[True]
     assert all(t.startswith("livespeech-engine") for t in plain_threads)
@@ -283,16 +289,7 @@ def test_the_packet_ramp_lasts_until_the_listener_holds_a_clocked_packets_wait(v
         sent_before, decode = [], eng._decode  # frames sent before each packet
         monkeypatch.setattr(eng, "_decode", lambda due: sent_before.extend(s.frames_done for s, _ in due)
                             or decode(due))
-        eng.start()
-        try:
-            c = Collector()
-            h = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, c)
-            h.push_text("The ramp of this session lasts as long as its listener runs short of audio. " * 2)
-            h.end_input()
-            assert c.done.wait(60)
-        finally:
-            eng.stop()
-        assert isinstance(c.events[-1], Finished) and not c.of(Failed)
+        c = speak_alone(eng, voice, "The ramp of this session lasts as long as its listener runs short of audio. " * 2)
         assert c.of(Finished)[0].summary.frames > 5 * 6, "the speech ended inside the ramp"
         last_ramp[held_s] = max(sent_before[:-1])  # the last packet is the speech's end
     full = 6  # 80 ms at 75 Hz
