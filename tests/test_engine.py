@@ -114,15 +114,17 @@ def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice,
     sent before it (40, 40, then 80 ms) until two full packets' worth were sent. With a
     listener always 'about to run dry' (an absurd low-water mark) the first packet must
     cover that mark (a full packet here) and the ramp's packets go out at min_packet_ms.
-    Full packets after the ramp; the same audio either way. In the second run the
-    listener is made to look far ahead: a slow machine's listener may really run dry,
-    which sends a ramp packet sooner (a timing, not what this test is about); the lead
-    cap is lifted so that it still steps."""
+    Full packets after the ramp; the same audio either way. The listener's buffer is
+    pinned, as this machine's timing would otherwise decide when the ramp ends
+    (`Engine._ramp_over`): in the first run between a clocked packet's wait (12 step
+    periods) and the low-water mark (100), in the second far ahead (a slow machine's
+    listener may really run dry, which sends a ramp packet sooner). The lead cap is
+    lifted so that it still steps."""
     torch.set_num_threads(1)
     runs = {}
-    for low_water in (100.0, 0.0):
-        if low_water == 0.0:
-            monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)
+    for low_water, held in ((100.0, lambda self, now: 30 * self.engine._step_period_s),
+                            (0.0, lambda self, now: 50.0)):
+        monkeypatch.setattr(EngineSession, "audio_ahead_s", held)
         eng = Engine(load_bundle(random_init=True),
                      EngineConfig(max_sessions=1, low_water_steps=low_water, max_lead_s=100.0))
         eng.start()
