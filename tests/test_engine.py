@@ -109,6 +109,21 @@ def test_first_packet_is_short_then_packets_grow(engine, voice):
     assert c.of(Finished)[0].summary.audio_s == pytest.approx(t)
 
 
+def speak_alone(eng: Engine, voice, text: str, **cfg) -> Collector:
+    """Start `eng`, speak `text` (given whole) in one session of 80 ms packets, stop it."""
+    eng.start()
+    try:
+        c = Collector()
+        h = eng.open_session(SessionConfig(**{**HARD, "packet_ms": 80, **cfg}), voice, c)
+        h.push_text(text)
+        h.end_input()
+        assert c.done.wait(60)
+    finally:
+        eng.stop()
+    assert isinstance(c.events[-1], Finished) and not c.of(Failed)
+    return c
+
+
 def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice, monkeypatch):
     """After the first packet (min_packet_ms), a packet may be as long as all the audio
     sent before it (40, 40, then 80 ms) until two full packets' worth were sent. With a
@@ -127,17 +142,9 @@ def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice,
         monkeypatch.setattr(EngineSession, "audio_ahead_s", held)
         eng = Engine(load_bundle(random_init=True),
                      EngineConfig(max_sessions=1, low_water_steps=low_water, max_lead_s=100.0))
-        eng.start()
-        try:
-            v = eng.make_voice("test", (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32), 24000)
-            c = Collector()
-            h = eng.open_session(SessionConfig(**HARD, packet_ms=80, min_packet_ms=40), v, c)
-            h.push_text("Every packet is as short as it may be here.")
-            h.end_input()
-            assert c.done.wait(60)
-            runs[low_water] = c.of(AudioPacket)
-        finally:
-            eng.stop()
+        v = eng.make_voice("test", (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32), 24000)
+        c = speak_alone(eng, v, "Every packet is as short as it may be here.", min_packet_ms=40)
+        runs[low_water] = c.of(AudioPacket)
     low, ramp = packet_ms(runs[100.0]), packet_ms(runs[0.0])
     assert low[:4] == [80, 40, 40, 80] and ramp[:4] == [40, 40, 80, 80]
     assert all(m == 80 for m in low[3:-1] + ramp[2:-1])
@@ -190,21 +197,6 @@ def test_runner_decodes_a_stream_shorter_than_a_first_packet():
     padded = torch.tensor([list(zip(*(short_b + short_b[-1:] * 4)))])
     whole = bundle.codec.decode(padded)[0, 0, : 3 * hop].numpy()
     np.testing.assert_allclose(got[1], whole, atol=1e-4)
-
-
-def speak_alone(eng: Engine, voice, text: str) -> Collector:
-    """Start `eng`, speak `text` (given whole) in one session of 80 ms packets, stop it."""
-    eng.start()
-    try:
-        c = Collector()
-        h = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, c)
-        h.push_text(text)
-        h.end_input()
-        assert c.done.wait(60)
-    finally:
-        eng.stop()
-    assert isinstance(c.events[-1], Finished) and not c.of(Failed)
-    return c
 
 
 def test_steady_packets_of_concurrent_sessions_are_decoded_together(voice, monkeypatch):
