@@ -41,6 +41,9 @@ class InFlightDecode(NamedTuple):
     planned: list  # (session, short) per row
     frames: int
 
+    def holds(self, slots: set) -> bool:
+        return any(s.slot in slots for s, _ in self.planned)
+
 
 def _timed(decode, slots, frames):
     t0 = time.perf_counter()
@@ -104,7 +107,8 @@ class Engine:
                                   frozen_step=config.frozen_step)
         self._codec_pool = (ThreadPoolExecutor(1, thread_name_prefix="livespeech-codec")
                             if config.codec_thread and self.runner.device.type == "cpu" else None)
-        self._in_flight: Optional[InFlightDecode] = None  # at most one call on the codec thread
+        # calls on the codec thread, in submission order (the thread runs them in that order)
+        self._in_flight: collections.deque[InFlightDecode] = collections.deque()
         self.scheduler = Scheduler(config.max_lead_s)
         self._free_slots = list(range(config.max_sessions))
         self._sessions: dict[int, EngineSession] = {}  # slot -> session
@@ -252,8 +256,8 @@ class Engine:
             self._fail(s, "INTERNAL", f"{type(exc).__name__} while {what}")
 
     def _admit(self, s: EngineSession) -> None:
-        self._settle_decode()  # the slot's codec state is reset below: no call may hold it
         slot = self._free_slots.pop(0)
+        self._settle_decode({slot})  # the slot's codec state is reset below: no call may hold it
         s.slot = slot
         self._sessions[slot] = s
         self.runner.admit(slot, s.voice, s.config.seed)
@@ -455,35 +459,40 @@ class Engine:
         """Decode each session's planned packet: one batched codec call per distinct
         frame count (usually one: see `_on_packet_clock`). Calls go to the codec thread,
         overlapping the next model steps (delivered after the first step that ends with
-        it done), except those with a session's first packet (its TTFA) or its last (its
-        end follows): those are decoded and delivered now. Ramp packets too go to the
-        thread: on the engine thread each cost the engine a codec call, and its 2-frame
-        packets came about as fast as they played (docs/loadtest.md, "Fifteenth
-        session"). A new call settles the previous one first: calls on the codec state
-        run one at a time, in order. With nothing new to decode the engine does not wait
-        for the codec thread: waiting there cost the step after each threaded call the
-        rest of that call (~3.5 ms of a 5.5 ms step at one session, docs/loadtest.md
+        them done), except those with a session's first packet (its TTFA) or its last (its
+        end follows): those are decoded and delivered now, beside whatever the codec
+        thread runs. Ramp packets too go to the thread: on the engine thread each cost the
+        engine a codec call, and its 2-frame packets came about as fast as they played
+        (docs/loadtest.md, "Fifteenth session"). The thread's calls queue in order, the
+        most urgent (least audio in its listeners' hands) first; the engine waits only for
+        calls holding a slot whose codec state it is about to use. Waiting for every call
+        before the next cost a ramp packet queued behind a clocked call that whole call,
+        at 16 sessions up to 9 ms of its listener's 27 (docs/loadtest.md, "Sixteenth
+        session"); and waiting with nothing new to decode cost the step after each
+        threaded call the rest of that call (~3.5 ms of a 5.5 ms step at one session,
         "Fourteenth session")."""
-        if due or (self._in_flight is not None and self._in_flight.future.done()):
-            self._settle_decode()
+        self._deliver_done()
         by_len: dict[int, list[tuple[EngineSession, bool]]] = collections.defaultdict(list)
         for s, plan in due:
             by_len[plan.frames].append((s, plan.short))
-        calls = []  # (on the codec thread?, n, planned); the engine thread's calls go first
+        calls = []  # (urgency, n, planned): the engine thread's calls first, then the least audio in hand
+        now = time.monotonic()
         for n, planned in by_len.items():
             threaded = self._codec_pool is not None and not any(s.frames_done == 0 or s.done_decoding
                                                                  for s, _ in planned)
-            calls.append((threaded, n, planned))
-        for threaded, n, planned in sorted(calls, key=lambda c: c[0]):
+            urgency = min(s.audio_ahead_s(now) for s, _ in planned) if threaded else -math.inf
+            calls.append((urgency, n, planned))
+        for urgency, n, planned in sorted(calls, key=lambda c: c[0]):
             group = [s for s, _ in planned]
+            if urgency == -math.inf:  # an earlier call's audio for these sessions goes out first
+                self._settle_decode({s.slot for s in group})
             frames = [s.pending_frames[:n] for s in group]
             for s in group:  # taken now: the next step's packet plans must not see them
                 s.frames_done += n
                 del s.pending_frames[:n]
             call = (self.runner.decode, [s.slot for s in group], frames)
-            self._settle_decode()  # one call on the codec state at a time
-            if threaded:
-                self._in_flight = InFlightDecode(self._codec_pool.submit(_timed, *call), planned, n)
+            if urgency != -math.inf:
+                self._in_flight.append(InFlightDecode(self._codec_pool.submit(_timed, *call), planned, n))
                 continue
             future: Future = Future()
             try:
@@ -492,11 +501,17 @@ class Engine:
                 future.set_exception(exc)
             self._deliver(InFlightDecode(future, planned, n))
 
-    def _settle_decode(self) -> None:
-        """Deliver the codec thread's call, if one is out (waits for it)."""
-        call, self._in_flight = self._in_flight, None
-        if call is not None:
-            self._deliver(call)
+    def _deliver_done(self) -> None:
+        """Deliver the codec thread's finished calls, in order, without waiting."""
+        while self._in_flight and self._in_flight[0].future.done():
+            self._deliver(self._in_flight.popleft())
+
+    def _settle_decode(self, slots: Optional[set] = None) -> None:
+        """Deliver the codec thread's calls in order, waiting for them: all of them, or
+        up to the last one holding one of `slots`."""
+        held = [c for c in self._in_flight if slots is None or c.holds(slots)]
+        while held and any(c is held[-1] for c in self._in_flight):  # a delivery may settle others
+            self._deliver(self._in_flight.popleft())
 
     def _deliver(self, call: "InFlightDecode") -> None:
         planned, n = call.planned, call.frames
@@ -575,8 +590,8 @@ class Engine:
         s.sink(Finished(summary))
 
     def _settle_for(self, s: EngineSession) -> None:
-        if self._in_flight is not None and any(x is s for x, _ in self._in_flight.planned):
-            self._settle_decode()
+        if s.slot is not None:
+            self._settle_decode({s.slot})
 
     def _fail(self, s: EngineSession, code: str, message: str) -> None:
         if s.phase is Phase.ENDED:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from models.loading import load_bundle
-from server.engine import Engine, EngineConfig
+from server.engine import Engine, EngineConfig, PacketPlan
 from server.session import EngineSession
-from server.runner import Voice
+from server.runner import ModelRunner, Voice
 from server.session_api import (AudioPacket, CapacityError, ConfigError, Encoding, Failed, Finished,
                                 SessionConfig, StateError, WordTiming)
 
@@ -291,8 +291,9 @@ def test_the_packet_ramp_lasts_until_the_listener_holds_a_clocked_packets_wait(v
 
 
 def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
-    """Only a new codec call waits for the one in flight: steps with nothing new to
-    decode run beside it (they used to wait for it at the first step after it began)."""
+    """A codec call in flight holds no step: steps run beside it, and the packets they
+    complete queue behind it on the codec thread (the engine used to wait for the call in
+    flight at its next packet, a packet's worth of steps later)."""
     torch.set_num_threads(1)
     monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)  # no timing in the packet sizes
     eng = Engine(load_bundle(random_init=True),
@@ -300,11 +301,9 @@ def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
     release, began, decode = threading.Event(), threading.Event(), eng.runner.decode
 
     def held(slots, frames):
-        # a full packet's call: a short ramp packet's is followed by the next within a few steps
-        full = len(frames[0]) >= 6
-        if threading.current_thread().name.startswith("livespeech-codec") and full and not release.is_set():
+        if threading.current_thread().name.startswith("livespeech-codec") and not release.is_set():
             began.set()
-            release.wait(10)
+            release.wait(30)
         return decode(slots, frames)
 
     eng.runner.decode = held
@@ -316,17 +315,128 @@ def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
         h.end_input()
         assert began.wait(30), "no packet went to the codec thread"
         session = next(iter(eng._sessions.values()))
-        steps = session.step_count
-        threading.Event().wait(0.5)
-        ran = session.step_count - steps
+        steps, full = session.step_count, 6  # 80 ms at 75 Hz
+        deadline = threading.Event()
+        for _ in range(1000):  # until three more packets' worth of steps ran, or 10 s
+            if session.step_count - steps >= 3 * full or deadline.wait(0.01):
+                break
+        ran, queued = session.step_count - steps, len(eng._in_flight)
         release.set()
         assert c.done.wait(60)
     finally:
         release.set()
         eng.stop()
-    assert ran >= 5  # up to the next packet's worth (6 frames at 80 ms), then the next call waits
+    assert ran >= 3 * full and queued >= 2
     assert isinstance(c.events[-1], Finished) and not c.of(Failed)
     assert [p.seq for p in c.of(AudioPacket)] == list(range(len(c.of(AudioPacket))))
+
+
+def test_a_first_packet_does_not_wait_for_another_sessions_codec_call(voice, monkeypatch):
+    """A session's first packet (its TTFA) is decoded on the engine thread beside the
+    codec thread's call for other sessions; admitting it does not wait for that call
+    either (only a call holding the admitted slot would be waited for)."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)
+    eng = Engine(load_bundle(random_init=True),
+                 EngineConfig(max_sessions=2, low_water_steps=0, max_lead_s=100.0))
+    release, began, decode = threading.Event(), threading.Event(), eng.runner.decode
+
+    def held(slots, frames):
+        if threading.current_thread().name.startswith("livespeech-codec") and not release.is_set():
+            began.set()
+            release.wait(30)
+        return decode(slots, frames)
+
+    eng.runner.decode = held
+    eng.start()
+    try:
+        first, second = Collector(), Collector()
+        h1 = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, first)
+        h1.push_text("The first session's packet is held on the codec thread for a while. ")
+        h1.end_input()
+        assert began.wait(30), "no packet went to the codec thread"
+        h2 = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, second)
+        h2.push_text("The second one starts meanwhile. ")
+        h2.end_input()
+        deadline = threading.Event()
+        for _ in range(1000):
+            if second.of(AudioPacket) or deadline.wait(0.01):
+                break
+        heard_while_held = bool(second.of(AudioPacket)) and not release.is_set()
+        release.set()
+        assert first.done.wait(60) and second.done.wait(60)
+    finally:
+        release.set()
+        eng.stop()
+    assert heard_while_held
+    for c in (first, second):
+        assert isinstance(c.events[-1], Finished) and not c.of(Failed)
+        assert [p.seq for p in c.of(AudioPacket)] == list(range(len(c.of(AudioPacket))))
+
+
+def test_the_codec_thread_takes_the_call_of_the_listener_with_least_audio_first(voice, monkeypatch):
+    """Two calls due at one step (a clocked packet's and a ramp packet's) queue on the
+    codec thread; the one whose listeners hold the least audio goes first."""
+    torch.set_num_threads(1)
+    held = {}  # session id -> seconds its listener holds
+    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: held[self.session_id])
+    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=2))  # not started: driven here
+    order, submit = [], eng._codec_pool.submit
+    monkeypatch.setattr(eng._codec_pool, "submit",
+                        lambda fn, decode, slots, frames: order.append(len(frames[0])) or submit(fn, decode, slots, frames))
+    q = eng.bundle.model.cfg.n_acoustic_codebooks
+    sessions = []
+    for ahead_s in (0.5, 0.01):
+        c = Collector()
+        s = eng.open_session(SessionConfig(**HARD), voice, c)
+        eng._apply_commands()  # admits it
+        held[s.session_id] = ahead_s
+        s.frames_done, s.first_packet_at = 2, 0.0  # past its first packet: its calls go to the thread
+        s.pending_frames = [[1] * q for _ in range(6)]
+        sessions.append(s)
+    try:
+        eng._decode([(sessions[0], PacketPlan(6, False)), (sessions[1], PacketPlan(2, True))])
+        eng._settle_decode()
+    finally:
+        eng.stop()
+    assert order == [2, 6]
+    assert [len(s.pending_frames) for s in sessions] == [0, 4]
+
+
+def test_runner_decodes_disjoint_slots_on_two_threads_as_one_after_the_other():
+    """The engine thread decodes a first packet while the codec thread decodes other
+    slots: the same codec graph and state, disjoint rows. Run so, the audio and the state
+    equal decoding the same packets one call after another."""
+    torch.set_num_threads(1)
+    bundle = load_bundle(random_init=True)
+    q = bundle.model.cfg.n_acoustic_codebooks
+    rng = np.random.default_rng(0)
+    packets = {slots: [rng.integers(0, 1024, size=(2, n, q)).tolist() for n in (2, 6, 6, 2, 6, 6, 6, 6)]
+               for slots in ((0, 1), (2, 3))}
+    out = {}
+    for parallel in (False, True):
+        runner = ModelRunner(bundle, 4)
+        wavs = collections.defaultdict(list)
+
+        def run(slots):
+            for frames in packets[slots]:
+                wavs[slots].append(runner.decode(list(slots), frames))
+
+        if parallel:
+            threads = [threading.Thread(target=run, args=(slots,)) for slots in packets]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for slots in packets:
+                run(slots)
+        out[parallel] = (wavs, [t.clone() for t in runner.codec_state.tensors])
+    (seq_wavs, seq_state), (par_wavs, par_state) = out[False], out[True]
+    for slots in packets:
+        for a, b in zip(seq_wavs[slots], par_wavs[slots]):
+            assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(a, b) for a, b in zip(seq_state, par_state))
 
 
 def test_same_seed_same_audio(engine, voice):
