@@ -475,23 +475,22 @@ class Engine:
         by_len: dict[int, list[tuple[EngineSession, bool]]] = collections.defaultdict(list)
         for s, plan in due:
             by_len[plan.frames].append((s, plan.short))
-        calls = []  # (urgency, n, planned): the engine thread's calls first, then the least audio in hand
+        calls = []  # (threaded, urgency, n, planned): the engine thread's calls first, then the least audio in hand
         now = time.monotonic()
         for n, planned in by_len.items():
             threaded = self._codec_pool is not None and not any(s.frames_done == 0 or s.done_decoding
                                                                  for s, _ in planned)
-            urgency = min(s.audio_ahead_s(now) for s, _ in planned) if threaded else -math.inf
-            calls.append((urgency, n, planned))
-        for urgency, n, planned in sorted(calls, key=lambda c: c[0]):
+            calls.append((threaded, min(s.audio_ahead_s(now) for s, _ in planned), n, planned))
+        for threaded, _, n, planned in sorted(calls, key=lambda c: c[:2]):
             group = [s for s, _ in planned]
-            if urgency == -math.inf:  # an earlier call's audio for these sessions goes out first
+            if not threaded:  # an earlier call's audio for these sessions goes out first
                 self._settle_decode({s.slot for s in group})
             frames = [s.pending_frames[:n] for s in group]
             for s in group:  # taken now: the next step's packet plans must not see them
                 s.frames_done += n
                 del s.pending_frames[:n]
             call = (self.runner.decode, [s.slot for s in group], frames)
-            if urgency != -math.inf:
+            if threaded:
                 self._in_flight.append(InFlightDecode(self._codec_pool.submit(_timed, *call), planned, n))
                 continue
             future: Future = Future()

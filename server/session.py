@@ -88,6 +88,7 @@ class EngineSession:
         self.last_progress = 0  # guidance progress, and the step it last changed at
         self.progress_step = 0
         self.step_count = 0
+        self.audio_lag_frames = engine.bundle.model.cfg.max_delay  # graphemes lead the audio by this
         self.frames_done = 0
         self.clocked = False  # past the packet ramp: full packets on the packet clock
         self.pending_frames: list[list[int]] = []
@@ -190,7 +191,14 @@ class EngineSession:
     def lookahead_ready(self) -> bool:
         """The start policy: current chunk c is spoken once min(nf, start_future_chunks + c)
         chunks after it are in memory, or the text has ended. Never past the text: once
-        the speech has covered every grapheme so far, it waits for more (or the end)."""
+        the speech has covered every grapheme so far, it waits for more (or the end).
+
+        c is the chunk of the audio: of the last frame complete in every codebook, which
+        the grapheme stream leads by the codebook delays (8 frames). So the graphemes may
+        run that far into a chunk whose lookahead is not in yet, and the audio of the
+        chunk before it is all out while the speech waits. Counted at the graphemes, a
+        wait held those 8 frames (107 ms) back from a listener that had just started:
+        its stalls at 16 sessions (docs/loadtest.md, "Sixteenth session")."""
         n = sum(1 for ch in self.chunks if ch.in_memory)
         if n == 0:
             return False
@@ -198,7 +206,7 @@ class EngineSession:
             return True
         if self.guidance.progress >= self.n_chars:
             return False
-        c = self.timeline.current_chunk(self.step_count)
+        c = self.timeline.current_chunk(max(0, self.step_count - self.audio_lag_frames))
         return n - 1 >= c + min(self.config.n_future_chunks, self.config.start_future_chunks + c)
 
     def waiting_for_text(self) -> bool:

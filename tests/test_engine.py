@@ -617,6 +617,37 @@ def test_start_policy_speaks_the_first_chunk_without_waiting_for_lookahead(engin
     assert got[0] > 0 and got[2] == 0
 
 
+def test_a_session_waiting_for_lookahead_has_sent_the_audio_before_that_chunk(engine, voice):
+    """The graphemes lead the audio by the codebook delays. When the speech reaches a
+    chunk whose lookahead has not arrived, it waits with the audio of everything before
+    that chunk sent, and the words in it timed: the policy counts chunks at the audio."""
+    import time
+
+    from server.session_api import ChunkingConfig
+
+    c = Collector()
+    chunking = ChunkingConfig(min_words=2, max_words=2, timer_ms=10_000)
+    h = engine.open_session(SessionConfig(**HARD, n_future_chunks=2, start_future_chunks=1, chunking=chunking),
+                            voice, c)
+    h.push_text("Hello there my friend ")  # chunk 1 ("my friend") waits for two chunks after it
+    deadline, s, sent = time.monotonic() + 20, None, -1
+    while time.monotonic() < deadline:  # until it waits for text with its audio all out
+        time.sleep(0.1)
+        s = next((x for x in list(engine._sessions.values()) if x.sink is c), None)
+        if s is not None and s.waiting_for_text() and s.frames_sent == sent:
+            break
+        sent = -1 if s is None else s.frames_sent
+    tau_1, progress = s.timeline.chunks[1].tau, s.guidance.progress
+    words = [w.word for w in c.of(WordTiming)]
+    audio_s = sum(p.duration_s for p in c.of(AudioPacket))
+    h.push_text("and goodbye.")
+    h.end_input()
+    assert c.done.wait(60)
+    assert progress > len("hello there")  # the graphemes were in chunk 1
+    assert words == ["Hello", "there"]
+    assert audio_s >= tau_1 / 75 - 1e-6
+
+
 def test_a_waiting_session_starts_on_min_words_of_lookahead(engine, voice):
     """The start policy needs a chunk after the first; while the speech waits, the chunker
     releases it at min_words (2) rather than waiting for max_words (4) or the timer."""
