@@ -66,6 +66,9 @@ class EngineConfig:
     max_sessions: int = 16
     # a session this far ahead of its playback is skipped for a step (others go first)
     max_lead_s: float = 2.0
+    # ... and this far ahead while another session is starting (first packet and packet
+    # ramp), so that one steps at a smaller batch (server/scheduler.py)
+    yield_lead_s: float = 0.5
     # runaway guard: once the text is complete, speech may run this long past the
     # expected end of its text, or this long without transcript progress
     max_overrun_s: float = 3.0
@@ -93,6 +96,8 @@ class EngineConfig:
             raise ConfigError("max_sessions must be in [1, 4096]")
         if self.max_lead_s <= 0 or self.max_overrun_s <= 0 or self.max_session_s <= 0:
             raise ConfigError("engine time limits must be positive")
+        if self.yield_lead_s <= 0:
+            raise ConfigError("yield_lead_s must be positive")
         if not 0 <= self.low_water_steps <= 100:
             raise ConfigError("low_water_steps must be in [0, 100]")
         return self
@@ -109,7 +114,7 @@ class Engine:
                             if config.codec_thread and self.runner.device.type == "cpu" else None)
         # calls on the codec thread, in submission order (the thread runs them in that order)
         self._in_flight: collections.deque[InFlightDecode] = collections.deque()
-        self.scheduler = Scheduler(config.max_lead_s)
+        self.scheduler = Scheduler(config.max_lead_s, config.yield_lead_s)
         self._free_slots = list(range(config.max_sessions))
         self._sessions: dict[int, EngineSession] = {}  # slot -> session
         self._commands: collections.deque = collections.deque()  # text and end of input, in order

@@ -4,7 +4,14 @@ A session runs when it has text to speak and its lookahead is satisfied (the sta
 policy of DESIGN.md point 3, `EngineSession.lookahead_ready`: chunk k has min(nf,
 start_future_chunks + k) chunks after it, or the text has ended; also used to restart
 after the text ran dry). Sessions far ahead of their playback yield the step to the
-others, so a newly started session gets its first packet quickly even under load.
+others, so a newly started session gets its first packet quickly even under load; and
+while a session is starting (before its first packet and through its packet ramp,
+`EngineSession.clocked` false), those more than `yield_lead_s` ahead sit out, so it
+steps at a smaller batch, faster, until its listener holds a buffer. A ramp is bounded
+in frames (`Engine._ramp_over`), so the yield is too: a session whose listener runs
+short for other reasons (a client that stopped reading) never makes others sit out. At
+16-24 sessions on 2 cores it cut TTFA by a fifth to a third and the starved audio at 24
+sessions fourfold (docs/loadtest.md, "Sixteenth session").
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from .session import EngineSession, Phase
 @dataclass
 class Scheduler:
     max_lead_s: float
+    yield_lead_s: float
 
     def select(self, sessions: list[EngineSession], now: float) -> list[EngineSession]:
         batch = [
@@ -23,6 +31,8 @@ class Scheduler:
             if s.phase is not Phase.ENDED and s.slot is not None and not s.done_decoding
             and s.lookahead_ready() and s.audio_ahead_s(now) < self.max_lead_s
         ]
+        if any(not s.clocked for s in batch):
+            batch = [s for s in batch if not s.clocked or s.audio_ahead_s(now) < self.yield_lead_s]
         # contiguous slots make the batch a slice of the decode state (no gather copy)
         batch.sort(key=lambda s: s.slot)
         return batch

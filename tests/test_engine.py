@@ -290,14 +290,9 @@ def test_the_packet_ramp_lasts_until_the_listener_holds_a_clocked_packets_wait(v
     assert last_ramp[50.0] < 2 * full <= last_ramp[0.0] < 4 * full
 
 
-def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
-    """A codec call in flight holds no step: steps run beside it, and the packets they
-    complete queue behind it on the codec thread (the engine used to wait for the call in
-    flight at its next packet, a packet's worth of steps later)."""
-    torch.set_num_threads(1)
-    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)  # no timing in the packet sizes
-    eng = Engine(load_bundle(random_init=True),
-                 EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0))
+def hold_codec_thread(eng: Engine) -> tuple[threading.Event, threading.Event]:
+    """Make the codec thread's calls wait until `release` is set; `began` is set when the
+    first one is held. Engine-thread calls run as usual."""
     release, began, decode = threading.Event(), threading.Event(), eng.runner.decode
 
     def held(slots, frames):
@@ -307,6 +302,18 @@ def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
         return decode(slots, frames)
 
     eng.runner.decode = held
+    return release, began
+
+
+def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
+    """A codec call in flight holds no step: steps run beside it, and the packets they
+    complete queue behind it on the codec thread (the engine used to wait for the call in
+    flight at its next packet, a packet's worth of steps later)."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)  # no timing in the packet sizes
+    eng = Engine(load_bundle(random_init=True),
+                 EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0))
+    release, began = hold_codec_thread(eng)
     eng.start()
     try:
         c = Collector()
@@ -339,15 +346,7 @@ def test_a_first_packet_does_not_wait_for_another_sessions_codec_call(voice, mon
     monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)
     eng = Engine(load_bundle(random_init=True),
                  EngineConfig(max_sessions=2, low_water_steps=0, max_lead_s=100.0))
-    release, began, decode = threading.Event(), threading.Event(), eng.runner.decode
-
-    def held(slots, frames):
-        if threading.current_thread().name.startswith("livespeech-codec") and not release.is_set():
-            began.set()
-            release.wait(30)
-        return decode(slots, frames)
-
-    eng.runner.decode = held
+    release, began = hold_codec_thread(eng)
     eng.start()
     try:
         first, second = Collector(), Collector()
