@@ -71,10 +71,12 @@ class SessionConfig:
     n_past_chunks: int = 4  # np; -1 means unbounded (offline mode)
     n_future_chunks: int = 2  # nf
     # start policy: chunk k is spoken once min(nf, start_future_chunks + k) chunks after it
-    # arrived (k: the chunk of the audio; EngineSession.lookahead_ready). 0 starts sooner
-    # but let a fast-speaking model catch up with the text (and its listener run dry) at
-    # the start in tests/test_overload.py; 1 did not
-    start_future_chunks: int = 1
+    # arrived (k: the chunk of the audio; EngineSession.lookahead_ready). 0 starts on the
+    # first chunk. It once let a fast-speaking model catch up with the text and its
+    # listener run dry at the start (tests/test_overload.py, when k counted at the
+    # graphemes, 8 frames ahead of the audio); since k counts at the audio it did not, and
+    # it cut TTFA by ~40 % at the same underruns (docs/loadtest.md, "Sixteenth session")
+    start_future_chunks: int = 0
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     guidance_lambda: float = 1.0  # math.inf = hard guidance
     top_k: int = 20
