@@ -2,6 +2,7 @@
 import collections
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -290,6 +291,13 @@ def test_the_packet_ramp_lasts_until_the_listener_holds_a_clocked_packets_wait(v
     assert last_ramp[50.0] < 2 * full <= last_ramp[0.0] < 4 * full
 
 
+def wait_until(cond, timeout_s: float = 10.0) -> None:
+    """Poll `cond` every 10 ms until it holds or `timeout_s` has passed (the caller asserts)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def hold_codec_thread(eng: Engine) -> tuple[threading.Event, threading.Event]:
     """Make the codec thread's calls wait until `release` is set; `began` is set when the
     first one is held. Engine-thread calls run as usual."""
@@ -323,10 +331,7 @@ def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
         assert began.wait(30), "no packet went to the codec thread"
         session = next(iter(eng._sessions.values()))
         steps, full = session.step_count, 6  # 80 ms at 75 Hz
-        deadline = threading.Event()
-        for _ in range(1000):  # until three more packets' worth of steps ran, or 10 s
-            if session.step_count - steps >= 3 * full or deadline.wait(0.01):
-                break
+        wait_until(lambda: session.step_count - steps >= 3 * full)  # three more packets' worth of steps
         ran, queued = session.step_count - steps, len(eng._in_flight)
         release.set()
         assert c.done.wait(60)
@@ -357,10 +362,7 @@ def test_a_first_packet_does_not_wait_for_another_sessions_codec_call(voice, mon
         h2 = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, second)
         h2.push_text("The second one starts meanwhile. ")
         h2.end_input()
-        deadline = threading.Event()
-        for _ in range(1000):
-            if second.of(AudioPacket) or deadline.wait(0.01):
-                break
+        wait_until(lambda: second.of(AudioPacket))
         heard_while_held = bool(second.of(AudioPacket)) and not release.is_set()
         release.set()
         assert first.done.wait(60) and second.done.wait(60)
@@ -591,8 +593,6 @@ def test_empty_input_finishes_immediately(engine, voice):
 def test_start_policy_speaks_the_first_chunk_without_waiting_for_lookahead(engine, voice):
     """start_future_chunks=0 (the default): the first chunk is spoken as soon as it is
     released; = n_future_chunks (the paper's policy): it waits for nf chunks after it."""
-    import time
-
     got = {}
     for start in (0, 2):
         c = Collector()
@@ -620,8 +620,6 @@ def test_a_session_waiting_for_lookahead_has_sent_the_audio_before_that_chunk(en
     """The graphemes lead the audio by the codebook delays. When the speech reaches a
     chunk whose lookahead has not arrived, it waits with the audio of everything before
     that chunk sent, and the words in it timed: the policy counts chunks at the audio."""
-    import time
-
     from server.session_api import ChunkingConfig
 
     c = Collector()
@@ -650,8 +648,6 @@ def test_a_session_waiting_for_lookahead_has_sent_the_audio_before_that_chunk(en
 def test_a_waiting_session_starts_on_min_words_of_lookahead(engine, voice):
     """The start policy needs a chunk after the first; while the speech waits, the chunker
     releases it at min_words (2) rather than waiting for max_words (4) or the timer."""
-    import time
-
     from server.session_api import ChunkingConfig
 
     started = {}
