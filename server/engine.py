@@ -114,6 +114,9 @@ class Engine:
                             if config.codec_thread and self.runner.device.type == "cpu" else None)
         # calls on the codec thread, in submission order (the thread runs them in that order)
         self._in_flight: collections.deque[InFlightDecode] = collections.deque()
+        # held by the engine thread for all its work on sessions but the model step: during
+        # that step the codec thread delivers the calls it finishes (`_on_codec_done`)
+        self._lock = threading.Lock()
         self.scheduler = Scheduler(config.max_lead_s, config.yield_lead_s)
         self._free_slots = list(range(config.max_sessions))
         self._sessions: dict[int, EngineSession] = {}  # slot -> session
@@ -186,6 +189,10 @@ class Engine:
 
     # --- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
+        with self._lock:
+            self._loop()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 self._apply_commands()
@@ -323,16 +330,20 @@ class Engine:
             _, lo, hi = s.window(sum(c.in_memory for c in s.chunks))
             windows.append((lo, hi))
             force.append(self._must_end(s))
-        results = self.runner.step(
-            [s.slot for s in batch], windows, [s.guidance for s in batch],
-            [s.config.guidance_lambda for s in batch], [s.config.top_k for s in batch], force,
-        )
+        self._deliver_done()
+        with self._codec_may_deliver():
+            results = self.runner.step(
+                [s.slot for s in batch], windows, [s.guidance for s in batch],
+                [s.config.guidance_lambda for s in batch], [s.config.top_k for s in batch], force,
+            )
         step_s = time.perf_counter() - t0
         self.metrics.step_seconds.observe(step_s)
         self.metrics.batch_size.observe(len(batch))
         to_decode = []
         now = time.monotonic()
         for s, r in zip(batch, results):
+            if s.phase is Phase.ENDED:  # its audio failed on the codec thread during the step
+                continue
             s.compute_s += step_s / len(batch)
             if r.failed:
                 self._fail(s, "INTERNAL", "numerical error in the decoder (non-finite logits)")
@@ -463,8 +474,8 @@ class Engine:
     def _decode(self, due: list[tuple[EngineSession, PacketPlan]]) -> None:
         """Decode each session's planned packet: one batched codec call per distinct
         frame count (usually one: see `_on_packet_clock`). Calls go to the codec thread,
-        overlapping the next model steps (delivered after the first step that ends with
-        them done), except those with a session's first packet (its TTFA) or its last (its
+        overlapping the next model steps (delivered as they finish, `_on_codec_done`),
+        except those with a session's first packet (its TTFA) or its last (its
         end follows): those are decoded and delivered now, beside whatever the codec
         thread runs. Ramp packets too go to the thread: on the engine thread each cost the
         engine a codec call, and its 2-frame packets came about as fast as they played
@@ -496,7 +507,9 @@ class Engine:
                 del s.pending_frames[:n]
             call = (self.runner.decode, [s.slot for s in group], frames)
             if threaded:
-                self._in_flight.append(InFlightDecode(self._codec_pool.submit(_timed, *call), planned, n))
+                future = self._codec_pool.submit(_timed, *call)
+                self._in_flight.append(InFlightDecode(future, planned, n))
+                future.add_done_callback(self._on_codec_done)
                 continue
             future: Future = Future()
             try:
@@ -505,10 +518,34 @@ class Engine:
                 future.set_exception(exc)
             self._deliver(InFlightDecode(future, planned, n))
 
-    def _deliver_done(self) -> None:
-        """Deliver the codec thread's finished calls, in order, without waiting."""
+    def _deliver_done(self, on_codec_thread: bool = False) -> None:
+        """Deliver the codec thread's finished calls, in order, without waiting. On the
+        codec thread, not a call that may end a session: `_finish` waits for calls."""
         while self._in_flight and self._in_flight[0].future.done():
+            if on_codec_thread and any(s.done_decoding for s, _ in self._in_flight[0].planned):
+                return
             self._deliver(self._in_flight.popleft())
+
+    def _on_codec_done(self, _future: Future) -> None:
+        """As the codec thread finishes a call: if the engine thread is in its model step,
+        deliver the call's audio now, not after that step (up to a step later: at 16
+        sessions a step is ~a third of a 2-frame ramp packet's 27 ms). Otherwise the
+        engine thread delivers it before its next step."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._deliver_done(on_codec_thread=True)
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def _codec_may_deliver(self):
+        """Tensor work that touches no session state: the codec thread may deliver meanwhile."""
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
 
     def _settle_decode(self, slots: Optional[set] = None) -> None:
         """Deliver the codec thread's calls in order, waiting for them: all of them, or

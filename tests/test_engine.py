@@ -343,6 +343,48 @@ def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
     assert [p.seq for p in c.of(AudioPacket)] == list(range(len(c.of(AudioPacket))))
 
 
+def test_the_codec_thread_delivers_a_packet_while_the_engine_thread_steps(voice, monkeypatch):
+    """Audio the codec thread finishes during a model step goes out then, not after the
+    step: a listener in its packet ramp holds little more than a step or two of audio."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)
+    eng = Engine(load_bundle(random_init=True),
+                 EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0))
+    release, began = hold_codec_thread(eng)
+    in_step, step_release, hold_step, step = threading.Event(), threading.Event(), threading.Event(), eng.runner.step
+
+    def gated_step(*args):
+        if hold_step.is_set():
+            in_step.set()
+            step_release.wait(30)
+        return step(*args)
+
+    eng.runner.step = gated_step
+    eng.start()
+    try:
+        c = Collector()
+        h = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, c)
+        h.push_text("This session's packets finish on the codec thread while a step is running. " * 2)
+        h.end_input()
+        assert began.wait(30), "no packet went to the codec thread"
+        hold_step.set()
+        assert in_step.wait(30), "no step ran after the codec call was held"
+        sent = len(c.of(AudioPacket))
+        release.set()  # the held calls finish while the step is held
+        wait_until(lambda: len(c.of(AudioPacket)) > sent, timeout_s=5.0)
+        delivered_during_step = len(c.of(AudioPacket)) > sent and not step_release.is_set()
+        step_release.set()
+        hold_step.clear()
+        assert c.done.wait(60)
+    finally:
+        release.set()
+        step_release.set()
+        eng.stop()
+    assert delivered_during_step
+    assert isinstance(c.events[-1], Finished) and not c.of(Failed)
+    assert [p.seq for p in c.of(AudioPacket)] == list(range(len(c.of(AudioPacket))))
+
+
 def test_a_first_packet_does_not_wait_for_another_sessions_codec_call(voice, monkeypatch):
     """A session's first packet (its TTFA) is decoded on the engine thread beside the
     codec thread's call for other sessions; admitting it does not wait for that call
@@ -396,8 +438,9 @@ def test_the_codec_thread_takes_the_call_of_the_listener_with_least_audio_first(
         s.pending_frames = [[1] * q for _ in range(6)]
         sessions.append(s)
     try:
-        eng._decode([(sessions[0], PacketPlan(6, False)), (sessions[1], PacketPlan(2, True))])
-        eng._settle_decode()
+        with eng._lock:  # as the engine thread: the codec thread delivers only while it steps
+            eng._decode([(sessions[0], PacketPlan(6, False)), (sessions[1], PacketPlan(2, True))])
+            eng._settle_decode()
     finally:
         eng.stop()
     assert order == [2, 6]
