@@ -389,10 +389,16 @@ class Engine:
         least `low_water_steps` step periods of it, so it lasts until the next); the
         ramp after it (a packet may be as long as all the audio sent before it, so the
         listener's buffer covers its making; sooner if it would run dry first), which
-        ends as `_ramp_over` says; and when the text ran dry."""
+        ends as `_ramp_over` says, at a tick, with all pending frames: the first clocked
+        packet then follows `full` steps later, where ending it between ticks left the
+        listener up to 2 x full - 1 steps to wait (at 16-20 sessions the stalls 0.19 and
+        0.32 s into the audio, docs/loadtest.md "Seventeenth session"); and when the
+        text ran dry."""
         n = len(s.pending_frames)
         full = self._packet_frames(s)
-        s.clocked = s.clocked or self._ramp_over(s, full, now)
+        tick = self._on_packet_clock(full)
+        handoff = not s.clocked and tick and self._ramp_over(s, full, now)
+        s.clocked = s.clocked or handoff
         ramp = not s.clocked
         waiting = s.phase is Phase.WAITING
         if n == 0:
@@ -401,8 +407,10 @@ class Engine:
             return None  # a reflect-padded codec reads that far ahead at a stream's start
         if s.done_decoding:
             return PacketPlan(n, False)
+        if handoff:  # all pending frames now, so the next tick, `full` steps on, finds a full packet
+            return PacketPlan(n, True) if n >= self._frames(s.config.min_packet_ms) else None
         if not ramp and not waiting:
-            return PacketPlan(full, False) if n >= full and self._on_packet_clock(full) else None
+            return PacketPlan(full, False) if n >= full and tick else None
         if n >= full:
             return PacketPlan(n, waiting)  # when waiting, frames held for the clock go out too
         shortest = self._frames(s.config.min_packet_ms)
@@ -417,12 +425,13 @@ class Engine:
         return None
 
     def _ramp_over(self, s: EngineSession, full: int, now: float) -> bool:
-        """Whether a session's packets leave the ramp for the packet clock (for good).
-        After two full packets' worth, and then only once its listener holds a clocked
-        packet's longest wait (up to full - 1 steps to the tick, then full steps of
-        frames), or after four: a listener left with less at the ramp's end ran dry
-        before its first clocked packet (the N=1 stalls 0.16-0.19 s into the audio,
-        docs/loadtest.md "Fifteenth session")."""
+        """Whether a session's packets leave the ramp for the packet clock (for good; asked
+        at the clock's ticks only, see `_packet_due`). After two full packets' worth, and
+        then only once its listener holds a clocked packet's longest wait (2 x full
+        steps; at the hand-off it is `full` steps, but the step period measured in the
+        ramp, while others sit out, is shorter than after it), or after four: a listener
+        left with less at the ramp's end ran dry before its first clocked packet (the
+        N=1 stalls 0.16-0.19 s into the audio, docs/loadtest.md "Fifteenth session")."""
         if s.frames_done < 2 * full:
             return False
         return s.frames_done >= 4 * full or s.audio_ahead_s(now) >= 2 * full * self._step_period_s

@@ -130,7 +130,7 @@ def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice,
     sent before it (40, 40, then 80 ms) until two full packets' worth were sent. With a
     listener always 'about to run dry' (an absurd low-water mark) the first packet must
     cover that mark (a full packet here) and the ramp's packets go out at min_packet_ms.
-    Full packets after the ramp; the same audio either way. The listener's buffer is
+    Full packets after the ramp (it ends at a tick); the same audio either way. The listener's buffer is
     pinned, as this machine's timing would otherwise decide when the ramp ends
     (`Engine._ramp_over`): in the first run between a clocked packet's wait (12 step
     periods) and the low-water mark (100), in the second far ahead (a slow machine's
@@ -147,8 +147,11 @@ def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice,
         c = speak_alone(eng, v, "Every packet is as short as it may be here.", min_packet_ms=40)
         runs[low_water] = c.of(AudioPacket)
     low, ramp = packet_ms(runs[100.0]), packet_ms(runs[0.0])
-    assert low[:4] == [80, 40, 40, 80] and ramp[:4] == [40, 40, 80, 80]
-    assert all(m == 80 for m in low[3:-1] + ramp[2:-1])
+    assert low[:3] == [80, 40, 40] and ramp[:3] == [40, 40, 80]
+    # the ramp ends at a tick of the packet clock, with what is pending: one more packet
+    # of up to 80 ms (here a low-water one and a 4-frame hand-off), then full packets
+    assert low[3] <= 80 and ramp[3] <= 80
+    assert all(m == 80 for m in low[4:-1] + ramp[4:-1])
     # the streaming codec equals whole decoding to float rounding, whatever the packet split
     a, b = (np.frombuffer(b"".join(p.data for p in runs[k]), dtype="<i2").astype(int) for k in (100.0, 0.0))
     assert len(a) == len(b) and np.abs(a - b).max() <= 2
@@ -273,22 +276,43 @@ def test_the_packet_ramp_lasts_until_the_listener_holds_a_clocked_packets_wait(v
     if the listener holds a clocked packet's longest wait (2 x packet steps); a listener
     with less keeps the ramp (packets as soon as frames are in) up to four packets'
     worth. The listener's buffer is pinned, so this machine's timing plays no part, and
-    the clock never ticks, so the packets before the last are the ramp's."""
+    the clock ticks at every step, so the ramp may end at any step."""
     torch.set_num_threads(1)
-    monkeypatch.setattr(Engine, "_on_packet_clock", lambda self, full: False)
-    last_ramp = {}
+    monkeypatch.setattr(Engine, "_on_packet_clock", lambda self, full: True)
+    clocked_at = {}
     for held_s in (50.0, 0.0):
         monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: held_s)
         eng = Engine(load_bundle(random_init=True),
                      EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0, codec_thread=False))
-        sent_before, decode = [], eng._decode  # frames sent before each packet
-        monkeypatch.setattr(eng, "_decode", lambda due: sent_before.extend(s.frames_done for s, _ in due)
+        plans, decode = [], eng._decode  # (frames sent before, clocked) for each packet
+        monkeypatch.setattr(eng, "_decode", lambda due: plans.extend((s.frames_done, s.clocked) for s, _ in due)
                             or decode(due))
         c = speak_alone(eng, voice, "The ramp of this session lasts as long as its listener runs short of audio. " * 2)
         assert c.of(Finished)[0].summary.frames > 5 * 6, "the speech ended inside the ramp"
-        last_ramp[held_s] = max(sent_before[:-1])  # the last packet is the speech's end
+        clocked_at[held_s] = next(sent for sent, clocked in plans if clocked)
     full = 6  # 80 ms at 75 Hz
-    assert last_ramp[50.0] < 2 * full <= last_ramp[0.0] < 4 * full
+    assert 2 * full <= clocked_at[50.0] < 3 * full and 4 * full <= clocked_at[0.0] < 5 * full
+
+
+def test_the_ramp_hands_off_to_the_packet_clock_without_a_longer_wait(voice, monkeypatch):
+    """The ramp ends at a tick of the packet clock with all pending frames, so a lone
+    session's first clocked packet follows `full` steps after its last ramp packet: no
+    two of its packets are further apart. Ending it between ticks had left the listener
+    up to 2 x full - 1 steps to wait for that packet."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)  # the ramp ends at 2 packets' worth
+    full = 6  # 80 ms at 75 Hz
+    gaps = {}
+    for text in ("The ramp hands this session over to the packet clock. " * 2,
+                 "And this one too, after a different first chunk of text. " * 2):
+        eng = Engine(load_bundle(random_init=True),
+                     EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0, codec_thread=False))
+        at_step, decode = [], eng._decode  # the engine's step count at each packet
+        monkeypatch.setattr(eng, "_decode", lambda due: at_step.extend(eng._steps for _ in due) or decode(due))
+        c = speak_alone(eng, voice, text)
+        assert c.of(Finished)[0].summary.frames > 5 * full, "the speech ended inside the ramp"
+        gaps[text] = [b - a for a, b in zip(at_step[1:-2], at_step[2:-1])]  # from the second packet to the last but one
+    assert all(max(g) <= full for g in gaps.values()), gaps
 
 
 def wait_until(cond, timeout_s: float = 10.0) -> None:
