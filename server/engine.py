@@ -5,6 +5,9 @@ timed-out text chunks, ask the scheduler which sessions run, run one batched dec
 step through the model runner, then batch the codec decode of sessions with a packet's
 worth of frames and hand encoded packets to each session's sink. Sessions join and
 leave between steps (continuous batching). The asyncio loop never runs tensor work.
+On the CPU a codec thread decodes most packets beside the next steps and, while the
+engine thread is inside a model step (the one time it does not hold `Engine._lock`),
+sends their audio itself.
 """
 from __future__ import annotations
 
