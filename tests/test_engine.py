@@ -337,6 +337,22 @@ def hold_codec_thread(eng: Engine) -> tuple[threading.Event, threading.Event]:
     return release, began
 
 
+def speak_until_a_call_is_held(eng: Engine, voice, began: threading.Event, text: str) -> Collector:
+    """Open a session of 80 ms packets on a started `eng`, give it `text` whole, and wait
+    until a codec-thread call of it is held (`hold_codec_thread`)."""
+    c = Collector()
+    h = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, c)
+    h.push_text(text)
+    h.end_input()
+    assert began.wait(30), "no packet went to the codec thread"
+    return c
+
+
+def assert_finished_in_order(c: Collector) -> None:
+    assert isinstance(c.events[-1], Finished) and not c.of(Failed)
+    assert [p.seq for p in c.of(AudioPacket)] == list(range(len(c.of(AudioPacket))))
+
+
 def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
     """A codec call in flight holds no step: steps run beside it, and the packets they
     complete queue behind it on the codec thread (the engine used to wait for the call in
@@ -348,11 +364,8 @@ def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
     release, began = hold_codec_thread(eng)
     eng.start()
     try:
-        c = Collector()
-        h = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, c)
-        h.push_text("The engine keeps stepping while the codec thread holds a packet of this session. " * 2)
-        h.end_input()
-        assert began.wait(30), "no packet went to the codec thread"
+        c = speak_until_a_call_is_held(
+            eng, voice, began, "The engine keeps stepping while the codec thread holds a packet of this session. " * 2)
         session = next(iter(eng._sessions.values()))
         steps, full = session.step_count, 6  # 80 ms at 75 Hz
         wait_until(lambda: session.step_count - steps >= 3 * full)  # three more packets' worth of steps
@@ -363,8 +376,7 @@ def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
         release.set()
         eng.stop()
     assert ran >= 3 * full and queued >= 2
-    assert isinstance(c.events[-1], Finished) and not c.of(Failed)
-    assert [p.seq for p in c.of(AudioPacket)] == list(range(len(c.of(AudioPacket))))
+    assert_finished_in_order(c)
 
 
 def test_the_codec_thread_delivers_a_packet_while_the_engine_thread_steps(voice, monkeypatch):
@@ -386,11 +398,8 @@ def test_the_codec_thread_delivers_a_packet_while_the_engine_thread_steps(voice,
     eng.runner.step = gated_step
     eng.start()
     try:
-        c = Collector()
-        h = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, c)
-        h.push_text("This session's packets finish on the codec thread while a step is running. " * 2)
-        h.end_input()
-        assert began.wait(30), "no packet went to the codec thread"
+        c = speak_until_a_call_is_held(
+            eng, voice, began, "This session's packets finish on the codec thread while a step is running. " * 2)
         hold_step.set()
         assert in_step.wait(30), "no step ran after the codec call was held"
         sent = len(c.of(AudioPacket))
@@ -405,8 +414,7 @@ def test_the_codec_thread_delivers_a_packet_while_the_engine_thread_steps(voice,
         step_release.set()
         eng.stop()
     assert delivered_during_step
-    assert isinstance(c.events[-1], Finished) and not c.of(Failed)
-    assert [p.seq for p in c.of(AudioPacket)] == list(range(len(c.of(AudioPacket))))
+    assert_finished_in_order(c)
 
 
 def test_a_first_packet_does_not_wait_for_another_sessions_codec_call(voice, monkeypatch):
@@ -420,11 +428,8 @@ def test_a_first_packet_does_not_wait_for_another_sessions_codec_call(voice, mon
     release, began = hold_codec_thread(eng)
     eng.start()
     try:
-        first, second = Collector(), Collector()
-        h1 = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, first)
-        h1.push_text("The first session's packet is held on the codec thread for a while. ")
-        h1.end_input()
-        assert began.wait(30), "no packet went to the codec thread"
+        first = speak_until_a_call_is_held(eng, voice, began, "The first session's packet is held on the codec thread for a while. ")
+        second = Collector()
         h2 = eng.open_session(SessionConfig(**HARD, packet_ms=80), voice, second)
         h2.push_text("The second one starts meanwhile. ")
         h2.end_input()
@@ -437,8 +442,7 @@ def test_a_first_packet_does_not_wait_for_another_sessions_codec_call(voice, mon
         eng.stop()
     assert heard_while_held
     for c in (first, second):
-        assert isinstance(c.events[-1], Finished) and not c.of(Failed)
-        assert [p.seq for p in c.of(AudioPacket)] == list(range(len(c.of(AudioPacket))))
+        assert_finished_in_order(c)
 
 
 def test_the_codec_thread_takes_the_call_of_the_listener_with_least_audio_first(voice, monkeypatch):
