@@ -410,13 +410,13 @@ class Engine:
             return None  # a reflect-padded codec reads that far ahead at a stream's start
         if s.done_decoding:
             return PacketPlan(n, False)
+        shortest = self._frames(s.config.min_packet_ms)
         if handoff:  # all pending frames now, so the next tick, `full` steps on, finds a full packet
-            return PacketPlan(n, True) if n >= self._frames(s.config.min_packet_ms) else None
+            return PacketPlan(n, True) if n >= shortest else None
         if not ramp and not waiting:
             return PacketPlan(full, False) if n >= full and tick else None
         if n >= full:
             return PacketPlan(n, waiting)  # when waiting, frames held for the clock go out too
-        shortest = self._frames(s.config.min_packet_ms)
         if s.frames_done == 0:
             # the first packet must also last until the next one is made: longer under load
             shortest = max(shortest, self.runner.min_first_frames, math.ceil(self._low_water_s * FRAME_RATE))
