@@ -15,6 +15,8 @@ import torch
 from models.config import FRAME_RATE
 from models.loading import load_bundle
 
+from .profile_step import add_bf16_argument
+
 
 def bench(fn, n: int) -> float:
     for _ in range(max(3, n // 10)):
@@ -38,18 +40,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--cuda-graphs", action="store_true", help="the model step replayed from a CUDA graph")
     ap.add_argument("--eager-step", action="store_true", help="the eager model step on the CPU (default: frozen graph)")
+    add_bf16_argument(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from server.runner import ModelRunner
+    from server.runner import ModelRunner, bf16_matmuls_enabled
     from models.guidance import GuidanceState
     from models import graphemes
     import numpy as np
 
     bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
     out = {"preset": args.preset, "threads": args.threads, "device": args.device,
-           "cuda_graphs": args.cuda_graphs, "frozen_step": None, "rows": []}
+           "cuda_graphs": args.cuda_graphs, "frozen_step": None, "rows": [],
+           "bf16_matmuls": bf16_matmuls_enabled(args.bf16_matmuls, args.device)}
     for b in args.batch:
-        runner = ModelRunner(bundle, b, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step)
+        runner = ModelRunner(bundle, b, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
+                             bf16_matmuls=out["bf16_matmuls"])
         out["frozen_step"] = runner.frozen
         voice = runner.make_voice("v", np.random.randn(24000).astype(np.float32) * 0.1, 24000)
         slots = list(range(b))

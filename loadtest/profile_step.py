@@ -56,6 +56,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from server.config import BF16_SETTINGS
+from server.runner import bf16_matmuls_enabled
+
 # ------------------------------------------------------------------ scopes
 
 
@@ -208,7 +211,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs back into
 
 def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_function: bool = False,
                 trace_dir: Optional[Path] = None, text_chars: int = 160, timeout_s: float = 600.0,
-                cuda_graphs: bool = False, frozen_step: bool = True) -> dict:
+                cuda_graphs: bool = False, frozen_step: bool = True, bf16_matmuls: bool = False) -> dict:
     """Run the engine on `batch` sessions of `text_chars` characters each (all sent at
     once, like an LLM far ahead of the speech; a finished session is replaced at once)
     and time `steps` steps after `warmup`."""
@@ -218,7 +221,8 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     # the codec on the engine thread, so its share of a step is timed (the server overlaps
     # it with the next steps on a codec thread, where these scopes do not see it)
     engine = Engine(bundle, EngineConfig(max_sessions=batch, max_lead_s=1e6, max_session_s=3600.0,
-                                         cuda_graphs=cuda_graphs, frozen_step=frozen_step, codec_thread=False))
+                                         cuda_graphs=cuda_graphs, frozen_step=frozen_step, codec_thread=False,
+                                         bf16_matmuls=bf16_matmuls))
     voice = engine.make_voice("profile", (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32),
                               24000)
     text_chars = text_chars or 160
@@ -228,6 +232,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     if bundle.device.type == "cuda":
         scopes.sync = torch.cuda.synchronize
     frozen = engine.runner.frozen  # before the wrappers replace its step
+    low_precision = engine.runner.low_precision is not None
     patches = install(scopes, engine, fine)
     n_steps = [0]
     batch_sizes: list[int] = []
@@ -296,7 +301,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     window = step_starts[-1] - step_starts[0]
     out = {"steps": steps, "window_s": window, "iteration_ms": 1000 * window / steps,
            "mean_batch": statistics.fmean(batch_sizes), "sessions_opened": opened, "sessions_finished": finished[0],
-           "frozen_step": frozen,
+           "frozen_step": frozen, "bf16_matmuls": low_precision,
            "incl": dict(scopes.incl), "excl": dict(scopes.excl), "calls": dict(scopes.calls),
            "parent": dict(scopes.parent)}
     if prof is not None and trace_dir is not None:
@@ -499,7 +504,7 @@ def roofline(flops: float, nbytes: float, t_s: float, machine: dict) -> dict:
 
 def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, trace_dir: Optional[Path] = None,
             plain: bool = True, packet_ms: int = 80, text_chars: int = 160, cuda_graphs: bool = False,
-            frozen_step: bool = True) -> dict:
+            frozen_step: bool = True, bf16_matmuls: bool = False) -> dict:
     from models.config import FRAME_RATE
 
     machine = measure_machine(bundle.device)
@@ -514,13 +519,15 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
     for b in batches:
         la = list(os.getloadavg())
         run = _engine_run(bundle, b, steps, warmup, fine=True, record_function=trace_dir is not None,
-                          trace_dir=trace_dir, text_chars=text_chars, cuda_graphs=cuda_graphs, frozen_step=frozen_step)
+                          trace_dir=trace_dir, text_chars=text_chars, cuda_graphs=cuda_graphs, frozen_step=frozen_step,
+                          bf16_matmuls=bf16_matmuls)
         rows, cats = scope_table(run)
-        out["frozen_step"] = run["frozen_step"]  # what the runner made of the request
+        # what the runner made of the request
+        out["frozen_step"], out["bf16_matmuls"] = run["frozen_step"], run["bf16_matmuls"]
         plain_ms = None
         if plain:
             pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, cuda_graphs=cuda_graphs,
-                             frozen_step=frozen_step)
+                             frozen_step=frozen_step, bf16_matmuls=bf16_matmuls)
             plain_ms = pr["iteration_ms"]
         counted = counted_cost(bundle, b, pf)
         step_s = run["window_s"] / steps
@@ -550,6 +557,13 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
     return out
 
 
+def add_bf16_argument(ap: argparse.ArgumentParser) -> None:
+    """`--bf16-matmuls`, as the server's setting (server/runner.py; default auto, as there)."""
+    ap.add_argument("--bf16-matmuls", choices=BF16_SETTINGS, default="auto",
+                    help="the step's widest matmuls in bfloat16 from batch 2, as the server's setting "
+                         "(auto: where the CPU has bf16 dot products)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.profile_step", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -568,6 +582,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eager-step", action="store_true",
                     help="the eager model step on the CPU, whose layers are timed one by one (default: the frozen "
                          "graph the server runs, timed as one scope)")
+    add_bf16_argument(ap)
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, help="write the tables as markdown here")
     args = ap.parse_args(argv)
@@ -580,7 +595,8 @@ def main(argv=None) -> int:
     bundle = load_bundle(None if args.model_path in ("", "default") else args.model_path, device=args.device)
     res = profile(bundle, args.batch, args.steps, args.warmup, torch.get_num_threads(),
                   Path(args.trace) if args.trace else None, plain=not args.no_plain, text_chars=args.text_chars,
-                  cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step)
+                  cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
+                  bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, args.device))
     res["loadavg"] = list(os.getloadavg())
     from .report import render_profile_markdown
 

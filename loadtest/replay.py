@@ -32,15 +32,17 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from server.runner import bf16_matmuls_enabled
+
 from .playback import Packet, describe, simulate_playback
-from .profile_step import Patches
+from .profile_step import Patches, add_bf16_argument
 from .workload import Pacing, load_sentences, make_turn
 
 
 def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pacing = Pacing(),
            sentences_per_turn: int = 2, text_file: Optional[str] = None, frozen_step: bool = True,
            seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None,
-           release_when_waiting: Optional[bool] = None) -> dict[str, Any]:
+           release_when_waiting: Optional[bool] = None, bf16_matmuls: bool = False) -> dict[str, Any]:
     from server.engine import Engine, EngineConfig
     from server.session import EngineSession, Phase
     from server.session_api import AudioPacket, ChunkingConfig, Failed, Finished, SessionConfig
@@ -49,7 +51,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
     options: dict[str, Any] = {} if start_future_chunks is None else {"start_future_chunks": start_future_chunks}
     if release_when_waiting is not None:
         options["chunking"] = ChunkingConfig(release_when_waiting=release_when_waiting)
-    engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step))
+    engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step, bf16_matmuls=bf16_matmuls))
     voice = engine.make_voice("replay", (np.random.default_rng(seed).standard_normal(24000) * 0.1).astype(np.float32),
                               24000)
     waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
@@ -118,7 +120,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
         patches.undo()
     results.sort(key=lambda r: (r["worker"], r["turn"]))
     return {"sessions": sessions, "turns": turns, "stagger_s": stagger_s, "llm_rate": pacing.llm_rate,
-            "frozen_step": frozen_step, "underruns": sum(r["underruns"] for r in results),
+            "frozen_step": frozen_step, "bf16_matmuls": engine.runner.low_precision is not None, "underruns": sum(r["underruns"] for r in results),
             "starved_ms": sum(r["starved_ms"] for r in results), "text_waits": sum(len(r["text_waits"]) for r in results),
             "turn_results": results}
 
@@ -146,6 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-delay", type=int, default=None,
                     help="cap the decoder's codebook delays (latency what-if; the speech is not meaningful)")
     ap.add_argument("--seed", type=int, default=0)
+    add_bf16_argument(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.sessions < 1 or args.turns < 1:
@@ -162,7 +165,8 @@ def main(argv=None) -> int:
     res = replay(bundle, args.sessions, args.turns, args.stagger_s, Pacing(llm_rate=args.llm_rate).validate(),
                  args.sentences_per_turn, args.text_file, frozen_step=not args.eager_step, seed=args.seed,
                  start_future_chunks=args.start_future_chunks,
-                 release_when_waiting=None if args.release_when_waiting is None else args.release_when_waiting == "on")
+                 release_when_waiting=None if args.release_when_waiting is None else args.release_when_waiting == "on",
+                 bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, "cpu"))
     res["delays"] = list(bundle.model.cfg.delays)
     print(f"codebook delays {res['delays']}")
     print(f"{res['sessions']} sessions x {res['turns']} turns: {res['underruns']} underruns, "

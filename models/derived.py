@@ -10,10 +10,13 @@ rebuilds the derived value, so a cached value is never stale.
 Weights are kept transposed ([in, out], contiguous) for the step: a one-row matmul
 against a weight that streams from memory ran up to 3x faster in that layout than
 `F.linear` on the [out, in] original (2-core EPYC, wide outputs; docs/loadtest.md).
+A derived weight may also be kept in bfloat16 for the step's widest matmuls, where the
+CPU has bf16 dot products: 2.4-3x faster than float32 from 4 rows, slower at 1-2
+(AMD EPYC with AVX512-BF16, one thread; docs/loadtest.md, "Eighteenth session").
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -33,11 +36,17 @@ def derived(owner: nn.Module, name: str, sources: Sequence[torch.Tensor], build:
     return hit[1]
 
 
-def transposed(w: torch.Tensor) -> torch.Tensor:
-    """A weight [out, in] as a contiguous [in, out] copy, for `matmul_t`."""
-    return w.detach().t().contiguous()
+def transposed(w: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A weight [out, in] as a contiguous [in, out] copy, for `matmul_t`; in `dtype`
+    when given (bfloat16: see the module's docstring)."""
+    return w.detach().t().to(dtype or w.dtype).contiguous()
 
 
 def matmul_t(x: torch.Tensor, w_t: torch.Tensor, bias=None) -> torch.Tensor:
-    """`F.linear(x, w, bias)` for x [B, in] with the transposed weight w_t [in, out]."""
+    """`F.linear(x, w, bias)` for x [B, in] with the transposed weight w_t [in, out]. A
+    weight in another dtype than x's (bfloat16) multiplies x rounded to it, accumulating
+    in float32, and the product comes back in x's dtype."""
+    if w_t.dtype != x.dtype:
+        y = torch.mm(x.to(w_t.dtype), w_t).to(x.dtype)
+        return y if bias is None else y + bias
     return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)

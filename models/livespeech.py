@@ -18,7 +18,7 @@ from torch import nn
 
 from .attention import CrossAttention, rope_angles
 from .config import ModelConfig
-from .derived import derived, transposed
+from .derived import derived, matmul_t, transposed
 from .mamba import make_mamba
 from .speech_encoder import SpeechEncoder
 
@@ -43,9 +43,11 @@ class DecoderLayer(nn.Module):
         a = self.xattn.attend(self.norm2(h), qpos, *enr_kv, *txt_kv, txt_pos, txt_mask)
         return h + a
 
-    def step(self, h, conv_state, ssm_state, q_cos, q_sin, mem_k, mem_v, bias):
+    def step(self, h, conv_state, ssm_state, q_cos, q_sin, mem_k, mem_v, bias, matmul_dtype=None):
         """h [B, D]; Mamba states updated in place (mamba-ssm's step convention)."""
-        y, _, _ = self.mamba.step(self.norm1(h).unsqueeze(1), conv_state, ssm_state)
+        # only our block takes a matmul dtype (the CPU's bf16 path); mamba-ssm's keeps its own
+        kw = {} if matmul_dtype is None else {"matmul_dtype": matmul_dtype}
+        y, _, _ = self.mamba.step(self.norm1(h).unsqueeze(1), conv_state, ssm_state, **kw)
         h = h + y.view(h.shape)
         return h + self.xattn.attend_step(self.norm2(h), q_cos, q_sin, mem_k, mem_v, bias)
 
@@ -130,7 +132,8 @@ class LiveSpeech2(nn.Module):
 
         return self._grouped_logits(h, run)
 
-    def _grouped_logits(self, h: torch.Tensor, run, fused_heads: bool = False) -> list[torch.Tensor]:
+    def _grouped_logits(self, h: torch.Tensor, run, fused_heads: bool = False,
+                        matmul_dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
         """Shared layers, then each codebook group's branch, norm and heads; `run(h, ids)`
         applies layers `ids` (whole sequences in training, one step in inference).
         `fused_heads`: a group's heads as one matmul over their stacked weights (the
@@ -140,17 +143,17 @@ class LiveSpeech2(nn.Module):
         for g, (a, z) in enumerate(self.cfg.group_slices()):
             hg = self.group_norms[g](run(shared, self.group_layer_ids(g)))
             if fused_heads:
-                logits.extend(self._fused_heads(g, hg))
+                logits.extend(self._fused_heads(g, hg, matmul_dtype))
             else:
                 logits.extend(self.heads[k](hg) for k in range(a, z))
         return logits
 
-    def _fused_heads(self, g: int, hg: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _fused_heads(self, g: int, hg: torch.Tensor, matmul_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, ...]:
         """Group g's heads on hg [B, D] as one matmul with their stacked, transposed weights."""
         a, z = self.cfg.group_slices()[g]
         heads = [self.heads[k].weight for k in range(a, z)]
-        w_t = derived(self, f"_group_heads_{g}", heads, lambda: transposed(torch.cat(heads)))
-        return torch.mm(hg, w_t).split(self.vocab_sizes[a:z], dim=-1)
+        w_t = derived(self, f"_group_heads_{g}_{matmul_dtype}", heads, lambda: transposed(torch.cat(heads), matmul_dtype))
+        return matmul_t(hg, w_t).split(self.vocab_sizes[a:z], dim=-1)
 
     def _embed_step(self, inputs: torch.Tensor) -> torch.Tensor:
         """inputs [B, K] -> summed code embeddings [B, D], as one lookup in the stacked
@@ -166,14 +169,16 @@ class LiveSpeech2(nn.Module):
 
     # --- inference ---------------------------------------------------------------
     def step(self, inputs: torch.Tensor, frame: torch.Tensor, state: "DecodeStateView",
-             text_mask: torch.Tensor) -> StepLogits:
+             text_mask: torch.Tensor, matmul_dtype: Optional[torch.dtype] = None) -> StepLogits:
         """One decode step for a batch of sessions.
 
         inputs [B, K] previous tokens (none id where empty); frame [B] query positions;
         state: the batch's view of the caller-owned DecodeState (recurrent parts updated
         in place); text_mask [B, L] the np/nf window over the first L text slots (L may
         be less than the memory's: slots past L are not read, so a caller that knows
-        they are all masked saves their memory traffic).
+        they are all masked saves their memory traffic). matmul_dtype: the widest
+        matmuls' weights (the heads, the Mamba in and out projections) in this dtype
+        (bfloat16, for CPUs with bf16 dot products; models/derived.py); None = the model's.
         """
         h = self._embed_step(inputs)
         cfg = self.cfg
@@ -190,10 +195,10 @@ class LiveSpeech2(nn.Module):
 
         def run(h, ids):
             for i in ids:
-                h = self.layers[i].step(h, conv[i], ssm[i], q_cos, q_sin, mem_k[i], mem_v[i], bias)
+                h = self.layers[i].step(h, conv[i], ssm[i], q_cos, q_sin, mem_k[i], mem_v[i], bias, matmul_dtype)
             return h
 
-        outs = self._grouped_logits(h, run, fused_heads=True)
+        outs = self._grouped_logits(h, run, fused_heads=True, matmul_dtype=matmul_dtype)
         return StepLogits(graphemes=outs[0], acoustic=torch.stack(outs[1:], dim=1))
 
 

@@ -286,28 +286,31 @@ class MambaBlock(nn.Module):
         y = selective_scan(x, delta, A, B, C, _f32(self.D), z, self.chunk_size)
         return F.linear(y, self.out_proj.weight, self.out_proj.bias)
 
-    def _step_tensors(self) -> tuple:
+    def _step_tensors(self, matmul_dtype: Optional[torch.dtype]) -> tuple:
         """What `step` reads, derived once (models/derived.py): A * log2(e), the conv
-        weight as [d_inner, d_conv], the projections transposed, and the biases and D
-        themselves (in-place updates show through)."""
+        weight as [d_inner, d_conv], the projections transposed (the in and out ones in
+        `matmul_dtype`), and the biases and D themselves (in-place updates show through)."""
         def build():
             w = self.conv1d.weight.detach().squeeze(1)
             return (torch.exp(_f32(self.A_log.detach())) * -LOG2E, w, w.new_ones(self.d_conv), self.conv1d.bias,
-                    transposed(self.in_proj.weight), self.in_proj.bias, transposed(self.x_proj.weight),
+                    transposed(self.in_proj.weight, matmul_dtype), self.in_proj.bias, transposed(self.x_proj.weight),
                     transposed(self.dt_proj.weight), self.dt_proj.bias, self.D,
-                    transposed(self.out_proj.weight), self.out_proj.bias)
+                    transposed(self.out_proj.weight, matmul_dtype), self.out_proj.bias)
         sources = (self.A_log, self.conv1d.weight, self.in_proj.weight, self.x_proj.weight,
                    self.dt_proj.weight, self.out_proj.weight)
-        return derived(self, "_step_tensors_cache", sources, build)
+        return derived(self, f"_step_tensors_{matmul_dtype}", sources, build)
 
-    def step(self, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor):
+    def step(self, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor,
+             matmul_dtype: Optional[torch.dtype] = None):
         """One decode step; updates conv_state and ssm_state in place.
 
         hidden_states: [B, 1, D] (mamba-ssm's layout) or [B, D]. Returns
-        (out, conv_state, ssm_state) with out shaped like hidden_states.
+        (out, conv_state, ssm_state) with out shaped like hidden_states. `matmul_dtype`
+        (not in mamba-ssm's signature): the in and out projections' weights in this
+        dtype (bfloat16; models/derived.py), None = the block's own.
         """
         squeeze = hidden_states.dim() == 3
-        A2, conv_w, ones, conv_b, w_in, b_in, w_x, w_dt, b_dt, D, w_out, b_out = self._step_tensors()
+        A2, conv_w, ones, conv_b, w_in, b_in, w_x, w_dt, b_dt, D, w_out, b_out = self._step_tensors(matmul_dtype)
         x, z = matmul_t(hidden_states.squeeze(1) if squeeze else hidden_states, w_in, b_in).chunk(2, dim=-1)
         # shift the conv window left by one and append x; a contiguous state shifts as one
         # flat copy (the element wrapping into each row's last slot is overwritten by x)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -84,14 +84,14 @@ class CapturedStep:
 class _StepOverTensors(nn.Module):
     """`LiveSpeech2.step` with the state's tensors as arguments, which tracing needs."""
 
-    def __init__(self, model: LiveSpeech2):
+    def __init__(self, model: LiveSpeech2, matmul_dtype: Optional[torch.dtype] = None):
         super().__init__()
-        self.model = model
+        self.model, self.matmul_dtype = model, matmul_dtype
 
     def forward(self, inputs, frame, conv, ssm, mem_k, mem_v, text_mask):
         view = DecodeStateView(conv=conv, ssm=ssm, mem_k=mem_k, mem_v=mem_v, txt_chunk=None, inputs=None,
                                step=None, eos_frame=None, ring=None)
-        out = self.model.step(inputs, frame, view, text_mask)
+        out = self.model.step(inputs, frame, view, text_mask, self.matmul_dtype)
         return out.graphemes, out.acoustic
 
 
@@ -105,19 +105,23 @@ class FrozenStep:
     (default model, one thread). The trace keeps batch size and text length symbolic;
     the model's own branches (device, biases) are fixed when it is made, and so are its
     weights: a model that changes needs a new FrozenStep.
+
+    `matmul_dtype` (bfloat16) traces a second graph with the widest matmuls in that
+    dtype (`LiveSpeech2.step`), which a call with `matmul_dtype` runs.
     """
 
-    def __init__(self, model: LiveSpeech2, warmup: int = 3):
+    def __init__(self, model: LiveSpeech2, warmup: int = 3, matmul_dtype: Optional[torch.dtype] = None):
         example = DecodeState.allocate(model, capacity=2, device=next(model.parameters()).device)
         mask = torch.zeros(2, 4, dtype=torch.bool, device=example.step.device)
         mask[:, :2] = True
         args = (example.inputs, torch.arange(2, device=mask.device), example.conv, example.ssm,
                 example.mem_k, example.mem_v, mask)
-        self.graph = _frozen(_StepOverTensors(model), args, warmup)
+        self.graphs = {dtype: _frozen(_StepOverTensors(model, dtype), args, warmup)
+                       for dtype in dict.fromkeys((None, matmul_dtype))}
 
     def __call__(self, inputs: torch.Tensor, frame: torch.Tensor, state: DecodeStateView,
-                 text_mask: torch.Tensor) -> StepLogits:
-        g, a = self.graph(inputs, frame, state.conv, state.ssm, state.mem_k, state.mem_v, text_mask)
+                 text_mask: torch.Tensor, matmul_dtype: Optional[torch.dtype] = None) -> StepLogits:
+        g, a = self.graphs[matmul_dtype](inputs, frame, state.conv, state.ssm, state.mem_k, state.mem_v, text_mask)
         return StepLogits(graphemes=g, acoustic=a)
 
 

@@ -197,6 +197,7 @@ async def build_server(
 def engine_config(config: ServerConfig):
     """The engine's settings that come from the server's."""
     from server.engine import EngineConfig
+    from server.runner import bf16_matmuls_enabled
 
     return EngineConfig(
         max_sessions=config.max_sessions,
@@ -205,6 +206,7 @@ def engine_config(config: ServerConfig):
         cuda_graphs=config.cuda_graphs,
         frozen_step=config.frozen_step,
         codec_thread=config.codec_thread,
+        bf16_matmuls=bf16_matmuls_enabled(config.bf16_matmuls, config.device),
     )
 
 
@@ -263,7 +265,9 @@ def make_engine(config: ServerConfig, metrics: Metrics) -> EngineAPI:
         bundle = load_bundle(config.model_path, device=config.device)
     except FileNotFoundError as e:
         raise SystemExit(f"livespeech: cannot load the model: {e}") from None
-    return Engine(bundle, engine_config(config), metrics)
+    settings = engine_config(config)
+    log.info("bf16 matmuls: %s (%s)", "on" if settings.bf16_matmuls else "off", config.bf16_matmuls)
+    return Engine(bundle, settings, metrics)
 
 
 async def _serve(config: ServerConfig, engine: Optional[EngineAPI]) -> None:

@@ -19,6 +19,7 @@ ENV_PREFIX = "LIVESPEECH_"
 _ALIASES = {"model_path": ("--model",)}
 # settings that hold secrets: env (or a file) only, never a flag, never in repr()
 ENV_ONLY = frozenset({"auth_tokens"})
+BF16_SETTINGS = ("auto", "on", "off")  # ServerConfig.bf16_matmuls
 
 
 def default_voices_dir() -> Path:
@@ -40,6 +41,10 @@ class ServerConfig:
     frozen_step: bool = True
     # on the CPU, decode steady-state packets on a second thread, beside the next model step
     codec_thread: bool = True
+    # on the CPU, the decode step's widest matmuls (output heads, Mamba in/out projections)
+    # with bfloat16 weights from 2 sessions a step: auto = where the CPU has bf16 dot
+    # products (AVX512-BF16, AMX), on, off (server/runner.py; docs/loadtest.md)
+    bf16_matmuls: str = "auto"
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
     voices_dir: Optional[Path] = None  # None = voices kept in memory only
@@ -92,6 +97,9 @@ class ServerConfig:
             f"device must be cpu, cuda or cuda:N, got {self.device!r}",
         )
         need(not self.cuda_graphs or self.device.startswith("cuda"), "cuda_graphs needs a cuda device")
+        need(self.bf16_matmuls in BF16_SETTINGS,
+             f"bf16_matmuls must be one of {', '.join(BF16_SETTINGS)}, got {self.bf16_matmuls!r}")
+        need(self.bf16_matmuls != "on" or self.device == "cpu", "bf16_matmuls on applies to the cpu device")
         need(1 <= self.max_sessions <= 4096, f"max_sessions must be in [1, 4096], got {self.max_sessions}")
         need(self.max_text_piece_chars >= 1, "max_text_piece_chars must be >= 1")
         need(

@@ -86,6 +86,8 @@ class EngineConfig:
     cuda_graphs: bool = False
     # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
     frozen_step: bool = True
+    # on the CPU, the step's widest matmuls in bfloat16 from 2 sessions (server/runner.py)
+    bf16_matmuls: bool = False
     # on the CPU, packets after a session's first are decoded on a codec thread while the
     # next model step runs on the other core (their audio goes out a step later; a
     # session's first and last packets stay on the engine thread). On 2 cores it cut the
@@ -112,7 +114,7 @@ class Engine:
         self.bundle = bundle
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs,
-                                  frozen_step=config.frozen_step)
+                                  frozen_step=config.frozen_step, bf16_matmuls=config.bf16_matmuls)
         self._codec_pool = (ThreadPoolExecutor(1, thread_name_prefix="livespeech-codec")
                             if config.codec_thread and self.runner.device.type == "cpu" else None)
         # calls on the codec thread, in submission order (the thread runs them in that order)

@@ -19,6 +19,25 @@ from models.guidance import GuidanceState, sample_step
 from models.inference import DecodeState, enrollment_kv, visible_prefix
 from models.loading import ModelBundle
 from models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
+from server.config import BF16_SETTINGS
+
+
+# On the CPU, the bf16 step graph (models/derived.py) runs from this batch size: against
+# float32 the default model's step measured 0.77x at batch 1, 1.11x at 2, 1.58x at 4 and
+# 1.39x at 16 (AMD EPYC with AVX512-BF16, one thread; docs/loadtest.md, "Eighteenth session")
+BF16_FROM_BATCH = 2
+
+
+def bf16_matmuls_enabled(setting: str, device: str) -> bool:
+    """Whether the step's widest matmuls run in bfloat16 (`ServerConfig.bf16_matmuls`):
+    "auto" where the CPU has bf16 dot products (AVX512-BF16 or AMX; elsewhere oneDNN
+    emulates them, 3-30x slower than float32 on an older EPYC), "on" on any CPU, never
+    on a GPU."""
+    if setting not in BF16_SETTINGS:
+        raise ValueError(f"bf16_matmuls must be one of {', '.join(BF16_SETTINGS)}, got {setting!r}")
+    if torch.device(device).type != "cpu" or setting == "off":
+        return False
+    return setting == "on" or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 @dataclass
@@ -39,7 +58,8 @@ class Voice:
 
 
 class ModelRunner:
-    def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True):
+    def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
+                 bf16_matmuls: bool = False):
         self.bundle = bundle
         self.model = bundle.model
         self.codec = bundle.codec
@@ -53,9 +73,12 @@ class ModelRunner:
         # on the CPU, the model step and the streaming codec as frozen TorchScript graphs
         # (the same ops, no Python between them); the eager calls elsewhere
         frozen = frozen_step and self.device.type == "cpu"
+        # the widest matmuls in bfloat16 from BF16_FROM_BATCH sessions (CPU only)
+        self.low_precision = torch.bfloat16 if bf16_matmuls and self.device.type == "cpu" else None
         self.model_step, self.codec_step = self.model.step, self.codec.decode_step
         if frozen and self.captured is None:
-            self.model_step = frozen_or_eager(lambda: FrozenStep(self.model), self.model.step)
+            self.model_step = frozen_or_eager(lambda: FrozenStep(self.model, matmul_dtype=self.low_precision),
+                                              self.model.step)
         if frozen:
             n_codebooks = self.model.cfg.n_acoustic_codebooks
             self.codec_step = frozen_or_eager(lambda: FrozenCodecStep(self.codec, n_codebooks), self.codec.decode_step)
@@ -126,7 +149,8 @@ class ModelRunner:
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
         else:
-            logits = self.model_step(view.inputs, view.step, view, visible_prefix(mask))
+            dtype = self.low_precision if len(slots) >= BF16_FROM_BATCH else None
+            logits = self.model_step(view.inputs, view.step, view, visible_prefix(mask), dtype)
         gens = [self.generators[s] for s in slots]
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
         tokens, bad = sample_step(logits.graphemes, logits.acoustic, guidance, lambdas, top_ks, gens)

@@ -512,3 +512,27 @@ def test_the_samplers_run_as_torchscript():
     for get in (guidance._scripted_step_tokens, guidance._scripted_sample_rows, guidance._scripted_guided,
                 inference._scripted_commit):
         assert isinstance(get(), torch.jit.ScriptFunction)
+
+
+@pytest.mark.parametrize("k", [1, 5, 17, 20, 32, 50])
+def test_top_k_sampling_draws_as_a_full_sort_would(k):
+    """`sample_top_k` against a reference that sorts the whole row: the same token from
+    the same generator state, for k where the sampler pads rows for torch's faster top-k
+    (17-32 over 1,024 codes) and where it does not; rows with -inf entries included, and
+    an all -inf row still gets a token inside the vocabulary."""
+    v, n = 1024, 64
+    torch.manual_seed(k)
+    logits = torch.randn(n, v) * 3
+    logits[1, 10:] = -math.inf  # fewer finite entries than k for k > 10
+    logits[2] = -math.inf
+    got = sample_top_k(logits, k, _gens(7, n))
+    u = torch.stack([torch.rand(1, generator=g) for g in _gens(7, n)]).reshape(-1)
+    vals, idx = logits.sort(dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :k], idx[:, :k]
+    vals[:, 0] = torch.where(torch.isneginf(vals[:, 0]), torch.zeros_like(vals[:, 0]), vals[:, 0])
+    cdf = vals.softmax(-1).cumsum(-1)
+    j = (cdf < (u * cdf[:, -1])[:, None]).sum(-1).clamp_max(k - 1)
+    want = idx.gather(-1, j[:, None]).squeeze(-1)
+    assert 0 <= int(got[2]) < v
+    keep = torch.arange(n) != 2  # the all -inf row's token is arbitrary
+    assert torch.equal(got[keep], want[keep])

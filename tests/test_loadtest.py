@@ -10,6 +10,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from loadtest.playback import Packet, concat_timelines, describe, percentile, simulate_playback
 from loadtest.sweep import compare_modes, level_verdict, select_rated, should_stop
@@ -310,6 +311,7 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
     for eager in (False, True):
         out = tmp_path / f"p{eager}.json"
         assert profile_step.main(["--batch", "2", "--steps", "3", "--warmup", "2", "--no-plain",
+                                  "--bf16-matmuls", "off" if eager else "on",
                                   "--json", str(out)] + ["--eager-step"] * eager) == 0
         res = json.loads(out.read_text())
         row = res["batches"][0]
@@ -318,9 +320,29 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
         assert 0 < scopes["model.step"]["incl_ms_per_step"] <= scopes["runner.step"]["incl_ms_per_step"]
         assert scopes["runner.step"]["incl_ms_per_step"] <= scopes["engine.step"]["incl_ms_per_step"]
         assert ("mamba" in scopes) is eager and res["frozen_step"] is not eager
+        assert res["bf16_matmuls"] is not eager
         assert res["cuda_graphs"] is False
     with pytest.raises(SystemExit):
         profile_step.main(["--cuda-graphs", "--device", "cpu"])
+
+
+def test_precision_compares_the_bf16_step_with_float32_along_a_decode():
+    """loadtest.precision on a tiny random model: every session finishes, every step of
+    two sessions is compared, and the comparison sees bf16's small but real difference
+    (total variation above 0, most argmaxes the same); the temperature references grow
+    with the temperature."""
+    from loadtest.precision import measure
+    from models.loading import load_bundle
+
+    torch.set_num_threads(1)
+    res = measure(load_bundle("random:tiny"), sessions=2, turns=1, draws=4)
+    assert res["outcomes"] == {"Finished": 2} and res["steps_compared"] > 0 and res["mean_batch"] == 2
+    for kind in ("graphemes", "acoustic"):
+        stats = res[kind]
+        assert stats["rows"] > 0
+        assert 0 < stats["tv"]["mean"] < 0.5 and 0.5 < stats["agree"]["mean"] <= 1
+        temps = [stats[f"tv_temperature_{t}"]["mean"] for t in (1.01, 1.02, 1.05)]
+        assert 0 < temps[0] < temps[1] < temps[2]
 
 
 def test_replay_plays_each_turn_and_restores_the_engine(tmp_path):

@@ -201,3 +201,57 @@ def test_engine_with_the_recorded_steps_speaks():
     for kind in ("frozen", "whole state"):
         for plain, other in zip(audio["eager"], audio[kind]):
             assert len(plain) == len(other) and np.abs(plain - other).max() <= 2, kind
+
+
+def test_the_bf16_step_frozen_equals_it_eager_and_stays_near_float32():
+    """`matmul_dtype=bfloat16` (the heads and the Mamba in/out projections with bf16
+    weights): the frozen graph traced for it equals the eager bf16 step along a decode,
+    and one step's logits differ from float32's by bf16's rounding only, but do differ
+    (the dtype is not ignored)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = LiveSpeech2(small_cfg()).eval()
+    frozen = FrozenStep(model, matmul_dtype=torch.bfloat16)
+    assert set(frozen.graphs) == {None, torch.bfloat16}
+    eager_state, graph_state = _state(model), _state(model)
+    with torch.no_grad():
+        want = _run(model, eager_state, lambda *a: model.step(*a, matmul_dtype=torch.bfloat16), BATCHES,
+                    whole_state=False)
+        got = _run(model, graph_state, lambda *a: frozen(*a, torch.bfloat16), BATCHES, whole_state=False)
+    for a, b in zip(want, got):
+        assert torch.allclose(a.acoustic, b.acoustic, atol=1e-5) and torch.allclose(a.graphemes, b.graphemes, atol=1e-5)
+    assert torch.allclose(eager_state.ssm, graph_state.ssm, atol=1e-5)
+    st = _state(model)
+    with torch.no_grad():
+        outs = {}
+        for dtype in (None, torch.bfloat16):
+            view = st.view([0, 2, 3])  # a gathered copy: each step starts from the same state
+            mask = st.window_mask(view, [0] * 3, [0] * 3)
+            outs[dtype] = frozen(view.inputs, view.step, view, mask, dtype).acoustic
+    scale = outs[None].abs().max()
+    assert not torch.equal(outs[None], outs[torch.bfloat16])
+    assert (outs[None] - outs[torch.bfloat16]).abs().max() <= 0.03 * scale
+
+
+def test_the_runner_steps_in_bf16_from_two_sessions_when_asked():
+    """bf16_matmuls: a batch of one steps in float32 (bf16 measured slower there), two
+    or more in bf16; without it, float32 at every size and no bf16 graph is traced."""
+    from models.guidance import GuidanceState
+    from models.loading import load_bundle
+    from server.runner import BF16_FROM_BATCH, ModelRunner
+
+    assert BF16_FROM_BATCH == 2
+    bundle = load_bundle(random_init=True)
+    for bf16 in (True, False):
+        runner = ModelRunner(bundle, 3, bf16_matmuls=bf16)
+        assert set(runner.model_step.graphs) == ({None, torch.bfloat16} if bf16 else {None})
+        voice = runner.make_voice("v", (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32), 24000)
+        for s in range(3):
+            runner.admit(s, voice, seed=s)
+            runner.add_chunk(s, list(range(100, 112)), 0, 0)
+        seen, step = [], runner.model_step
+        runner.model_step = lambda *a: (seen.append(a[4]), step(*a))[1]
+        for slots in ([0], [0, 1], [0, 1, 2], [2]):
+            n = len(slots)
+            runner.step(slots, [(0, 0)] * n, [GuidanceState() for _ in slots], [1.0] * n, [5] * n, [False] * n)
+        assert seen == ([None, torch.bfloat16, torch.bfloat16, None] if bf16 else [None] * 4)
