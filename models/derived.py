@@ -11,9 +11,9 @@ Weights are kept transposed ([in, out], contiguous) for the step: a one-row matm
 against a weight that streams from memory ran up to 3x faster in that layout than
 `F.linear` on the [out, in] original (2-core EPYC, wide outputs; docs/loadtest.md).
 A derived weight may also be kept in bfloat16 for the step's widest matmuls, where the
-CPU has bf16 dot products: 2.4-3x faster than float32 from 4 rows, slower at 1-2
-(AMD EPYC with AVX512-BF16, one thread; docs/loadtest.md, "Eighteenth session").
-"""
+CPU has bf16 dot products: 1.2-3x faster than float32 from 4 rows (the 4,166-wide heads
+1.9x from 2), slower at 1 (AMD EPYC with AVX512-BF16, one thread; docs/loadtest.md,
+"Eighteenth session")."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, TypeVar
