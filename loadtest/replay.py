@@ -120,7 +120,8 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
         patches.undo()
     results.sort(key=lambda r: (r["worker"], r["turn"]))
     return {"sessions": sessions, "turns": turns, "stagger_s": stagger_s, "llm_rate": pacing.llm_rate,
-            "frozen_step": frozen_step, "bf16_matmuls": engine.runner.low_precision is not None, "underruns": sum(r["underruns"] for r in results),
+            "frozen_step": frozen_step, "bf16_matmuls": engine.runner.low_precision is not None,
+            "underruns": sum(r["underruns"] for r in results),
             "starved_ms": sum(r["starved_ms"] for r in results), "text_waits": sum(len(r["text_waits"]) for r in results),
             "turn_results": results}
 
