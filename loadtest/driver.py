@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import grpc
 
-from .playback import Packet, concat_timelines, describe, simulate_playback
+from .playback import Packet, concat_timelines, describe, percentile, simulate_playback
 from .workload import Pacing, Turn, make_turn
 
 STREAMING = "streaming"
@@ -75,6 +75,9 @@ class TurnRecord:
     late_fixed_clock: int = 0
     # where the first stalls were: (position on the audio timeline s, stall s)
     stalls: list = dataclasses.field(default_factory=list)
+    # the least audio the listener held when a packet arrived, and where (loadtest.playback)
+    min_slack_s: Optional[float] = None
+    min_slack_at_s: Optional[float] = None
     timeline_gaps_s: float = 0.0
     completed: bool = False
     error: Optional[str] = None
@@ -168,6 +171,7 @@ def _finish(rec: TurnRecord, calls: list[list[Packet]], summaries: list[Any], pr
     rec.max_stall_s = pb.max_stall_s
     rec.late_fixed_clock = pb.late_fixed_clock
     rec.stalls = [(round(at, 3), round(late, 4)) for at, late in pb.stalls[:10]]
+    rec.min_slack_s, rec.min_slack_at_s = pb.min_slack_s, pb.min_slack_at_s
     rec.timeline_gaps_s = pb.gaps_s
     if pb.first_arrival_s is not None:
         rec.ttfa_user_s = pb.first_arrival_s - rec.t_start
@@ -262,6 +266,9 @@ def aggregate(records: list[TurnRecord]) -> dict:
         "starved_s": sum(r.starved_s for r in records),
         "starved_s_per_session": describe([r.starved_s for r in done]),
         "late_fixed_clock": sum(r.late_fixed_clock for r in records),
+        # per session, the least audio its listener held as a packet arrived: its low
+        # percentiles show how near the load came to underruns when it had none
+        "min_slack_s": {f"p{q}": percentile([r.min_slack_s for r in done], q) for q in (1, 5, 10, 50)},
         "audio_s": sum(r.audio_s for r in records),
         "audio_s_per_session": describe([r.audio_s for r in done]),
         # how long the client spent per audio second (> 1: text or compute was slower than speech)

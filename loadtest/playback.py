@@ -36,12 +36,16 @@ class Playback:
     gaps_s: float = 0.0  # holes in the timeline between consecutive packets (should be 0)
     first_arrival_s: Optional[float] = None
     stalls: list[tuple[float, float]] = field(default_factory=list)  # (timeline position, stall s)
+    # the least audio the player still held when a packet arrived (negative: a stall), and
+    # where on the timeline: how near a session came to an underrun
+    min_slack_s: Optional[float] = None
+    min_slack_at_s: Optional[float] = None
 
     def as_dict(self) -> dict:
         return {
             "packets": self.packets, "audio_s": self.audio_s, "underruns": self.underruns,
             "starved_s": self.starved_s, "max_stall_s": self.max_stall_s,
-            "late_fixed_clock": self.late_fixed_clock, "gaps_s": self.gaps_s,
+            "late_fixed_clock": self.late_fixed_clock, "gaps_s": self.gaps_s, "min_slack_s": self.min_slack_s,
         }
 
 
@@ -68,6 +72,8 @@ def simulate_playback(packets: Iterable[Packet], prebuffer_s: float = 0.0, toler
             pb.gaps_s += max(0.0, p.start_s - timeline_end)
             deadline = t_play0 + p.start_s
             late = p.arrival_s - deadline
+            if pb.min_slack_s is None or -late < pb.min_slack_s:
+                pb.min_slack_s, pb.min_slack_at_s = -late, p.start_s
             if late > tolerance_s:
                 pb.underruns += 1
                 pb.starved_s += late

@@ -38,6 +38,8 @@ Cost model: FLOPs and bytes of one step are counted from the model's parameter s
 cross-checked with torch's FlopCounterMode, and compared with this machine's sgemm
 throughput and memcpy bandwidth, both measured in the same run with the same thread
 count: `roofline_fraction` = max(FLOPs / peak FLOP/s, bytes / peak B/s) / measured time.
+A step with bf16 matmuls (batch >= 2 with `--bf16-matmuls`) counts the matmuls it runs in
+bfloat16 at the measured bf16 gemm throughput and their weights at 2 bytes.
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ import numpy as np
 import torch
 
 from server.config import BF16_SETTINGS
-from server.runner import bf16_matmuls_enabled
+from server.runner import BF16_FROM_BATCH, bf16_matmuls_enabled
 
 # ------------------------------------------------------------------ scopes
 
@@ -378,12 +380,17 @@ def analytic_cost(model) -> dict:
         if name.startswith(skip) or ".xattn.kv_proj." in name:
             continue  # not read by a decode step (enrollment / text projection happen once)
         weights += _bytes(p)
+    # what a bf16 step (batch >= BF16_FROM_BATCH with bf16 matmuls) reads in bfloat16:
+    # the heads and each Mamba block's in/out projections (LiveSpeech2.step's matmul_dtype)
+    bf16_weights = sum(_bytes(p) for name, p in model.named_parameters()
+                       if name.startswith("heads.") or name.endswith((".mamba.in_proj.weight", ".mamba.out_proj.weight")))
     es = 4
     state_rw = 2 * L * di * (kc + n) * es  # conv + SSM state, read and written
     mem_read = L * H * M * 3 * hd * es  # cached K (2*hd wide) and V
     emb_rows = cfg.n_codebooks * d * es
     return {"macs_per_session": macs, "macs_mamba_per_layer": macs_mamba, "macs_xattn_per_layer": macs_xattn,
             "macs_heads": macs_heads, "weight_bytes": weights,
+            "macs_bf16_per_session": L * 3 * d * di + macs_heads, "bf16_weight_bytes_fp32": bf16_weights,
             "state_bytes_per_session": state_rw + mem_read + emb_rows,
             "dims": {"d_model": d, "layers": L, "heads": H, "d_inner": di, "d_state": n, "dt_rank": r, "memory": M,
                      "vocab_sizes": list(model.vocab_sizes)}}
@@ -459,11 +466,10 @@ def counted_cost(bundle, batch: int, packet_frames: int) -> dict:
 # ------------------------------------------------------------------ machine limits
 
 
-def measure_machine(device: torch.device, sgemm_n: int = 1024, copy_mib: int = 256, reps: int = 5) -> dict:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a = torch.randn(sgemm_n, sgemm_n, device=device)
-    b = torch.randn(sgemm_n, sgemm_n, device=device)
-    c = torch.empty(sgemm_n, sgemm_n, device=device)
+def _best_mm_gflops(n: int, dtype: torch.dtype, device: torch.device, reps: int, sync) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
     torch.mm(a, b, out=c)
     best = math.inf
     for _ in range(reps):
@@ -472,7 +478,15 @@ def measure_machine(device: torch.device, sgemm_n: int = 1024, copy_mib: int = 2
         torch.mm(a, b, out=c)
         sync()
         best = min(best, time.perf_counter() - t)
-    gflops = 2 * sgemm_n**3 / best / 1e9
+    return 2 * n**3 / best / 1e9
+
+
+def measure_machine(device: torch.device, sgemm_n: int = 1024, copy_mib: int = 256, reps: int = 5,
+                    bf16: bool = False) -> dict:
+    """sgemm GFLOP/s, memcpy GB/s and, with `bf16`, bf16 gemm GFLOP/s."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gflops = _best_mm_gflops(sgemm_n, torch.float32, device, reps, sync)
+    bf16_gflops = _best_mm_gflops(sgemm_n, torch.bfloat16, device, reps, sync) if bf16 else None
     n = copy_mib * (1 << 20) // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
@@ -486,12 +500,16 @@ def measure_machine(device: torch.device, sgemm_n: int = 1024, copy_mib: int = 2
         best_c = min(best_c, time.perf_counter() - t)
     gbs = 2 * n * 4 / best_c / 1e9  # read + write
     del src, dst
-    return {"sgemm_n": sgemm_n, "sgemm_gflops": gflops, "memcpy_mib": copy_mib, "memcpy_gbs": gbs,
+    return {"sgemm_n": sgemm_n, "sgemm_gflops": gflops, "bf16_gemm_gflops": bf16_gflops,
+            "memcpy_mib": copy_mib, "memcpy_gbs": gbs,
             "note": "best of %d; memcpy counts bytes read + written" % reps}
 
 
-def roofline(flops: float, nbytes: float, t_s: float, machine: dict) -> dict:
-    t_f = flops / (machine["sgemm_gflops"] * 1e9)
+def roofline(flops: float, nbytes: float, t_s: float, machine: dict, bf16_flops: float = 0.0) -> dict:
+    """`bf16_flops` of `flops` run in bfloat16, at the machine's bf16 gemm throughput."""
+    t_f = (flops - bf16_flops) / (machine["sgemm_gflops"] * 1e9)
+    if bf16_flops:
+        t_f += bf16_flops / (machine["bf16_gemm_gflops"] * 1e9)
     t_b = nbytes / (machine["memcpy_gbs"] * 1e9)
     return {"gflop": flops / 1e9, "mbytes": nbytes / 1e6, "t_flops_ms": 1000 * t_f, "t_bytes_ms": 1000 * t_b,
             "measured_ms": 1000 * t_s, "roofline_fraction": max(t_f, t_b) / t_s if t_s > 0 else None,
@@ -507,7 +525,7 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
             frozen_step: bool = True, bf16_matmuls: bool = False) -> dict:
     from models.config import FRAME_RATE
 
-    machine = measure_machine(bundle.device)
+    machine = measure_machine(bundle.device, bf16=bf16_matmuls)
     cost = analytic_cost(bundle.model)
     ccost = codec_cost(bundle.codec)
     pf = max(1, math.ceil(packet_ms * FRAME_RATE / 1000))
@@ -534,15 +552,18 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         model_s = run["incl"].get("model.step", 0.0) / steps
         macs = cost["macs_per_session"] * b
         state = cost["state_bytes_per_session"] * b
-        model_flops, model_bytes = 2 * macs, cost["weight_bytes"] + state
+        bf16_step = bool(run["bf16_matmuls"]) and b >= BF16_FROM_BATCH
+        bf16_flops = 2 * cost["macs_bf16_per_session"] * b if bf16_step else 0.0
+        weights = cost["weight_bytes"] - (cost["bf16_weight_bytes_fp32"] / 2 if bf16_step else 0)
+        model_flops, model_bytes = 2 * macs, weights + state
         codec_flops = counted["codec_packet_flops"] / counted["codec_packet_frames"]  # per frame, all b sessions
         step_flops = model_flops + codec_flops
         step_bytes = model_bytes + ccost["weight_bytes"] / pf
-        c = roofline(step_flops, step_bytes, step_s, machine)
-        c.update(gflop_counted=(counted["model_step_flops"] + codec_flops) / 1e9,
-                 weight_mbytes=(cost["weight_bytes"] + ccost["weight_bytes"] / pf) / 1e6,
+        c = roofline(step_flops, step_bytes, step_s, machine, bf16_flops)
+        c.update(gflop_counted=(counted["model_step_flops"] + codec_flops) / 1e9, bf16_gflop=bf16_flops / 1e9,
+                 weight_mbytes=(weights + ccost["weight_bytes"] / pf) / 1e6,
                  state_mbytes_per_session=cost["state_bytes_per_session"] / 1e6,
-                 model_only=roofline(model_flops, model_bytes, model_s, machine))
+                 model_only=roofline(model_flops, model_bytes, model_s, machine, bf16_flops))
         ops = counted["aten_ops_runner_step"]
         runner_s = run["incl"].get("runner.step", 0.0) / steps
         out["batches"].append({

@@ -186,8 +186,8 @@ def render_markdown(result: dict, plots: list[str]) -> str:
     by = levels_by_mode(result)
     L.append("## Streaming\n")
     L.append("| N | pass | sessions | errors | TTFA p50 / p95 ms | lookahead p50 ms | FPL p50 / p95 ms | underruns (sessions) "
-             "| starved ms | step mean / p95 ms | batch mean | busy | RTF/session | spoken | load1 |")
-    L.append("|" + "---|" * 15)
+             "| starved ms | min slack p1 / p10 ms | step mean / p95 ms | batch mean | busy | RTF/session | spoken | load1 |")
+    L.append("|" + "---|" * 16)
     for lv in by.get(STREAMING, []):
         c, s = lv["client"], lv.get("server") or {}
         L.append(
@@ -196,6 +196,7 @@ def render_markdown(result: dict, plots: list[str]) -> str:
             f"| {_ms(_get(c, 'lookahead_wait_s', 'p50'))} "
             f"| {_ms(_get(c, 'compute_fpl_s', 'p50'))} / {_ms(_get(c, 'compute_fpl_s', 'p95'))} "
             f"| {c['underruns']} ({c['sessions_with_underruns']}) | {_ms(c['starved_s'])} "
+            f"| {_ms(_get(c, 'min_slack_s', 'p1'))} / {_ms(_get(c, 'min_slack_s', 'p10'))} "
             f"| {_ms2(_get(s, 'step_seconds', 'mean'))} / "
             f"{_ms2(_get(s, 'step_seconds', 'p95'))} | {_f(_get(s, 'batch_size', 'mean'), '{:.1f}')} "
             f"| {_f(s.get('engine_busy_fraction'))} | {_f(_get(s, 'rtf_per_session', 'mean'), '{:.3f}')} "
@@ -246,7 +247,8 @@ def render_profile_markdown(prof: dict) -> str:
     L: list[str] = []
     m = prof.get("machine", {})
     L.append(f"Machine, measured in the same run ({prof.get('threads')} torch thread(s)): sgemm "
-             f"{_f(m.get('sgemm_gflops'), '{:.1f}')} GFLOP/s, memcpy {_f(m.get('memcpy_gbs'), '{:.1f}')} GB/s "
+             f"{_f(m.get('sgemm_gflops'), '{:.1f}')} GFLOP/s"
+             f"{', bf16 gemm ' + _f(m['bf16_gemm_gflops'], '{:.1f}') + ' GFLOP/s' if m.get('bf16_gemm_gflops') else ''}, memcpy {_f(m.get('memcpy_gbs'), '{:.1f}')} GB/s "
              f"(read + write); load average {' / '.join(f'{v:.2f}' for v in prof.get('loadavg') or [])}; "
              f"{prof.get('text_chars', '?')} characters of text per session.\n")
     for row in prof.get("batches", []):
@@ -261,7 +263,8 @@ def render_profile_markdown(prof: dict) -> str:
                  f"({_f(row.get('us_per_aten_op'), '{:.1f}')} us each)")
         c = row.get("cost", {})
         L.append(f"- cost per step: {_f(c.get('gflop'), '{:.4f}')} GFLOP (analytic; FlopCounter "
-                 f"{_f(c.get('gflop_counted'), '{:.4f}')}), {_f(c.get('mbytes'), '{:.2f}')} MB moved "
+                 f"{_f(c.get('gflop_counted'), '{:.4f}')}{'; ' + _f(c['bf16_gflop'], '{:.4f}') + ' of it in bf16' if c.get('bf16_gflop') else ''}), "
+                 f"{_f(c.get('mbytes'), '{:.2f}')} MB moved "
                  f"(weights {_f(c.get('weight_mbytes'), '{:.2f}')} MB once + state {_f(c.get('state_mbytes_per_session'), '{:.3f}')} MB per session)")
         L.append(f"- physical limit: {_f(c.get('t_flops_ms'), '{:.3f}')} ms (compute) / {_f(c.get('t_bytes_ms'), '{:.3f}')} ms "
                  f"(memory) -> the step runs at **{_f(100 * c['roofline_fraction'] if c.get('roofline_fraction') is not None else None, '{:.1f}')}%** "

@@ -58,6 +58,7 @@ class PacketPlan(NamedTuple):
     """What `Engine._packet_due` decided for a session at this step."""
     frames: int  # how many of its pending frames to decode
     short: bool  # the audio left over after whole packets goes out too (>= min_packet_ms)
+    clocked: bool = False  # a full packet on the packet clock's tick (`Engine._on_packet_clock`)
 
 
 # a cached chunk is re-placed when its timeline position moved at least this far
@@ -416,7 +417,7 @@ class Engine:
         if handoff:  # all pending frames now, so the next tick, `full` steps on, finds a full packet
             return PacketPlan(n, True) if n >= shortest else None
         if not ramp and not waiting:
-            return PacketPlan(full, False) if n >= full and tick else None
+            return PacketPlan(full, False, clocked=True) if n >= full and tick else None
         if n >= full:
             return PacketPlan(n, waiting)  # when waiting, frames held for the clock go out too
         if s.frames_done == 0:
@@ -489,11 +490,12 @@ class Engine:
         """Decode each session's planned packet: one batched codec call per distinct
         frame count (usually one: see `_on_packet_clock`). Calls go to the codec thread,
         overlapping the next model steps (delivered as they finish, `_on_codec_done`),
-        except those with a session's first packet (its TTFA) or its last (its
-        end follows): those are decoded and delivered now, beside whatever the codec
-        thread runs. Ramp packets too go to the thread: on the engine thread each cost the
-        engine a codec call, and its 2-frame packets came about as fast as they played
-        (docs/loadtest.md, "Fifteenth session"). The thread's calls queue in order, the
+        except those `_decode_here` keeps (a session's first or last packet; a ramp
+        packet that cannot wait for a busy codec thread): those are decoded and
+        delivered now, beside whatever the codec thread runs. Ramp packets otherwise go
+        to the thread: on the engine thread each cost the engine a codec call, and its
+        2-frame packets came about as fast as they played (docs/loadtest.md, "Fifteenth
+        session"). The thread's calls queue in order, the
         most urgent (least audio in its listeners' hands) first; the engine waits only for
         calls holding a slot whose codec state it is about to use. Waiting for every call
         before the next cost a ramp packet queued behind a clocked call that whole call,
@@ -502,15 +504,17 @@ class Engine:
         threaded call the rest of that call (~3.5 ms of a 5.5 ms step at one session,
         "Fourteenth session")."""
         self._deliver_done()
-        by_len: dict[int, list[tuple[EngineSession, bool]]] = collections.defaultdict(list)
+        # one call per frame count, with packets off the clock (the ramp, a text that ran
+        # dry) apart from the tick's: joined to it, a ramp packet waited for all of it
+        # (16 sessions: 15-19 ms of the ~20 its listener held, "Nineteenth session")
+        groups: dict[tuple[int, bool], list[tuple[EngineSession, bool]]] = collections.defaultdict(list)
         for s, plan in due:
-            by_len[plan.frames].append((s, plan.short))
+            groups[plan.frames, plan.clocked].append((s, plan.short))
         calls = []  # (threaded, urgency, n, planned): the engine thread's calls first, then the least audio in hand
         now = time.monotonic()
-        for n, planned in by_len.items():
-            threaded = self._codec_pool is not None and not any(s.frames_done == 0 or s.done_decoding
-                                                                 for s, _ in planned)
-            calls.append((threaded, min(s.audio_ahead_s(now) for s, _ in planned), n, planned))
+        for (n, clocked), planned in groups.items():
+            in_hand = min(s.audio_ahead_s(now) for s, _ in planned)
+            calls.append((not self._decode_here(planned, clocked, in_hand), in_hand, n, planned))
         for threaded, _, n, planned in sorted(calls, key=lambda c: c[:2]):
             group = [s for s, _ in planned]
             if not threaded:  # an earlier call's audio for these sessions goes out first
@@ -531,6 +535,22 @@ class Engine:
             except Exception as exc:
                 future.set_exception(exc)
             self._deliver(InFlightDecode(future, planned, n))
+
+    def _decode_here(self, planned: list[tuple[EngineSession, bool]], clocked: bool, in_hand: float) -> bool:
+        """Whether a codec call runs on the engine thread, at once: with no codec thread;
+        with a session's first packet (its TTFA) or its last (its end follows); and off
+        the clock, when its listeners hold less than the low water while the codec thread
+        is still busy with calls of other sessions. Queued behind those (up to a clocked
+        call of 16 sessions), a 2-frame second packet was the last of the stalls at 16-20
+        sessions; at once it costs the engine ~2 ms, a few times per session start."""
+        if self._codec_pool is None or any(s.frames_done == 0 or s.done_decoding for s, _ in planned):
+            return True
+        if clocked or in_hand >= self._low_water_s:
+            return False
+        slots = {s.slot for s, _ in planned}
+        # a call holding one of these sessions would have to be waited for first
+        return (any(not c.future.done() for c in self._in_flight)
+                and not any(c.holds(slots) for c in self._in_flight))
 
     def _deliver_done(self, on_codec_thread: bool = False) -> None:
         """Deliver the codec thread's finished calls, in order, without waiting. On the

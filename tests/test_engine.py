@@ -445,34 +445,91 @@ def test_a_first_packet_does_not_wait_for_another_sessions_codec_call(voice, mon
         assert_finished_in_order(c)
 
 
-def test_the_codec_thread_takes_the_call_of_the_listener_with_least_audio_first(voice, monkeypatch):
-    """Two calls due at one step (a clocked packet's and a ramp packet's) queue on the
-    codec thread; the one whose listeners hold the least audio goes first."""
-    torch.set_num_threads(1)
-    held = {}  # session id -> seconds its listener holds
+def driven_sessions(eng: Engine, voice, in_hand_s, monkeypatch) -> list[tuple[EngineSession, Collector]]:
+    """Sessions admitted on an engine that is not started (its steps driven by the test),
+    past their first packets, with 8 frames pending each and the given audio in their
+    listeners' hands."""
+    held = {}
     monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: held[self.session_id])
-    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=2))  # not started: driven here
-    order, submit = [], eng._codec_pool.submit
-    monkeypatch.setattr(eng._codec_pool, "submit",
-                        lambda fn, decode, slots, frames: order.append(len(frames[0])) or submit(fn, decode, slots, frames))
     q = eng.bundle.model.cfg.n_acoustic_codebooks
-    sessions = []
-    for ahead_s in (0.5, 0.01):
+    out = []
+    for ahead_s in in_hand_s:
         c = Collector()
         s = eng.open_session(SessionConfig(**HARD), voice, c)
         eng._apply_commands()  # admits it
         held[s.session_id] = ahead_s
         s.frames_done, s.first_packet_at = 2, 0.0  # past its first packet: its calls go to the thread
-        s.pending_frames = [[1] * q for _ in range(6)]
-        sessions.append(s)
+        s.pending_frames = [[1] * q for _ in range(8)]
+        out.append((s, c))
+    return out
+
+
+def test_the_codec_thread_takes_the_call_of_the_listener_with_least_audio_first(voice, monkeypatch):
+    """Two calls due at one step (a clocked packet's and a ramp packet's) queue on the
+    codec thread; the one whose listeners hold the least audio goes first."""
+    torch.set_num_threads(1)
+    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=2))  # not started: driven here
+    order, submit = [], eng._codec_pool.submit
+    monkeypatch.setattr(eng._codec_pool, "submit",
+                        lambda fn, decode, slots, frames: order.append(len(frames[0])) or submit(fn, decode, slots, frames))
+    sessions = [s for s, _ in driven_sessions(eng, voice, (0.5, 0.01), monkeypatch)]
     try:
         with eng._lock:  # as the engine thread: the codec thread delivers only while it steps
-            eng._decode([(sessions[0], PacketPlan(6, False)), (sessions[1], PacketPlan(2, True))])
+            eng._decode([(sessions[0], PacketPlan(6, False, clocked=True)), (sessions[1], PacketPlan(2, True))])
             eng._settle_decode()
     finally:
         eng.stop()
     assert order == [2, 6]
-    assert [len(s.pending_frames) for s in sessions] == [0, 4]
+    assert [len(s.pending_frames) for s in sessions] == [2, 6]
+
+
+def test_a_ramp_packet_does_not_join_the_ticks_call(voice, monkeypatch):
+    """A packet off the clock as long as the tick's packets gets a codec call of its own,
+    not a row in the tick's call (whose whole length it would wait for)."""
+    torch.set_num_threads(1)
+    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3))  # not started: driven here
+    rows, submit = [], eng._codec_pool.submit
+    monkeypatch.setattr(eng._codec_pool, "submit",
+                        lambda fn, decode, slots, frames: rows.append(len(slots)) or submit(fn, decode, slots, frames))
+    (a, _), (b, _), (ramp, _) = driven_sessions(eng, voice, (0.5, 0.5, 0.4), monkeypatch)
+    try:
+        with eng._lock:
+            eng._decode([(a, PacketPlan(6, False, clocked=True)), (b, PacketPlan(6, False, clocked=True)),
+                         (ramp, PacketPlan(6, True))])
+            eng._settle_decode()
+    finally:
+        eng.stop()
+    assert rows == [1, 2]  # the ramp's (least audio in hand) first, then the tick's
+
+
+@pytest.mark.parametrize("in_hand_s, own_call_queued, at_once", [
+    (0.01, False, True),  # low, and the codec thread busy with another session: decoded at once
+    (0.5, False, False),  # enough in hand: it queues on the codec thread
+    (0.01, True, False),  # its own last packet is queued: waiting for that would stall the engine
+])
+def test_a_low_listeners_ramp_packet_skips_a_busy_codec_thread(voice, monkeypatch, in_hand_s, own_call_queued, at_once):
+    """A packet off the clock whose listener holds less than the low water, due while the
+    codec thread is busy with other sessions' calls, is decoded on the engine thread at
+    once (queued, it waited for all of them)."""
+    torch.set_num_threads(1)
+    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=2))  # not started: driven here
+    release, began = hold_codec_thread(eng)
+    (busy, _), (ramp, heard) = driven_sessions(eng, voice, (0.5, in_hand_s), monkeypatch)
+    try:
+        with eng._lock:
+            eng._decode([(busy, PacketPlan(6, False, clocked=True))]
+                        + ([(ramp, PacketPlan(2, True))] if own_call_queued else []))
+            assert began.wait(30), "no call went to the codec thread"
+            eng._decode([(ramp, PacketPlan(2, True))])
+            heard_while_busy = len(heard.of(AudioPacket))
+            release.set()
+            eng._settle_decode()
+    finally:
+        release.set()
+        eng.stop()
+    assert (heard_while_busy > 0) == at_once
+    assert len(heard.of(AudioPacket)) == 2 if own_call_queued else 1
+    assert [p.seq for p in heard.of(AudioPacket)] == sorted(p.seq for p in heard.of(AudioPacket))
 
 
 def test_runner_decodes_disjoint_slots_on_two_threads_as_one_after_the_other():

@@ -57,6 +57,18 @@ def test_two_stalls_accumulate():
     assert pb.late_fixed_clock == 3
 
 
+def test_min_slack_is_the_least_audio_in_hand_as_a_packet_arrived():
+    # packets 2 and 3 arrive 30 and 70 ms before they play, packet 1 only 10 ms
+    pk = [Packet(0.0, 0.0, 0.1), Packet(0.09, 0.1, 0.1), Packet(0.17, 0.2, 0.1), Packet(0.23, 0.3, 0.1)]
+    pb = simulate_playback(pk)
+    assert pb.underruns == 0
+    assert pb.min_slack_s == pytest.approx(0.01) and pb.min_slack_at_s == pytest.approx(0.1)
+    # a stall is a negative slack
+    late = simulate_playback(pk[:2] + [Packet(0.25, 0.2, 0.1)])
+    assert late.underruns == 1 and late.min_slack_s == pytest.approx(-0.05) and late.min_slack_at_s == pytest.approx(0.2)
+    assert simulate_playback(pk[:1]).min_slack_s is None  # nothing arrived after playback began
+
+
 def test_prebuffer_absorbs_jitter():
     pk = steady(6)
     pk[4] = Packet(pk[4].arrival_s + 0.03, pk[4].start_s, pk[4].duration_s)
@@ -322,6 +334,16 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
         assert ("mamba" in scopes) is eager and res["frozen_step"] is not eager
         assert res["bf16_matmuls"] is not eager
         assert res["cuda_graphs"] is False
+        # the roofline: a bf16 step's heads and Mamba projections at the bf16 gemm's rate
+        # and 2 bytes a weight; everything at sgemm's rate and 4 bytes without bf16
+        c, a = row["cost"], res["analytic"]
+        fp32_mb = (a["weight_bytes"] + res["codec"]["weight_bytes"] / res["packet_frames"]) / 1e6
+        if eager:
+            assert c["bf16_gflop"] == 0 and c["weight_mbytes"] == pytest.approx(fp32_mb)
+            assert res["machine"]["bf16_gemm_gflops"] is None
+        else:
+            assert 0 < c["bf16_gflop"] < c["gflop"] and res["machine"]["bf16_gemm_gflops"] > 0
+            assert c["weight_mbytes"] == pytest.approx(fp32_mb - a["bf16_weight_bytes_fp32"] / 2e6)
     with pytest.raises(SystemExit):
         profile_step.main(["--cuda-graphs", "--device", "cpu"])
 
