@@ -45,7 +45,8 @@ class Playback:
         return {
             "packets": self.packets, "audio_s": self.audio_s, "underruns": self.underruns,
             "starved_s": self.starved_s, "max_stall_s": self.max_stall_s,
-            "late_fixed_clock": self.late_fixed_clock, "gaps_s": self.gaps_s, "min_slack_s": self.min_slack_s,
+            "late_fixed_clock": self.late_fixed_clock, "gaps_s": self.gaps_s,
+            "min_slack_s": self.min_slack_s, "min_slack_at_s": self.min_slack_at_s,
         }
 
 
