@@ -528,7 +528,7 @@ def test_a_low_listeners_ramp_packet_skips_a_busy_codec_thread(voice, monkeypatc
         release.set()
         eng.stop()
     assert (heard_while_busy > 0) == at_once
-    assert len(heard.of(AudioPacket)) == 2 if own_call_queued else 1
+    assert len(heard.of(AudioPacket)) == (2 if own_call_queued else 1)
     assert [p.seq for p in heard.of(AudioPacket)] == sorted(p.seq for p in heard.of(AudioPacket))
 
 
