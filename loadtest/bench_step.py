@@ -15,7 +15,7 @@ import torch
 from models.config import FRAME_RATE
 from models.loading import load_bundle
 
-from .profile_step import add_bf16_argument
+from .profile_step import add_bf16_argument, noise_reference
 
 
 def bench(fn, n: int) -> float:
@@ -46,7 +46,6 @@ def main(argv=None) -> int:
     from server.runner import ModelRunner, bf16_matmuls_enabled
     from models.guidance import GuidanceState
     from models import graphemes
-    import numpy as np
 
     bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
     out = {"preset": args.preset, "threads": args.threads, "device": args.device,
@@ -56,7 +55,7 @@ def main(argv=None) -> int:
         runner = ModelRunner(bundle, b, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
                              bf16_matmuls=out["bf16_matmuls"])
         out["frozen_step"] = runner.frozen
-        voice = runner.make_voice("v", np.random.randn(24000).astype(np.float32) * 0.1, 24000)
+        voice = runner.make_voice("v", noise_reference(), 24000)
         slots = list(range(b))
         for s in slots:
             runner.admit(s, voice, seed=s)

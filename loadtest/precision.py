@@ -37,6 +37,7 @@ import torch
 
 from models.guidance import sample_top_k
 
+from .profile_step import noise_reference
 from .workload import load_sentences
 
 TEMPERATURES = (1.01, 1.02, 1.05)
@@ -109,7 +110,7 @@ def measure(bundle, sessions: int, turns: int, top_k: int = 20, draws: int = 32,
         for v in voices:
             audio = bundle.builtin_voices.get(v) if v is not None else None
             if audio is None:
-                audio = (torch.randn(24000, generator=gen) * 0.1).numpy()
+                audio = noise_reference(seed)
             handles[v] = engine.make_voice(f"precision-{v}", audio, 24000)
         for t in range(turns):
             for i in range(sessions):

@@ -29,13 +29,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from server.runner import bf16_matmuls_enabled
 
 from .playback import Packet, describe, simulate_playback
-from .profile_step import Patches, add_bf16_argument
+from .profile_step import Patches, add_bf16_argument, noise_reference
 from .workload import Pacing, load_sentences, make_turn
 
 
@@ -52,8 +51,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
     if release_when_waiting is not None:
         options["chunking"] = ChunkingConfig(release_when_waiting=release_when_waiting)
     engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step, bf16_matmuls=bf16_matmuls))
-    voice = engine.make_voice("replay", (np.random.default_rng(seed).standard_normal(24000) * 0.1).astype(np.float32),
-                              24000)
+    voice = engine.make_voice("replay", noise_reference(seed), 24000)
     waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
     ready = EngineSession.lookahead_ready
 

@@ -495,9 +495,9 @@ class Engine:
         delivered now, beside whatever the codec thread runs. Ramp packets otherwise go
         to the thread: on the engine thread each cost the engine a codec call, and its
         2-frame packets came about as fast as they played (docs/loadtest.md, "Fifteenth
-        session"). The thread's calls queue in order, the
-        most urgent (least audio in its listeners' hands) first; the engine waits only for
-        calls holding a slot whose codec state it is about to use. Waiting for every call
+        session"). The thread's calls queue in order, the most urgent (least audio in its
+        listeners' hands) first; the engine waits only for calls holding a slot whose
+        codec state it is about to use. Waiting for every call
         before the next cost a ramp packet queued behind a clocked call that whole call,
         at 16 sessions up to 9 ms of its listener's 27 (docs/loadtest.md, "Sixteenth
         session"); and waiting with nothing new to decode cost the step after each
