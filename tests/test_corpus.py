@@ -408,7 +408,7 @@ def _check_corpus(out: str) -> list[dict]:
         voices = {v["id"]: v for v in json.load(f)["voices"]}
     pool = read_jsonl(os.path.join(out, "sentences.jsonl"))
     keys = ("id", "split", "voice", "heldout_voice", "source", "text", "words", "audio",
-            "duration_s", "graphemes", "chunks")
+            "duration_s", "graphemes", "chunks", "phones")
     for r in recs:
         assert all(k in r for k in keys), r.keys()
         assert r["split"] in ("train", "dev", "test")
@@ -425,6 +425,13 @@ def _check_corpus(out: str) -> list[dict]:
         for _, a, b in words:
             assert prev <= a < b <= r["duration_s"] + 1e-6
             prev = b
+        # the phone timeline covers the file without gaps, and each word holds a spoken phone
+        phones = r["phones"]
+        assert phones[0][1] == 0 and abs(phones[-1][2] - r["duration_s"]) < 1e-3
+        assert all(a < b and nm for nm, a, b in phones)
+        assert all(p[2] == q[1] for p, q in zip(phones, phones[1:]))
+        for _, a, b in words:
+            assert any(nm != "_" and pa < b and pb > a for nm, pa, pb in phones)
         n = math.ceil(r["duration_s"] * 75)
         assert len(r["graphemes"]) == n
         assert all(0 <= g < VOCAB_SIZE for g in r["graphemes"])

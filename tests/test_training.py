@@ -354,3 +354,33 @@ def test_codebook_boost_option():
     for bad in ("1", "a:2", "1:x"):
         with pytest.raises(argparse.ArgumentTypeError):
             train.parse_boost(bad)
+
+
+def test_codec_phone_classifier_trains_on_the_first_level_and_resumes(tmp_path):
+    """--phone-weight: a phone loss (on labelled frames of the first quantiser level) joins
+    the total, the codebook-1 probe is logged at each evaluation, and a resumed run keeps
+    the classifier."""
+    corpus, _ = make_smoke_corpus(str(tmp_path), n_utts=6, with_codes=False)
+    out = str(tmp_path / "codec")
+    common = ["--corpus", corpus, "--out", out, "--batch", "2", "--crop-s", "0.5", "--eval-every", "2",
+              "--dev-n", "2", "--dev-seconds", "0.5", "--kmeans-iters", "1", "--log-every", "1", "--ckpt-every", "1",
+              "--phone-weight", "1", "--phone-min-count", "1", "--probe-n", "3"]
+    assert codec_train.main(common + ["--steps", "2"]) == 0
+    assert codec_train.main(common + ["--steps", "3", "--resume"]) == 0
+    rows = _log(os.path.join(out, "log.jsonl"))
+    steps = [r for r in rows if not r.get("eval")]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(math.isfinite(r["phone"]) and r["phone"] > 0 and 0 <= r["phone_acc"] <= 1 for r in steps)
+    assert all(r["total"] > r["phone"] for r in steps)  # the phone loss is part of the total
+    evals = [r for r in rows if r.get("eval")]
+    assert evals and all(0 <= r["phone_probe_acc"] <= 1 and r["cb1_codes_used"] >= 1 for r in evals)
+    state = torch.load(os.path.join(out, "last_state.pt"), weights_only=False)
+    assert state["phones"][0] == "_" and "phone_head" in state
+    # a corpus without phone timelines cannot train the classifier: a clear refusal
+    with open(os.path.join(corpus, "manifest.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    with open(os.path.join(corpus, "manifest.jsonl"), "w") as f:
+        for r in recs:
+            r.pop("phones")
+            f.write(json.dumps(r) + "\n")
+    assert codec_train.main(common + ["--steps", "1", "--out", str(tmp_path / "nophones")]) == 2

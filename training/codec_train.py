@@ -3,7 +3,10 @@
     python -m training.codec_train --corpus data/corpus --out runs/codec [--steps N] [--resume]
 
 Random 1 s crops of train-split audio, batch 8, AdamW, L1 + multi-resolution STFT + mel,
-k-means codebook init on the first batch (few iterations). `--adversarial` adds
+k-means codebook init on the first batch (few iterations). `--phone-weight W`
+adds a phone classifier on the first quantiser level's output (labels from the corpus's
+phone timelines, training/phones.py), so codebook 1 carries which sound is made; the
+probe of training/phones.py runs at each evaluation. `--adversarial` adds
 EnCodec's multi-scale STFT discriminator (hinge + feature matching); `--init CODEC
 --decoder-only` fine-tunes an existing codec's decoder alone, so its codes, and a
 decoder trained on them, stay valid. Writes
@@ -30,6 +33,7 @@ from models.codec.losses import reconstruction_losses, weighted_reconstruction_l
 from models.config import SAMPLE_RATE
 
 from .dataset import AudioCrops, read_manifest, read_wav_segment
+from .phones import IGNORE, PhoneVocab, probe_codec
 from .schedule import Schedule, setup_device
 
 
@@ -119,6 +123,12 @@ def main(argv=None) -> int:
                    help="train the decoder alone: encoder and codebooks frozen, so the codes do not change")
     p.add_argument("--adversarial", action="store_true", help="add the multi-scale STFT discriminator's losses")
     p.add_argument("--disc-lr", type=float, default=None, help="discriminator peak LR (default --lr)")
+    p.add_argument("--phone-weight", type=float, default=0.0,
+                   help="weight of the phone classifier on the first quantiser level (0: none)")
+    p.add_argument("--phone-min-count", type=int, default=20,
+                   help="phones with fewer segments in the train split are left unlabelled")
+    p.add_argument("--probe-n", type=int, default=100,
+                   help="utterances the codebook-1 probe fits on and scores at each evaluation (0: no probe)")
     a = p.parse_args(argv)
 
     device = setup_device(a.device, a.threads)
@@ -143,8 +153,21 @@ def main(argv=None) -> int:
             print("--decoder-only needs --init: a codec whose codes to keep", file=sys.stderr)
             return 2
         model.freeze_codes()
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=a.lr, betas=(0.8, 0.99),
-                            weight_decay=0.0)
+    vocab = phone_head = None
+    if a.phone_weight > 0:
+        if a.decoder_only:
+            print("--phone-weight trains the encoder: not with --decoder-only", file=sys.stderr)
+            return 2
+        vocab = PhoneVocab.from_records(train, a.phone_min_count)
+        if len(vocab) < 2:
+            print("--phone-weight needs a corpus with phone timelines (manifest 'phones')", file=sys.stderr)
+            return 2
+        # one linear map per frame: codebook 1's codewords themselves must tell the phones apart
+        phone_head = torch.nn.Conv1d(cfg.dimension, len(vocab), 1).to(device)
+        print(f"phone classifier: {len(vocab)} phones, weight {a.phone_weight}", flush=True)
+    trained = [q for q in model.parameters() if q.requires_grad]
+    trained += list(phone_head.parameters()) if phone_head is not None else []
+    opt = torch.optim.AdamW(trained, lr=a.lr, betas=(0.8, 0.99), weight_decay=0.0)
     disc = d_opt = None
     if a.adversarial:
         disc = MultiScaleSTFTDiscriminator().to(device)
@@ -158,6 +181,11 @@ def main(argv=None) -> int:
         st = torch.load(state_path, map_location="cpu", weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
+        if phone_head is not None:
+            if tuple(st.get("phones", ())) != vocab.names:
+                print("--resume: the checkpoint's phone classes differ from this corpus's", file=sys.stderr)
+                return 2
+            phone_head.load_state_dict(st["phone_head"])
         if disc is not None and "disc" in st:
             disc.load_state_dict(st["disc"])
             d_opt.load_state_dict(st["d_opt"])
@@ -177,10 +205,27 @@ def main(argv=None) -> int:
         _atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
                       "train_s": train_s, "torch_rng": torch.get_rng_state(), "data_rng": crops.rng.getstate(),
                       "config": cfg.to_dict(), "args": vars(a),
-                      **({"disc": disc.state_dict(), "d_opt": d_opt.state_dict()} if disc is not None else {})},
+                      **({"disc": disc.state_dict(), "d_opt": d_opt.state_dict()} if disc is not None else {}),
+                      **({"phone_head": phone_head.state_dict(), "phones": list(vocab.names)}
+                         if phone_head is not None else {})},
                      state_path)
         _save_codec(model, os.path.join(a.out, "last.pt"))
 
+    def dev_eval() -> dict[str, float]:
+        ev = evaluate(model, devwav)
+        if a.probe_n > 0 and any(r.get("phones") for r in records):
+            model.eval()
+            ev.update(probe_codec(model, a.corpus, records, vocab, n=a.probe_n, device=device))
+            model.train()
+        return {k: round(v, 5) for k, v in ev.items()}
+
+    def log_row(row: dict) -> None:
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        print(json.dumps(row), flush=True)
+
+    if a.init and step == 0:  # where the run starts from, measured as its evaluations are
+        log_row({"step": 0, "eval": True, "best": False, **dev_eval()})
     t0 = time.time()
     t_last = t0
     acc: dict[str, float] = {}
@@ -191,9 +236,19 @@ def main(argv=None) -> int:
         lr = sched.lr(step, train_s)
         for g in opt.param_groups:
             g["lr"] = lr
-        wav = crops.batch(a.batch).to(device, non_blocking=True)
-        recon, commit = model.train_forward(wav)
+        wav, sources = crops.sample(a.batch)
+        wav = wav.to(device, non_blocking=True)
+        recon, commit, first = model.train_forward(wav, first_level=True)
         losses = weighted_reconstruction_losses(wav, recon, commit, model.sample_rate)
+        if phone_head is not None:
+            logits = phone_head(first)  # [B, phones, F]
+            labels = torch.from_numpy(np.stack([vocab.frame_labels(r, start, logits.shape[-1], model.hop_length,
+                                                                    model.sample_rate) for r, start in sources]))
+            labels = labels.to(device, non_blocking=True)
+            losses["phone"] = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)
+            known = labels != IGNORE
+            losses["phone_acc"] = ((logits.argmax(1) == labels) & known).sum() / known.sum().clamp_min(1)
+            losses["total"] = losses["total"] + a.phone_weight * losses["phone"]
         if disc is not None:
             real = disc(wav)
             losses.update(generator_losses(real, disc(recon)))
@@ -201,7 +256,7 @@ def main(argv=None) -> int:
                                + disc.config.feat_weight * losses["feat"])
         opt.zero_grad(set_to_none=True)
         losses["total"].backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        gn = torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         if disc is not None:  # then the discriminator, on this step's (pre-update) reconstruction
             for g in d_opt.param_groups:
@@ -221,21 +276,16 @@ def main(argv=None) -> int:
             row = {"step": step, "time_s": round(now - t0, 1), "lr": opt.param_groups[0]["lr"],
                    "grad_norm": round(float(gn), 4),
                    "s_per_step": round((now - t_last) / n_acc, 3), **{k: round(v / n_acc, 5) for k, v in acc.items()}}
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            print(json.dumps(row), flush=True)
+            log_row(row)
             acc, n_acc, t_last = {}, 0, now
         done = sched.finished(step, train_s) or (a.max_minutes is not None and time.time() - t0 > a.max_minutes * 60)
         if step % a.eval_every == 0 or done:
-            ev = evaluate(model, devwav)
+            ev = dev_eval()
             is_best = ev["dev_mel"] < best
             if is_best:
                 best = ev["dev_mel"]
                 _save_codec(model, os.path.join(a.out, "best.pt"))
-            row = {"step": step, "eval": True, "best": is_best, **{k: round(v, 5) for k, v in ev.items()}}
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            print(json.dumps(row), flush=True)
+            log_row({"step": step, "eval": True, "best": is_best, **ev})
         if step % a.ckpt_every == 0 or done:
             checkpoint()
         if done:

@@ -88,7 +88,12 @@ class AudioCrops:
         self.rng = random.Random(seed)
 
     def batch(self, n: int) -> torch.Tensor:
+        return self.sample(n)[0]
+
+    def sample(self, n: int) -> tuple[torch.Tensor, list[tuple[dict, int]]]:
+        """(crops [n, 1, crop], each crop's (record, start sample))."""
         out = np.zeros((n, 1, self.crop), np.float32)
+        sources = []
         for i in range(n):
             for _attempt in range(50):
                 r = self.rng.choice(self.recs)
@@ -102,10 +107,11 @@ class AudioCrops:
                 if float(np.sqrt(np.mean(x ** 2))) < self.min_rms and _attempt < 49:
                     continue  # (almost) silent crop: the spectral-convergence loss explodes on silence
                 out[i, 0] = x
+                sources.append((r, start))
                 break
             else:
                 raise RuntimeError(f"could not read audio crops from {self.corpus} (corpus deleted?)")
-        return torch.from_numpy(out)
+        return torch.from_numpy(out), sources
 
 
 # --------------------------------------------------------------------------------------

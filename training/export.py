@@ -215,11 +215,8 @@ def main(argv=None) -> int:
     save_decoder(model, dec_path, half=True, meta={"step": dec_obj.get("step"), "source": os.path.abspath(a.decoder),
                                                     "exported": time.strftime("%Y-%m-%d %H:%M:%S")})
     codec = CodecModel.from_checkpoint(a.codec)
-    if a.codec_fp32:
-        codec.save(os.path.join(tmp_out, "codec.pt"))
-    else:  # fp16 storage (loaded back to fp32): decode max |diff| ~2e-4, halves the file
-        sd = {k: (v.half() if v.is_floating_point() else v) for k, v in codec.state_dict().items()}
-        torch.save({"config": codec.config.to_dict(), "state_dict": sd}, os.path.join(tmp_out, "codec.pt"))
+    # fp16 storage by default (loaded back to fp32): decode max |diff| ~2e-4, halves the file
+    codec.save(os.path.join(tmp_out, "codec.pt"), half=not a.codec_fp32)
     records = read_manifest(a.corpus)
     voices = pick_voices(a.corpus, records, a.n_voices)
     for vid, r, x in voices:

@@ -58,9 +58,15 @@ def make_smoke_corpus(root: str, n_utts: int = 8, n_voices: int = 2, with_codes:
             chunks.append([i, k, 0 if not chunks else frames[i][0]])
             i += k
         split = "dev" if u == n_utts - 1 else "train"
+        # one "phone" a word (its first letter), pauses between: the codec's phone labels
+        phones, pos = [], 0.0
+        for w, a, b in spans:
+            phones += [["_", pos, a], [w[0], a, b]]
+            pos = b
+        phones.append(["_", pos, round(n / SAMPLE_RATE, 5)])
         recs.append({"id": f"s{u:05d}", "split": split, "voice": voice, "heldout_voice": False,
                      "text": " ".join(words), "words": spans, "audio": rel, "duration_s": round(n / SAMPLE_RATE, 5),
-                     "graphemes": graph, "chunks": chunks})
+                     "graphemes": graph, "chunks": chunks, "phones": phones, "engine": "smoke"})
         if codes_dir:
             path = codes_path(codes_dir, f"s{u:05d}")
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -162,9 +162,11 @@ class CodecModel(nn.Module):
             self.quantizer.eval()
         return self
 
-    def train_forward(self, wav: Tensor) -> tuple[Tensor, Tensor]:
+    def train_forward(self, wav: Tensor, first_level: bool = False) -> tuple[Tensor, ...]:
         """Training forward on wav [B, 1, T] -> (reconstruction [B, 1, T], commitment loss
-        [], already scaled by config.commitment_weight; zero with frozen codes). In
+        [], already scaled by config.commitment_weight; zero with frozen codes), and with
+        ``first_level`` the first quantiser level's output [B, D, F] (straight-through:
+        a loss on it trains the encoder, e.g. a phone classifier). In
         training mode the codebooks are k-means initialised on the first batch and
         EMA-updated on every call (so call it once per step); gradients reach the encoder
         through the straight-through estimator. The first batch should hold >=
@@ -172,8 +174,9 @@ class CodecModel(nn.Module):
         the first codebook, the residual is zero and the later codebooks start at zero
         (dead-code expiry then revives them only gradually)."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self._codes_frozen):
-            quantized, _, commit = self.quantizer(self.encoder(wav))
-        return self.decoder(quantized)[..., : wav.shape[-1]], commit
+            quantized, _, commit, first = self.quantizer(self.encoder(wav), with_first=True)
+        recon = self.decoder(quantized)[..., : wav.shape[-1]]
+        return (recon, commit, first) if first_level else (recon, commit)
 
     def train_losses(self, wav: Tensor, loss_config: CodecLossConfig | None = None) -> dict[str, Tensor]:
         """`train_forward`, scored: unweighted 'l1', 'stft', 'mel', the commitment loss
@@ -181,8 +184,11 @@ class CodecModel(nn.Module):
         recon, commit = self.train_forward(wav)
         return weighted_reconstruction_losses(wav, recon, commit, self.sample_rate, loss_config)
 
-    def save(self, path: str | os.PathLike) -> None:
-        torch.save({"config": self.config.to_dict(), "state_dict": self.state_dict()}, path)
+    def save(self, path: str | os.PathLike, half: bool = False) -> None:
+        """Our checkpoint format; ``half`` stores floating-point tensors in fp16 (loaded back
+        to fp32 by `from_checkpoint`)."""
+        sd = {k: (v.half() if half and v.is_floating_point() else v) for k, v in self.state_dict().items()}
+        torch.save({"config": self.config.to_dict(), "state_dict": sd}, path)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, config: CodecConfig | str | None = None,

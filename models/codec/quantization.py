@@ -160,17 +160,20 @@ class ResidualVectorQuantizer(nn.Module):
             raise ValueError(f"n_q={n_q} outside 1..{len(self.vq.layers)}")
         return self.vq.layers[:n_q]
 
-    def forward(self, x: Tensor, n_q: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """-> (quantized [B, D, T], codes [B, n_q, T], mean commitment loss [])."""
+    def forward(self, x: Tensor, n_q: int | None = None, with_first: bool = False) -> tuple[Tensor, ...]:
+        """-> (quantized [B, D, T], codes [B, n_q, T], mean commitment loss []), and with
+        ``with_first`` the first level's quantized output [B, D, T]."""
         residual, out = x, torch.zeros_like(x)
-        codes, losses = [], []
+        codes, losses, levels = [], [], []
         for layer in self._layers(n_q):
             q, c, loss = layer(residual)
             residual = residual - q
             out = out + q
             codes.append(c)
             losses.append(loss)
-        return out, torch.stack(codes, 1), torch.stack(losses).mean()
+            levels.append(q)
+        result = (out, torch.stack(codes, 1), torch.stack(losses).mean())
+        return (*result, levels[0]) if with_first else result
 
     def encode(self, x: Tensor, n_q: int | None = None) -> Tensor:
         residual, codes = x, []

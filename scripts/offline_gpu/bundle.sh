@@ -2,7 +2,8 @@
 # Pack what scripts/train_gpu.sh needs on a CUDA machine that reaches no network, into one
 # folder to copy there (default .dev/, ~40 MB): eSpeak NG (library, English data, and a
 # stand-in libpcaudio), Flite (its two Debian packages), the corpus definition, Whisper's
-# BPE ranks, mamba-ssm's sdist, the wheels loadtest.sh needs (~11 MB).
+# BPE ranks, mamba-ssm's sdist, the wheels loadtest.sh needs (~11 MB); with LEAN=1 only
+# what training needs (scripts/offline_gpu/next_run.sh: ~8 MB).
 # Run from the repository root on a Debian/Ubuntu machine with the corpus packages
 # (docs/corpus.md) and the venv (scripts/install.sh). Then on the GPU machine:
 #   scripts/offline_gpu/session.sh start|watch|finish SECONDS   (see that file)
@@ -29,6 +30,7 @@ gcc -shared -fPIC -O2 -Wl,-soname,libpcaudio.so.0 -o "$D/espeak/lib/libpcaudio.s
 # session.sh unpacks the three packages
 (cd "$D" && rm -f flite_*.deb libflite1_*.deb libasound2_*.deb && apt-get download flite libflite1 libasound2 >/dev/null)
 cp "$($PY -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("whisper").origin))')/assets/multilingual.tiktoken" "$D/"
+[ "${LEAN:-0}" = 1 ] && { du -sh "$D"; exit 0; }  # LEAN=1: what training needs (next_run.sh), no more
 # what loadtest.sh needs beyond the machine's image (it has grpcio, not the rest), for its python 3.12
 rm -rf "$D/whl" && $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$D/whl" \

@@ -288,6 +288,45 @@ def word_spans(
     return spans
 
 
+PAUSE = "_"  # the one pause label of every synthesiser's phone timeline
+
+
+def phone_timeline(phones: Sequence[tuple[str, int, int]], n_samples: int) -> list[tuple[str, int, int]]:
+    """Spoken phones (name, start, end) in order -> a timeline covering [0, n_samples):
+    every gap between phones (and before the first / after the last) becomes a ``PAUSE``
+    phone, overlaps are cut at the later phone's start, empty phones are dropped. These are
+    the codec's phoneme labels (training/phones.py), the same for every synthesiser."""
+    out: list[tuple[str, int, int]] = []
+    pos = 0
+    for name, a, b in phones:
+        a, b = max(a, pos), min(b, n_samples)
+        if b <= a:
+            continue
+        if a > pos:
+            out.append((PAUSE, pos, a))
+        out.append((name, a, b))
+        pos = b
+    if pos < n_samples:
+        out.append((PAUSE, pos, n_samples))
+    return out
+
+
+def espeak_phones(events: Sequence[Event], n_samples: int) -> list[tuple[str, int, int]]:
+    """eSpeak NG's phoneme events -> spoken phones (name, start, end): a phoneme lasts
+    until the next event of any kind; pause phonemes ("_", "_:", ...) are left out (the
+    timeline fills them in); stress marks are not part of the phone's name."""
+    marks = sorted({e.sample for e in events} | {n_samples})
+    out = []
+    for e in events:
+        if e.kind != "phoneme" or _is_pause(e.name):
+            continue
+        name = e.name.replace("'", "").replace(",", "")
+        end = next((m for m in marks if m > e.sample), n_samples)
+        if name:
+            out.append((name, e.sample, end))
+    return out
+
+
 def speakable(word: str) -> str:
     """A token without surrounding punctuation, for asking how it sounds alone."""
     return word.strip(".,;:!?\"()[]'-") or word

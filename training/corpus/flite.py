@@ -85,8 +85,9 @@ def parse_psdur(out: str) -> list[tuple[str, float]]:
     return res
 
 
-def speak(voice: str, stretch: float, text: str, tokens: list[Token]) -> tuple[np.ndarray, int, list[tuple[int, int]]]:
-    """(int16 audio, its sample rate, one (start, end) sample span per token).
+def speak(voice: str, stretch: float, text: str, tokens: list[Token]) -> tuple[np.ndarray, int, list[tuple[int, int]], list[tuple[str, int, int]]]:
+    """(int16 audio, its sample rate, one (start, end) sample span per token, the spoken
+    phones (name, start, end)).
     ``stretch`` > 1 speaks slower. Raises AlignError when the phonemes do not map."""
     with tempfile.TemporaryDirectory() as d:
         wav_path = os.path.join(d, "out.wav")
@@ -101,4 +102,4 @@ def speak(voice: str, stretch: float, text: str, tokens: list[Token]) -> tuple[n
     words = words_alone(voice, [speakable(t.text) for t in tokens])
     if not all(words):
         raise AlignError("a word has no phonemes said alone")
-    return audio, rate, spans_from_phonemes(speech, words)
+    return audio, rate, spans_from_phonemes(speech, words), speech

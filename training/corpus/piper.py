@@ -92,8 +92,9 @@ def phonemes_alone(word: str) -> tuple[str, ...]:
     return tuple(name for name, _, _ in phones([(p, 1) for p in symbols]))
 
 
-def speak(speed: float, text: str, tokens: list[Token]) -> tuple[np.ndarray, int, list[tuple[int, int]]]:
-    """(int16 audio, its sample rate, one (start, end) sample span per token) at
+def speak(speed: float, text: str, tokens: list[Token]) -> tuple[np.ndarray, int, list[tuple[int, int]], list[tuple[str, int, int]]]:
+    """(int16 audio, its sample rate, one (start, end) sample span per token, the spoken
+    phones (name, start, end)) at
     ``speed`` (1.0: the voice's own). Raises AlignError when the phonemes do not map."""
     from piper.config import SynthesisConfig
 
@@ -116,4 +117,5 @@ def speak(speed: float, text: str, tokens: list[Token]) -> tuple[np.ndarray, int
     words = [phonemes_alone(speakable(t.text)) for t in tokens]
     if not all(words):
         raise AlignError("a word has no phonemes said alone")
-    return pcm, v.config.sample_rate, spans_from_phonemes(phones(symbols), words)
+    spoken = phones(symbols)
+    return pcm, v.config.sample_rate, spans_from_phonemes(spoken, words), spoken

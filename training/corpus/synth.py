@@ -11,7 +11,7 @@ from scipy.signal import resample_poly
 
 from models.graphemes import align_words_to_frames
 
-from .align import AlignError, tokenize, word_spans
+from .align import AlignError, espeak_phones, phone_timeline, tokenize, word_spans
 from .plan import Job, audio_relpath, n_frames_for, simulate_chunks, spans_to_frames
 from .voices import Voice
 
@@ -53,10 +53,15 @@ def resample_to_24k(x: np.ndarray, native_rate: int) -> np.ndarray:
     return np.clip(np.round(y), -32768, 32767).astype(np.int16)
 
 
-def speak(voice: Voice, text: str, tokens, engine=None) -> tuple[np.ndarray, int, list[tuple[int, int]]]:
-    """(int16 audio, its sample rate, one (start, end) sample span per token) from the
-    voice's synthesiser. Timings come from the very call that produced the audio
-    (eSpeak's output differs by a few samples from run to run). Raises AlignError."""
+Spans = list[tuple[int, int]]
+Phones = list[tuple[str, int, int]]
+
+
+def speak(voice: Voice, text: str, tokens, engine=None) -> tuple[np.ndarray, int, Spans, Phones]:
+    """(int16 audio, its sample rate, one (start, end) sample span per token, the spoken
+    phones (name, start, end) without pauses) from the voice's synthesiser. Timings come
+    from the very call that produced the audio (eSpeak's output differs by a few samples
+    from run to run). Raises AlignError."""
     if voice.engine == "flite":
         from . import flite
 
@@ -73,7 +78,9 @@ def speak(voice: Voice, text: str, tokens, engine=None) -> tuple[np.ndarray, int
     syn = engine.synth(text)
     if len(syn.audio) == 0:
         raise AlignError("no audio")
-    return syn.audio, syn.sample_rate, word_spans(text, syn.events, len(syn.audio), engine.phonemes, tokens)
+    n = len(syn.audio)
+    return (syn.audio, syn.sample_rate, word_spans(text, syn.events, n, engine.phonemes, tokens),
+            espeak_phones(syn.events, n))
 
 
 def synthesize(job: Job, voice: Voice, out_dir: str, engine=None, max_seconds: float = 20.0) -> dict:
@@ -81,7 +88,7 @@ def synthesize(job: Job, voice: Voice, out_dir: str, engine=None, max_seconds: f
     record. Raises Rejected."""
     tokens = tokenize(job.text)
     try:
-        audio, native, spans = speak(voice, job.text, tokens, engine)
+        audio, native, spans, phones = speak(voice, job.text, tokens, engine)
     except AlignError as e:
         raise Rejected(f"align: {e}") from None
     rng = random.Random(job.seed)
@@ -95,6 +102,8 @@ def synthesize(job: Job, voice: Voice, out_dir: str, engine=None, max_seconds: f
     # sample positions at the native rate -> seconds; identical in the 24 kHz file
     spans_s = [((a + lead) / native, (b + lead) / native) for a, b in spans]
     words = [[t.text, round(a, 5), round(min(b, duration), 5)] for t, (a, b) in zip(tokens, spans_s)]
+    timeline = phone_timeline([(nm, a + lead, b + lead) for nm, a, b in phones], len(x))
+    phones_s = [[nm, round(a / native, 4), round(b / native, 4)] for nm, a, b in timeline]
     n_frames = n_frames_for(duration)
     frames = spans_to_frames([(w[1], w[2]) for w in words], n_frames)
     graphemes = align_words_to_frames([t.text for t in tokens], frames, n_frames)
@@ -113,6 +122,7 @@ def synthesize(job: Job, voice: Voice, out_dir: str, engine=None, max_seconds: f
         "duration_s": duration,
         "graphemes": graphemes,
         "chunks": chunks,
+        "phones": phones_s,
         "engine": voice.engine,
         "sentence": job.sentence,
     }

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The one prepared GPU command for the default model that speaks: trains the stage the
+# recipe has reached, for one call of the device tool, and leaves what it made under $OUT.
+#
+#   scripts/offline_gpu/next_run.sh SECONDS     (run from the repository root; .dev/ from
+#                                                `LEAN=1 scripts/offline_gpu/bundle.sh`)
+#
+# Stage "codec" (models/weights/next/STAGE; the default until a codec v2 is committed):
+# re-synthesise the corpus from .dev/def with phone timelines, train the codec with the
+# phone classifier on its first level (training/codec_train.py --phone-weight) for what
+# is left of SECONDS after the corpus, twice side by side: from models/weights/next/codec.pt
+# when one is committed (else the shipped codec), and from scratch; probe codebook 1 of the
+# starting codec and of both results on the same utterances (training/phones.py). $OUT
+# gets codec_{init,scratch}.pt (fp16), their logs, probe.json, logs.tgz. Committed (to
+# models/weights/next/) when its probe, dev mel and resynthesis WER beat what ships.
+# The command is idempotent: after a failed start, run it again as it is.
+# Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), MARGIN (70 s
+# kept for the probe and the copy back).
+set -uo pipefail
+LIMIT=${1:?usage: next_run.sh SECONDS}
+T0=$(date +%s)
+left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+PY=${PY:-python3}
+R=$PWD; W=${W:-/root/w}; FL=${FL:-/root/flite}; DEVICE=${DEVICE:-cuda}  # W, FL, DEVICE: for a dry run on a CPU
+OUT=${OUT:-$R/gpu_out}; mkdir -p "$OUT" "$W"
+export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$R/.dev/multilingual.tiktoken
+export LIVESPEECH_FLITE=$FL/usr/bin/flite LD_LIBRARY_PATH=$FL/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+STAGE=$(cat models/weights/next/STAGE 2>/dev/null || echo codec)
+stamp() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*"; }
+snap() { (cd $W && tar czf $OUT/logs.tgz --ignore-failed-read *.log codec_*/log.jsonl corpus/summary.json 2>/dev/null); }
+trap snap EXIT
+
+stamp "stage $STAGE; $(nvidia-smi -L 2>/dev/null | head -1); $(nproc) cores"
+cp .dev/espeak/lib/* /usr/local/lib/ && ldconfig
+cp -r .dev/espeak/espeak-ng-data /usr/lib/x86_64-linux-gnu/
+for f in .dev/flite_*.deb .dev/libflite1_*.deb .dev/libasound2_*.deb; do dpkg -x "$f" $FL; done
+"$LIVESPEECH_FLITE" -lv >/dev/null || { echo "flite does not run"; exit 1; }
+
+mkdir -p $W/corpus
+if [ ! -e $W/corpus/config.json ]; then  # the definition; the sentences may travel gzipped (the tree's 64 MiB)
+  cp .dev/def/voices.json $W/corpus/
+  if [ -e .dev/def/sentences.jsonl.gz ]; then gunzip -c .dev/def/sentences.jsonl.gz > $W/corpus/sentences.jsonl
+  else cp .dev/def/sentences.jsonl $W/corpus/; fi
+  cp .dev/def/config.json $W/corpus/
+fi
+stamp "corpus: ${HOURS:-20} h"
+$PY -m training.corpus build --out $W/corpus --hours "${HOURS:-20}" --workers "$(nproc)" --no-progress \
+  > $W/corpus.log 2>&1 || { tail -20 $W/corpus.log; exit 1; }
+tail -n 4 $W/corpus.log
+
+case $STAGE in
+codec)
+  # two runs side by side (the small codec leaves the GPU mostly idle): "init" continues the
+  # starting codec, "scratch" trains a new one (k-means on its first batch); both with the
+  # phone classifier. The better one by probe and resynthesis is committed.
+  INIT=models/weights/next/codec.pt; [ -e $INIT ] || INIT=models/weights/default/codec.pt
+  MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-70}) / 60), 2))")
+  stamp "codec: $MIN min each, phone weight ${PHONE_WEIGHT:-1}; init from $INIT, and from scratch"
+  common=(--corpus $W/corpus --device $DEVICE --phone-weight "${PHONE_WEIGHT:-1}" --minutes "$MIN" --steps 1000000
+          --batch "${CODEC_BATCH:-64}" --threads 4 --eval-every 1000 --ckpt-every 1000 --log-every 100 --probe-n 200)
+  $PY -m training.codec_train "${common[@]}" --out $W/codec_init --init $INIT --lr "${CODEC_LR:-4e-4}" --warmup 50 \
+    > $W/codec_init.log 2>&1 &
+  A=$!
+  $PY -m training.codec_train "${common[@]}" --out $W/codec_scratch --lr 8e-4 --warmup 100 \
+    > $W/codec_scratch.log 2>&1 &
+  B=$!
+  wait $A; ra=$?; wait $B; rb=$?
+  for v in init scratch; do echo "== $v"; grep '"eval"' $W/codec_$v.log | tail -n 2 | cut -c1-700; tail -n 1 $W/codec_$v.log; done
+  [ $ra = 0 ] || [ $rb = 0 ] || exit 1
+  stamp "probe: the starting codec and each run's last checkpoint (the end of its schedule), same utterances"
+  for c in $INIT $W/codec_init/last.pt $W/codec_scratch/last.pt; do
+    [ -e $c ] && $PY -m training.phones --corpus $W/corpus --codec $c --n 400 --device $DEVICE --threads 4
+  done | tee $OUT/probe.json
+  for v in init scratch; do
+    [ -e $W/codec_$v/last.pt ] || continue
+    $PY -c "
+from models.codec import CodecModel
+CodecModel.from_checkpoint('$W/codec_$v/last.pt').save('$OUT/codec_$v.pt', half=True)"
+    cp $W/codec_$v/log.jsonl $OUT/codec_${v}_log.jsonl
+  done
+  sha256sum $OUT/codec_*.pt
+  ;;
+*)
+  echo "stage $STAGE: not prepared yet"; exit 2 ;;
+esac
+stamp done

@@ -1,0 +1,65 @@
+"""Phone timelines from synthesiser events, frame labels, and the codebook-1 probe's counts."""
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from models.codec import CodecModel, preset
+from training.corpus.align import espeak_phones, phone_timeline
+from training.corpus.espeak import Event
+from training.phones import IGNORE, PhoneVocab, _conditional_entropy, _table_accuracy, probe_codec
+from training.smoke import make_smoke_corpus
+from training.dataset import read_manifest
+
+
+def test_phone_timeline_fills_gaps_with_pauses_and_cuts_overlaps():
+    phones = [("h", 10, 20), ("e", 18, 30), ("x", 30, 30), ("l", 40, 50)]
+    assert phone_timeline(phones, 60) == [("_", 0, 10), ("h", 10, 20), ("e", 20, 30), ("_", 30, 40),
+                                          ("l", 40, 50), ("_", 50, 60)]
+    assert phone_timeline([], 5) == [("_", 0, 5)]
+
+
+def test_espeak_phones_last_until_the_next_event_without_pauses_or_stress():
+    events = [Event("word", 0, 2, 100), Event("phoneme", 0, 0, 100, "h"), Event("phoneme", 0, 0, 150, "'a"),
+              Event("phoneme", 0, 0, 220, "_:"), Event("word", 3, 2, 260), Event("phoneme", 3, 0, 260, ",I"),
+              Event("end", 5, 0, 300)]
+    assert espeak_phones(events, 400) == [("h", 100, 150), ("a", 150, 220), ("I", 260, 300)]
+
+
+def test_frame_labels_take_the_phone_at_each_frame_centre():
+    rec = {"engine": "espeak", "phones": [["_", 0.0, 0.1], ["a", 0.1, 0.2], ["zz", 0.2, 0.3]]}
+    vocab = PhoneVocab(("_", "espeak:a"))  # "zz" is rare: unlabelled
+    # 100 samples a frame at 1 kHz: centres 0.05, 0.15, 0.25, 0.35 s
+    labels = vocab.frame_labels(rec, 0, 4, hop=100, sample_rate=1000)
+    assert labels.tolist() == [0, 1, IGNORE, IGNORE]
+    # a crop starting at 0.1 s
+    assert vocab.frame_labels(rec, 100, 2, 100, 1000).tolist() == [1, IGNORE]
+    assert (vocab.frame_labels({"engine": "espeak"}, 0, 3, 100, 1000) == IGNORE).all()
+
+
+def test_vocab_keeps_common_phones_per_synthesiser():
+    recs = [{"engine": "espeak", "phones": [["_", 0, 1], ["a", 1, 2]] * 3},
+            {"engine": "flite", "phones": [["a", 0, 1], ["b", 1, 2]]}]
+    assert PhoneVocab.from_records(recs, min_count=1).names == ("_", "espeak:a", "flite:a", "flite:b")
+    assert PhoneVocab.from_records(recs, min_count=2).names == ("_", "espeak:a")
+
+
+def test_probe_counts():
+    # code 7 always with label 1, code 8 split between labels 1 and 2
+    pairs = Counter({(1, 7): 4, (1, 8): 2, (2, 8): 2})
+    h = _conditional_entropy(pairs)  # H(code | label): label 1 -> {7: 4, 8: 2}; label 2 -> {8}
+    expected = 6 / 8 * -(4 / 6 * np.log(4 / 6) + 2 / 6 * np.log(2 / 6))
+    assert h == pytest.approx(expected)
+    assert _table_accuracy(pairs, Counter({(1, 7): 1, (2, 7): 1, (1, 9): 1})) == pytest.approx(2 / 3)
+
+
+def test_probe_codec_runs_on_a_corpus(tmp_path):
+    corpus, _ = make_smoke_corpus(str(tmp_path), n_utts=4, with_codes=False)
+    records = read_manifest(corpus)
+    torch.manual_seed(0)
+    codec = CodecModel(preset("small", kmeans_init=False)).eval()
+    out = probe_codec(codec, corpus, records, PhoneVocab.from_records(records, 1), n=10)
+    assert out["n_fit"] == 3 and out["n_score"] == 1
+    assert 0 <= out["cb1_repeat"] <= 1 and out["cb1_codes_used"] >= 1
+    assert 0 <= out["cb1_given_phone"] <= out["cb1_entropy"] + 1e-9
