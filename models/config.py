@@ -38,6 +38,10 @@ class ModelConfig:
     # text
     text_vocab_size: int = WHISPER_VOCAB + 1  # + end-of-stream
     max_text_tokens: int = 75
+    # "table": one learnt row per token; "spelling": computed from the token's bytes by a
+    # small shared encoder (models/spelling.py), so every token is read, seen or not
+    text_embedding: str = "table"
+    spelling_max_len: int = 16  # bytes of a token's spelling read (longer ones: 91 of 50,257)
     # speech encoder (enrollment)
     n_enroll: int = 32
     enc_d_model: int = 256
@@ -92,6 +96,8 @@ class ModelConfig:
         need(self.codebook_size >= 2 and self.n_graphemes >= 3, "vocab sizes")
         need(self.max_text_tokens >= 1 and self.n_enroll >= 1, "memory sizes")
         need(0.0 <= self.cb_loss_lambda and 0.0 <= self.dropout < 1.0, "loss/dropout ranges")
+        need(self.text_embedding in ("table", "spelling"), "text_embedding must be 'table' or 'spelling'")
+        need(self.spelling_max_len >= 1, "spelling_max_len >= 1")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -104,15 +104,69 @@ def align_words_to_frames(
         n = end - start
         for k in range(n):
             labels[start + k] = chars[min(len(chars) - 1, k * len(chars) // n)]
+    return _fill(labels, n_frames)
+
+
+def _letter_bounds(n_letters: int, start: int, end: int, phones: Sequence[tuple[int, int]]) -> list[int]:
+    """n_letters + 1 frame boundaries splitting [start, end) among a word's letters: evenly
+    over its phones (``phones``: the (start, end) frames of its spoken phones, in order),
+    so a letter moves with the sounds, not with the clock; evenly over frames without them."""
+    if not phones:
+        return [start + (end - start) * k // n_letters for k in range(n_letters + 1)]
+    # the phones' boundaries on a phone-index axis: position x in [0, m] -> a frame
+    m = len(phones)
+    edges = [start] + [max(start, min(end, phones[i][1])) for i in range(m - 1)] + [end]
+    edges = [max(a, b) for a, b in zip(edges, [start] + edges[:-1])]  # monotone
+
+    def at(x: float) -> int:
+        i = min(int(x), m - 1)
+        return int(round(edges[i] + (edges[i + 1] - edges[i]) * (x - i)))
+
+    return [at(k * m / n_letters) for k in range(n_letters + 1)]
+
+
+def align_letters_to_phones(words: Sequence[str], spans: Sequence[tuple[int, int]],
+                            phones: Sequence[tuple[str, int, int]], n_frames: int, pause: str = "_") -> list[int]:
+    """Frame-level grapheme targets that follow the speech: like `align_words_to_frames`,
+    but a word's letters are spread over its spoken phones (``phones``: (name, start,
+    end) frames of the utterance's phone timeline, ``pause`` for pauses) rather than over
+    its frames, and the whole pause between two words is SPACE rather than carrying the
+    next word's first letter. Frames before the first word take its first letter (blank
+    filling), frames after the last word are BLANK."""
+    labels = [-1] * n_frames
+    spoken = [(a, b) for name, a, b in phones if name != pause and b > a]
+    prev_end = None
+    for word, (start, end) in zip(words, spans):
+        chars = word_graphemes(word)
+        start = max(0, min(start, n_frames))
+        end = max(start, min(end, n_frames))
+        if not chars or end <= start:
+            continue
+        if prev_end is not None:
+            gap_start = max(0, min(prev_end, start))
+            if gap_start < start:
+                for t in range(gap_start, start):
+                    labels[t] = SPACE
+            elif end - start > len(chars):
+                labels[start] = SPACE
+                start += 1
+        prev_end = end
+        mine = [(max(a, start), min(b, end)) for a, b in spoken if a < end and b > start]
+        bounds = _letter_bounds(len(chars), start, end, mine)
+        for k, c in enumerate(chars):  # a letter squeezed to no frame is not in the stream
+            for t in range(bounds[k], bounds[k + 1]):
+                labels[t] = c
+    return _fill(labels, n_frames)
+
+
+def _fill(labels: list[int], n_frames: int) -> list[int]:
+    """Unlabelled frames take the next label to their right; after the last label, BLANK."""
     out = [BLANK] * n_frames
     nxt = BLANK
     for t in range(n_frames - 1, -1, -1):
         if labels[t] >= 0:
             nxt = labels[t]
-            out[t] = nxt
-        else:
-            out[t] = nxt
-    # trailing frames after the last word: BLANK, not the last label
+        out[t] = nxt
     last = max((t for t in range(n_frames) if labels[t] >= 0), default=-1)
     for t in range(last + 1, n_frames):
         out[t] = BLANK

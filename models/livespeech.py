@@ -21,6 +21,7 @@ from .config import ModelConfig
 from .derived import derived, matmul_t, transposed
 from .mamba import make_mamba
 from .speech_encoder import SpeechEncoder
+from .spelling import SpellingEmbedding
 
 if TYPE_CHECKING:
     from .inference import DecodeStateView
@@ -66,7 +67,7 @@ class LiveSpeech2(nn.Module):
         # +1: the "none" input token for positions the delay pattern leaves empty
         self.vocab_sizes = [cfg.n_graphemes] + [cfg.codebook_size] * cfg.n_acoustic_codebooks
         self.code_emb = nn.ModuleList(nn.Embedding(v + 1, d) for v in self.vocab_sizes)
-        self.text_emb = nn.Embedding(cfg.text_vocab_size, d)
+        self.text_emb = SpellingEmbedding(cfg) if cfg.text_embedding == "spelling" else nn.Embedding(cfg.text_vocab_size, d)
         self.speech_encoder = SpeechEncoder(cfg)
         n_layers = cfg.n_shared_layers + len(cfg.codebook_groups) * cfg.n_group_layers
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, device) for i in range(n_layers))

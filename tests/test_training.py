@@ -384,3 +384,38 @@ def test_codec_phone_classifier_trains_on_the_first_level_and_resumes(tmp_path):
             r.pop("phones")
             f.write(json.dumps(r) + "\n")
     assert codec_train.main(common + ["--steps", "1", "--out", str(tmp_path / "nophones")]) == 2
+
+
+def test_streaming_mask_only_in_the_late_phase(tmp_path):
+    """--stream-after: the A.5 streaming mask is drawn only once the schedule's progress
+    reaches it (smoke: warmup 2, so progress is 0, 0, 0, 0.5 over 4 steps)."""
+    out = str(tmp_path / "late")
+    assert train.main(["--smoke", "--out", out, "--steps", "4", "--stream-p", "1", "--stream-after", "0.5"]) == 0
+    rows = [r for r in _log(os.path.join(out, "log.jsonl")) if not r.get("eval")]
+    assert [r["stream"] for r in rows] == [0.0, 0.0, 0.0, 1.0]
+
+
+def test_new_decoders_read_spellings_and_init_keeps_the_exported_embedding(tmp_path):
+    out = str(tmp_path / "spell")
+    assert train.main(["--smoke", "--out", out, "--steps", "1"]) == 0
+    st = torch.load(os.path.join(out, "last.pt"), weights_only=False)
+    assert st["config"]["text_embedding"] == "spelling"
+    out2 = str(tmp_path / "table")
+    assert train.main(["--smoke", "--out", out2, "--steps", "1", "--text-embedding", "table"]) == 0
+    st2 = torch.load(os.path.join(out2, "last.pt"), weights_only=False)
+    assert st2["config"]["text_embedding"] == "table"
+    assert "text_emb.weight" in st2["model"] and "text_emb.spellings" in st["model"]
+
+
+def test_phone_letters_follow_the_phones_with_pauses_as_space(pipeline):
+    from training.dataset import phone_letters
+
+    _, corpus, _, _ = pipeline
+    for rec in read_manifest(corpus):
+        letters = phone_letters(rec)
+        assert len(letters) == len(rec["graphemes"])
+        # the same letters in the same order as the manifest's row; pauses between words are spaces
+        assert G.ctc_collapse(letters) == G.ctc_collapse(rec["graphemes"])
+        for (_, _, end), (_, start, _) in zip(rec["words"], rec["words"][1:]):
+            a, b = round(end * 75) + 1, round(start * 75) - 1
+            assert all(x == G.SPACE for x in letters[a:b])

@@ -118,6 +118,17 @@ class AudioCrops:
 # decoder examples
 
 
+def phone_letters(rec: dict) -> list[int]:
+    """The record's grapheme row with its letters on its phones and its pauses as SPACE
+    (models.graphemes.align_letters_to_phones), on the manifest's frames."""
+    from training.corpus.plan import spans_to_frames
+
+    T = len(rec["graphemes"])
+    words = spans_to_frames([(a, b) for _, a, b in rec["words"]], T)
+    phones = [(name, int(round(a * FRAME_RATE)), int(round(b * FRAME_RATE))) for name, a, b in rec["phones"]]
+    return G.align_letters_to_phones([w for w, _, _ in rec["words"]], words, phones, T)
+
+
 def codes_path(codes_dir: str, utt_id: str) -> str:
     return os.path.join(codes_dir, utt_id[:2] if len(utt_id) > 2 else "xx", f"{utt_id}.npy")
 
@@ -165,9 +176,15 @@ class DecoderData:
 
     def __init__(self, corpus: str, codes_dir: str, cfg: ModelConfig, split: str = "train",
                  max_seconds: float = 8.0, seed: int = 0, records: Optional[list[dict]] = None,
-                 tokenizer=None, eos_jitter: float = 0.0):
+                 tokenizer=None, eos_jitter: float = 0.0, letters: str = "even"):
+        """``letters``: the grapheme row as the manifest has it ("even": a word's letters
+        share its frames evenly, pauses carry the next letter) or "phones": spread over
+        the word's phones with pauses as SPACE (`phone_letters`) where the record has a
+        phone timeline."""
         from models.tokenizer import get_tokenizer
 
+        if letters not in ("even", "phones"):
+            raise ValueError(f"letters must be 'even' or 'phones', not {letters!r}")
         self.cfg = cfg
         self.eos_jitter = eos_jitter
         self.codes_dir = codes_dir
@@ -192,7 +209,8 @@ class DecoderData:
             if tt is None:
                 self.skipped += 1
                 continue
-            self.items.append({"rec": r, "text": tt, "T": len(r["graphemes"])})
+            g = phone_letters(r) if letters == "phones" and r.get("phones") else r["graphemes"]
+            self.items.append({"rec": r, "text": tt, "T": len(r["graphemes"]), "graphemes": g})
         self.by_voice: dict[str, list[int]] = {}
         for i, it in enumerate(self.items):
             self.by_voice.setdefault(it["rec"]["voice"], []).append(i)
@@ -221,7 +239,7 @@ class DecoderData:
         else:
             ac = np.concatenate([ac, np.repeat(ac[:, -1:], T - ac.shape[1], axis=1)], axis=1)
         codes = np.zeros((1 + q, T + 1), np.int64)
-        codes[0, :T] = rec["graphemes"]
+        codes[0, :T] = it["graphemes"]
         codes[0, T] = G.EOS
         codes[1:, :T] = ac
         codes[1:, T] = ac[:, -1]  # beyond last_frame: never a target nor an input

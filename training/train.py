@@ -187,12 +187,23 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--stream-p", type=float, default=0.5, help="probability of the A.5 streaming text mask")
+    p.add_argument("--stream-after", type=float, default=0.5,
+                   help="share of the run (the LR schedule's progress) before the streaming mask is used: the "
+                        "model first learns to read its text with the whole text visible (the paper's [M5]); 0: from the start")
+    p.add_argument("--text-embedding", choices=("table", "spelling"), default=None,
+                   help="a new model's text-token embedding (models/spelling.py; default spelling); "
+                        "--init / --resume keep their model's")
+    p.add_argument("--letters", choices=("even", "phones"), default="phones",
+                   help="grapheme targets: a word's letters over its phones with pauses as SPACE, where the corpus "
+                        "has phone timelines (phones), or the manifest's even split (even)")
     p.add_argument("--eos-jitter", type=float, default=0.0,
                    help="log-normal sigma of the end-of-text key's position around the last frame "
                         "(0: at the last frame, as the paper; training data only, dev stays exact)")
-    p.add_argument("--codebook-boost", type=parse_boost, default={}, metavar="K:X[,K:X]",
+    p.add_argument("--codebook-boost", type=parse_boost, default=parse_boost("0:3,1:3"), metavar="K:X[,K:X]",
                    help="multiply codebook K's loss weight by X (0 = graphemes, 1 = the first acoustic "
-                        "codebook), before the weights are normalised to mean 1")
+                        "codebook), before the weights are normalised to mean 1. Default 0:3,1:3: the "
+                        "accuracy-based weights alone give the letters and codebook 1, which carry what "
+                        "is said, the least; '' for none")
     p.add_argument("--ckpt-minutes", type=float, default=3.0)
     p.add_argument("--ckpt-every", type=int, default=None, help="also checkpoint every N steps")
     p.add_argument("--eval-every", type=int, default=100)
@@ -218,13 +229,26 @@ def main(argv=None) -> int:
         a.batch_frames, a.max_batch, a.eval_every, a.dev_batches = 400, 4, 5, 1
         a.warmup, a.log_every, a.rescan_every = 2, 1, 10**9
         a.max_seconds = 30.0
-    cfg = preset("tiny", **overrides)
-
     last_path = os.path.join(a.out, "last.pt")
-    st = None
+    st = init = None
     if a.resume and os.path.exists(last_path):
         st = torch.load(last_path, map_location="cpu", weights_only=False)
+    elif a.init:
+        from models.loading import load_decoder
+
+        init = load_decoder(a.init)
+    if a.text_embedding or init is None:
+        overrides.setdefault("text_embedding", a.text_embedding or "spelling")
+    else:
+        overrides.setdefault("text_embedding", init.cfg.text_embedding)
+    cfg = preset("tiny", **overrides)
+    if st is not None:
         cfg = ModelConfig.from_dict(st["config"])
+    elif init is not None:
+        if not parse_overrides(a.model_overrides) and not a.smoke:  # the exported model's own configuration
+            cfg = init.cfg
+        if init.cfg.to_dict() != cfg.to_dict():
+            raise SystemExit(f"--init {a.init}: its model config differs from the one asked for")
     torch.manual_seed(a.seed)
     model = build_model(cfg, device)
     n_params = sum(x.numel() for x in model.parameters())
@@ -238,12 +262,7 @@ def main(argv=None) -> int:
     mask_gen = torch.Generator().manual_seed(a.seed + 1)
     py_rng = random.Random(a.seed + 2)
     step, best, train_s = 0, float("inf"), 0.0
-    if st is None and a.init:
-        from models.loading import load_decoder
-
-        init = load_decoder(a.init)
-        if init.cfg.to_dict() != cfg.to_dict():
-            raise SystemExit(f"--init {a.init}: its model config differs from the one asked for")
+    if init is not None:
         model.load_state_dict(init.state_dict())
         print(f"initialised from {a.init}", flush=True)
     if st is not None:
@@ -262,12 +281,13 @@ def main(argv=None) -> int:
     tok = get_tokenizer()
 
     def load_data():
-        d = DecoderData(a.corpus, a.codes, cfg, "train", a.max_seconds, tokenizer=tok, eos_jitter=a.eos_jitter)
+        d = DecoderData(a.corpus, a.codes, cfg, "train", a.max_seconds, tokenizer=tok, eos_jitter=a.eos_jitter,
+                        letters=a.letters)
         d.index = {it["rec"]["id"]: i for i, it in enumerate(d.items)}
         return d
 
     data = load_data()
-    dev = DecoderData(a.corpus, a.codes, cfg, "dev", a.max_seconds, tokenizer=tok)
+    dev = DecoderData(a.corpus, a.codes, cfg, "dev", a.max_seconds, tokenizer=tok, letters=a.letters)
     if len(dev) == 0:
         dev = data
     devb = dev_batches(dev, model, a.dev_batches, 8)
@@ -300,7 +320,8 @@ def main(argv=None) -> int:
             data = load_data()
         idx = sampler.next(data)
         batch = collate([data.example(i, py_rng) for i in idx], model)
-        stream = py_rng.random() < a.stream_p
+        # drawn whatever the phase, so a resumed run draws what a straight one does
+        stream = py_rng.random() < a.stream_p and sched.progress(step, train_s) >= a.stream_after
         r1, r2 = py_rng.randint(1, 3), py_rng.randint(1, 3)
         # drawn on the CPU from the CPU generator: the same masks on every device
         mask = text_mask_for(batch, stream, mask_gen, r1, r2).to(device)
@@ -320,7 +341,7 @@ def main(argv=None) -> int:
         for k, v in (("loss", float(total.detach())), ("ce_sum", float(losses.detach().sum())),
                      ("ce_graph", float(losses[0].detach())), ("ce_acoustic", float(losses[1:].detach().mean())),
                      ("acc_graph", float(accs[0])), ("acc_acoustic", float(accs[1:].mean())),
-                     ("acc_cb1", float(accs[1])), ("grad_norm", float(gn))):
+                     ("acc_cb1", float(accs[1])), ("grad_norm", float(gn)), ("stream", float(stream))):
             accum[k] = accum.get(k, 0.0) + v
         n_acc += 1
         if step % a.log_every == 0 or step == 1:
