@@ -393,6 +393,26 @@ def test_streaming_mask_only_in_the_late_phase(tmp_path):
     assert train.main(["--smoke", "--out", out, "--steps", "4", "--stream-p", "1", "--stream-after", "0.5"]) == 0
     rows = [r for r in _log(os.path.join(out, "log.jsonl")) if not r.get("eval")]
     assert [r["stream"] for r in rows] == [0.0, 0.0, 0.0, 1.0]
+    evals = [r for r in _log(os.path.join(out, "log.jsonl")) if r.get("eval")]
+    assert evals and all(0 <= r["dev_read_acc"] <= 1 for r in evals)  # reading, measured at each evaluation
+
+
+def test_reading_is_scored_at_letter_changes_with_the_true_and_another_text(pipeline):
+    from training.train import _rotate_texts, letter_change_hits
+
+    _, corpus, _, codes_dir = pipeline
+    torch.manual_seed(0)
+    model = train.build_model(train.preset("tiny", d_model=64, n_heads=2, n_shared_layers=1, n_group_layers=1,
+                                           enc_d_model=64, enc_heads=2, enc_layers=1, n_enroll=8), "cpu").eval()
+    data = DecoderData(corpus, codes_dir, model.cfg, "train")
+    b = collate([data.example(i, random.Random(i)) for i in range(3)], model)
+    other = _rotate_texts(b)
+    assert torch.equal(other.text_ids[1], b.text_ids[0]) and torch.equal(other.inputs, b.inputs)
+    with torch.no_grad():
+        right, total = letter_change_hits(model, b, b)
+    # one change per letter boundary of each utterance's grapheme row (previous letter != letter)
+    expected = sum(int(((b.targets[i, 0] != b.inputs[i, 0]) & b.valid[i, 0]).sum()) for i in range(3))
+    assert total == expected > 0 and 0 <= right <= total
 
 
 def test_new_decoders_read_spellings_and_init_keeps_the_exported_embedding(tmp_path):

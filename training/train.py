@@ -118,21 +118,51 @@ def forward_loss(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, weig
     return total, losses, accs
 
 
+def letter_change_hits(model: LiveSpeech2, b: Batch, text: Batch) -> tuple[int, int]:
+    """(right, total) teacher-forced next-letter predictions of batch ``b`` at the frames
+    where its letter changes, reading the text of ``text`` (b itself, or b with the
+    utterances' texts rotated: how much the letters come from reading)."""
+    enroll = model.encode_enrollment(b.enroll_codes, b.enroll_len)
+    logits = model(b.inputs, enroll, text.text_ids, text.text_pos, text.text_valid)[0]
+    target = b.targets[:, 0]
+    change = b.valid[:, 0] & (target != b.inputs[:, 0])  # the grapheme row's input is the previous letter
+    right = (logits.argmax(-1) == target) & change
+    return int(right.sum()), int(change.sum())
+
+
+def _rotate_texts(b: Batch) -> Batch:
+    fields = {f: getattr(b, f) for f in b.__dataclass_fields__}
+    for f in ("text_ids", "text_pos", "text_valid"):
+        fields[f] = fields[f].roll(1, 0)
+    return Batch(**fields)
+
+
 @torch.no_grad()
 def evaluate(model: LiveSpeech2, batches: list[Batch], device) -> dict:
+    """Dev losses and accuracies with the full text context, and reading: next-letter
+    accuracy at letter changes with the true text and with another utterance's text."""
     model.eval()
     k = model.cfg.n_codebooks
     sl, sa, n = torch.zeros(k), torch.zeros(k), 0
+    read = {"true": [0, 0], "other": [0, 0]}
     for b in batches:
         b = b.to(device)
         _, losses, accs = forward_loss(model, b, b.text_valid, torch.ones(k))
         sl += losses.cpu()
         sa += accs.cpu()
         n += 1
+        for name, text in (("true", b), ("other", _rotate_texts(b))):
+            if name == "other" and b.text_ids.shape[0] < 2:
+                continue
+            r, t = letter_change_hits(model, b, text)
+            read[name][0] += r
+            read[name][1] += t
     model.train()
     sl, sa = sl / max(n, 1), sa / max(n, 1)
+    acc = {name: r / t if t else float("nan") for name, (r, t) in read.items()}
     return {"dev_loss": float(sl.sum()), "dev_loss_graph": float(sl[0]), "dev_loss_acoustic": float(sl[1:].mean()),
             "dev_acc_graph": float(sa[0]), "dev_acc_acoustic": float(sa[1:].mean()),
+            "dev_read_acc": round(acc["true"], 4), "dev_read_acc_other_text": round(acc["other"], 4),
             "dev_loss_k": [round(float(x), 4) for x in sl], "dev_acc_k": [round(float(x), 4) for x in sa]}
 
 
