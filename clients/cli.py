@@ -100,6 +100,14 @@ def _parser() -> argparse.ArgumentParser:
     say.add_argument("--np", dest="n_past_chunks", type=int, default=None, help="past chunks (-1 unbounded)")
     say.add_argument("--nf", dest="n_future_chunks", type=int, default=None, help="future chunks")
     say.add_argument("--seed", type=int, default=None)
+    say.add_argument("--lambda", dest="guidance_lambda", type=float, default=None,
+                     help="semantic guidance (server default 1; inf: hard guidance)")
+    say.add_argument("--top-k", type=int, default=None, help="top-k of the acoustic codes (server default 20)")
+    say.add_argument("--grapheme-top-k", type=int, default=None, help="top-k of the graphemes (server default 3)")
+    for name in ("grapheme", "first-codebook", "acoustic"):
+        say.add_argument(f"--{name}-temperature", type=float, default=None,
+                         help=f"{name.replace('-', ' ')} sampling temperature (server default 1; 0: greedy)"
+                         + (" (codebooks 2-8)" if name == "acoustic" else ""))
     say.add_argument("--llm-rate", type=float, default=None, metavar="TOKENS_PER_S",
                      help="send ~4-char pieces at this rate, like an LLM (default: all at once)")
     say.add_argument("--jitter", type=float, default=0.3, help="relative jitter of the LLM pace")
@@ -153,6 +161,9 @@ def _say(args: argparse.Namespace) -> int:
     kw = dict(
         voice_id=args.voice, sample_rate=args.sample_rate, encoding=args.encoding, packet_ms=args.packet_ms,
         min_packet_ms=args.min_packet_ms, n_past_chunks=args.n_past_chunks, n_future_chunks=args.n_future_chunks, seed=args.seed,
+        guidance_lambda=args.guidance_lambda, top_k=args.top_k, grapheme_top_k=args.grapheme_top_k,
+        grapheme_temperature=args.grapheme_temperature, first_codebook_temperature=args.first_codebook_temperature,
+        acoustic_temperature=args.acoustic_temperature,
     )
     enrollment = None
     if args.enroll:
@@ -183,6 +194,8 @@ def _say(args: argparse.Namespace) -> int:
             return "-" if v is None else f"{v * 1000:.0f} ms"
 
         print(f"TTFA {ms(s.ttfa_s)} (lookahead wait {ms(s.lookahead_wait_s)}, compute FPL {ms(s.compute_fpl_s)})")
+        if s.all_words_spoken is False:
+            print(f"not spoken: {len(s.unspoken_words)} word(s): {' '.join(s.unspoken_words)}")
     return 0
 
 

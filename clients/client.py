@@ -348,11 +348,12 @@ class SynthesisStream:
         if kind == "summary":
             s = msg.summary
 
-            def opt(name: str) -> Optional[float]:
+            def opt(name: str) -> Any:
                 return getattr(s, name) if s.HasField(name) else None
 
             return Summary(
-                s.frames, s.audio_s, opt("ttfa_s"), opt("lookahead_wait_s"), opt("compute_fpl_s"), s.cancelled, s.spoken_text
+                s.frames, s.audio_s, opt("ttfa_s"), opt("lookahead_wait_s"), opt("compute_fpl_s"), s.cancelled,
+                s.spoken_text, opt("all_words_spoken"), tuple(s.unspoken_words),
             )
         return await self.__anext__()  # a newer server's message kind: skip
 

@@ -11,6 +11,8 @@ Per session (pure Python, no tensors)
                                  repeats are collapsed, across the join too. The caller
                                  puts the SPACE between chunks (server/session.py does).
     ``.end_input()`` / ``.input_complete``  no more text will arrive.
+    ``.speech_may_end``          EOS is accepted: the input is complete and ``progress``
+                                 has reached the end of the transcript.
     ``.observe(g)``              after every sampled frame (any id, BLANK/EOS included).
     ``.guiding_set() -> list[int]``  sorted guiding graphemes for the next frame.
     ``.progress``                how many tokens of the collapsed transcript the speech
@@ -29,6 +31,8 @@ Batched (tensors; only the guiding sets are per-session Python)
 ---------------------------------------------------------------
 ``sample_graphemes(logits[B, G], states, lambdas, top_ks, generators) -> LongTensor[B]``
 ``sample_top_k(logits[B, V] or [B, K, V], top_ks, generators) -> LongTensor[B] / [B, K]``
+``sample_step(g_logits, a_logits, states, lambdas, top_ks, generators, grapheme_top_ks,
+temperatures) -> (tokens[B, 1 + Q], bad[B])``  the runner's one call per decode step
 The engine calls ``state.observe(int(g))`` on each sampled grapheme itself.
 
 Rules
@@ -54,6 +58,15 @@ Rules
   lambda = 0 is plain top-k sampling (same uniforms -> same tokens); lambda = inf
   (hard guidance) samples only guiding tokens (the top-k of them by p), falling back to
   plain top-k when the guiding set is empty or all its logits are -inf.
+* Per-stream settings (``sample_step``). The grapheme has its own k (``grapheme_top_ks``:
+  ~40 symbols want a far smaller k than ~1,024 codes) and each row three temperatures
+  (``Temperatures``: grapheme, codebook 1, codebooks 2..Q). Logits are divided by the
+  temperature before guidance and top-k; temperature 0 is greedy (k = 1: the most likely
+  token after guidance, still one uniform drawn).
+* End of speech. ``sample_step`` bars EOS (the best non-EOS token is sampled instead)
+  until ``speech_may_end``: while text may still arrive, and while the stream has not
+  covered the whole transcript, so a model that wants to stop early speaks on. The
+  engine's runaway guard forces EOS where the stream never gets there.
 * Randomness. Each sampled token consumes exactly one ``torch.rand`` float from its
   session's generator (``torch.Generator().manual_seed(seed)``); ``sample_top_k`` on
   [B, K, V] draws K floats per session, codebook order. A session's samples therefore do
@@ -81,14 +94,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from .graphemes import BLANK, EOS, SPACE, VOCAB_SIZE
 from .scripted import scripted
 
-__all__ = ["GuidanceState", "sample_graphemes", "sample_step", "sample_top_k"]
+__all__ = ["GuidanceState", "Temperatures", "sample_graphemes", "sample_step", "sample_top_k"]
 
 _INF = float("inf")
 
@@ -133,6 +146,12 @@ class GuidanceState:
 
     def end_input(self) -> None:
         self.input_complete = True
+
+    @property
+    def speech_may_end(self) -> bool:
+        """Whether EOS is accepted: no more text will arrive and the stream has covered
+        the whole transcript (an empty one included)."""
+        return self._complete and self._progress >= self._n
 
     @property
     def transcript_length(self) -> int:
@@ -389,18 +408,28 @@ def _guided(scores: torch.Tensor, guide: torch.Tensor, bonus: torch.Tensor, hard
 
 def _step_tokens(g_logits: torch.Tensor, a_logits: torch.Tensor, eos_barred: torch.Tensor, guide: torch.Tensor,
                  bonus: torch.Tensor, hard: torch.Tensor, k_g: torch.Tensor, kmax_g: int, k_a: torch.Tensor,
-                 kmax_a: int, u: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_step`'s tensor work: ([B, 1 + Q] tokens, [B] non-finite rows)."""
+                 kmax_a: int, u: torch.Tensor, eos: int, inv_t: torch.Tensor, greedy: torch.Tensor,
+                 scaled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_step`'s tensor work: ([B, 1 + Q] tokens, [B] non-finite rows). inv_t and
+    greedy [B, 3]: 1 / temperature and temperature == 0 of (grapheme, codebook 1,
+    codebooks 2..Q); read only when `scaled` (some temperature is not 1)."""
     g, a = g_logits.float(), a_logits.float()
     # a row's sum is non-finite iff one of its logits is (finite logits are far from
     # overflowing it): two reductions instead of isfinite's passes over every logit
     bad = ~torch.isfinite(g.sum(-1) + a.flatten(1).sum(-1))
     g = g.masked_fill(bad[:, None], 0.0)
     a = a.masked_fill(bad[:, None, None], 0.0)
-    g[:, eos] = g[:, eos].masked_fill(eos_barred, -math.inf)
     b, q, v = a.shape
+    k_rows = k_a[:, None].expand(b, q)
+    if scaled:
+        per_codebook = torch.cat((inv_t[:, 1:2], inv_t[:, 2:3].expand(b, q - 1)), 1)
+        g = g * inv_t[:, :1]
+        a = a * per_codebook[:, :, None]
+        k_g = k_g.masked_fill(greedy[:, 0], 1)
+        k_rows = k_rows.masked_fill(torch.cat((greedy[:, 1:2], greedy[:, 2:3].expand(b, q - 1)), 1), 1)
+    g[:, eos] = g[:, eos].masked_fill(eos_barred, -math.inf)
     g_tok = _sample_rows(_guided(g, guide, bonus, hard), k_g, kmax_g, u[:, 0])
-    a_tok = _sample_rows(a.reshape(b * q, v), k_a.repeat_interleave(q), kmax_a, u[:, 1:].reshape(-1))
+    a_tok = _sample_rows(a.reshape(b * q, v), k_rows.reshape(-1), kmax_a, u[:, 1:].reshape(-1))
     return torch.cat((g_tok[:, None], a_tok.view(b, q)), 1), bad
 
 
@@ -481,15 +510,44 @@ def sample_graphemes(logits: torch.Tensor, states: Sequence[Optional[GuidanceSta
     return _scripted_sample_rows()(scores, k, kmax, u)
 
 
+class Temperatures(NamedTuple):
+    """One session's sampling temperatures (logits / T; 0 = greedy)."""
+    grapheme: float = 1.0
+    first_codebook: float = 1.0
+    acoustic: float = 1.0  # codebooks 2..Q
+
+
+def _temperature_inputs(temperatures: Optional[Sequence[Sequence[float]]], b: int,
+                        device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(inv_t [B, 3], greedy [B, 3], scaled) for `_step_tokens`."""
+    if temperatures is None:
+        return torch.ones(b, 3, device=device), torch.zeros(b, 3, dtype=torch.bool, device=device), False
+    if len(temperatures) != b:
+        raise ValueError(f"expected {b} temperature triples, got {len(temperatures)}")
+    rows = [tuple(float(x) for x in t) for t in temperatures]
+    if any(len(t) != 3 or not all(0.0 <= x < math.inf for x in t) for t in rows):
+        raise ValueError("temperatures must be (grapheme, codebook 1, codebooks 2..Q) triples of finite values >= 0")
+    inv = [[1.0 if x == 0.0 else 1.0 / x for x in t] for t in rows]
+    greedy = [[x == 0.0 for x in t] for t in rows]
+    scaled = any(x != 1.0 for t in rows for x in t)
+    return (torch.tensor(inv, dtype=torch.float32, device=device),
+            torch.tensor(greedy, dtype=torch.bool, device=device), scaled)
+
+
 def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Sequence[GuidanceState],
                 lambdas: Sequence[float], top_ks: Sequence[int],
-                generators: Sequence[Optional[torch.Generator]]) -> tuple[torch.Tensor, torch.Tensor]:
+                generators: Sequence[Optional[torch.Generator]],
+                grapheme_top_ks: Optional[Sequence[int]] = None,
+                temperatures: Optional[Sequence[Sequence[float]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step's tokens for B sessions in one TorchScript call: the grapheme by
     `sample_graphemes`, then the acoustic codes by `sample_top_k`, from the same uniforms
-    (so the same tokens). EOS is barred while a row's text may still arrive
-    (`input_complete` false). A row with non-finite logits is sampled from zeros so the
-    batch goes on. g_logits [B, G], a_logits [B, Q, V] -> (tokens [B, 1 + Q] grapheme
-    first, bad [B] bool: the rows whose logits were not finite)."""
+    (so the same tokens). top_ks: each row's k for the acoustic codes; grapheme_top_ks:
+    for the grapheme (None: top_ks). temperatures: each row's `Temperatures` (None: all
+    1, the logits as they are); a temperature 0 samples that token greedily. EOS is
+    barred until a row's `speech_may_end` (its text complete and spoken). A row with
+    non-finite logits is sampled from zeros so the batch goes on. g_logits [B, G],
+    a_logits [B, Q, V] -> (tokens [B, 1 + Q] grapheme first, bad [B] bool: the rows
+    whose logits were not finite)."""
     b, g = g_logits.shape
     q, v = a_logits.shape[1:]
     device = g_logits.device
@@ -497,8 +555,10 @@ def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Sequence
     if guide is None:
         guide = (torch.zeros(b, g, dtype=torch.bool, device=device), torch.zeros(b, device=device),
                  torch.zeros(b, dtype=torch.bool, device=device))
-    k_g, kmax_g = _per_row_k(top_ks, b, g, device)
+    k_g, kmax_g = _per_row_k(top_ks if grapheme_top_ks is None else grapheme_top_ks, b, g, device)
     k_a, kmax_a = _per_row_k(top_ks, b, v, device)
-    barred = torch.tensor([not st.input_complete for st in states], device=device)
+    inv_t, greedy, scaled = _temperature_inputs(temperatures, b, device)
+    barred = torch.tensor([not st.speech_may_end for st in states], device=device)
     u = _uniforms(generators, b, 1 + q, device)  # one draw per token, grapheme first
-    return _scripted_step_tokens()(g_logits, a_logits, barred, *guide, k_g, kmax_g, k_a, kmax_a, u, EOS)
+    return _scripted_step_tokens()(g_logits, a_logits, barred, *guide, k_g, kmax_g, k_a, kmax_a, u, EOS,
+                                   inv_t, greedy, scaled)

@@ -41,6 +41,10 @@ class Chunker:
     def pending_words(self) -> int:
         return len(self._words)
 
+    def held_words(self) -> list[str]:
+        """Words received but not released yet, a word still being written included."""
+        return self._words + ([self._partial] if self._partial else [])
+
     def push(self, text: str, now: float, client_time_s: Optional[float] = None, flush: bool = False) -> list[TextChunk]:
         out: list[TextChunk] = []
         if self._partial == "" and text.strip():

@@ -341,6 +341,7 @@ class Engine:
             results = self.runner.step(
                 [s.slot for s in batch], windows, [s.guidance for s in batch],
                 [s.config.guidance_lambda for s in batch], [s.config.top_k for s in batch], force,
+                [s.config.grapheme_top_k for s in batch], [s.temperatures for s in batch],
             )
         step_s = time.perf_counter() - t0
         self.metrics.step_seconds.observe(step_s)
@@ -647,6 +648,10 @@ class Engine:
         if not cancelled:
             self._emit_words(s, final=True)
         audio_s = s.audio_sent_s
+        unspoken = s.unspoken_words()
+        if unspoken and not cancelled:  # the runaway guard ended it: EOS is barred until the text is spoken
+            log.warning("session %s ended by the runaway guard with %d of %d words unspoken",
+                        s.session_id, len(unspoken), len(s.words))
         summary = Summary(
             frames=s.frames_done,
             audio_s=audio_s,
@@ -655,6 +660,8 @@ class Engine:
             compute_fpl_s=None if s.first_packet_at is None or s.started_at is None else s.first_packet_at - s.started_at,
             cancelled=cancelled,
             spoken_text=s.spoken_text(),
+            all_words_spoken=not unspoken,
+            unspoken_words=tuple(unspoken),
         )
         if audio_s > 0:
             self.metrics.rtf.observe(s.compute_s / audio_s)

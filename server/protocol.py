@@ -240,6 +240,10 @@ def config_from_proto(msg: "pb.SynthesizeConfig") -> tuple[SessionConfig, Option
         ),
         guidance_lambda=lam,
         top_k=opt(msg, "top_k", d.top_k),
+        grapheme_top_k=opt(msg, "grapheme_top_k", d.grapheme_top_k),
+        grapheme_temperature=opt(msg, "grapheme_temperature", d.grapheme_temperature),
+        first_codebook_temperature=opt(msg, "first_codebook_temperature", d.first_codebook_temperature),
+        acoustic_temperature=opt(msg, "acoustic_temperature", d.acoustic_temperature),
         seed=opt(msg, "seed", d.seed),
         timestamps_are_speech_time=msg.timestamps_are_speech_time,
     )
@@ -267,6 +271,10 @@ def config_to_proto(cfg: SessionConfig, enrollment: Optional[Enrollment] = None)
         ),
         guidance_lambda=cfg.guidance_lambda,
         top_k=cfg.top_k,
+        grapheme_top_k=cfg.grapheme_top_k,
+        grapheme_temperature=cfg.grapheme_temperature,
+        first_codebook_temperature=cfg.first_codebook_temperature,
+        acoustic_temperature=cfg.acoustic_temperature,
         timestamps_are_speech_time=cfg.timestamps_are_speech_time,
     )
     if cfg.seed is not None:

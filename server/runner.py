@@ -2,7 +2,8 @@
 
 The engine decides which sessions run (scheduler) and what their windows are; the
 runner owns the model, the per-slot `DecodeState`, the streaming codec state, and
-sampling (semantic guidance for graphemes, top-k for acoustic codes). Nothing here
+sampling (semantic guidance and a small top-k for graphemes, top-k for acoustic codes,
+each with the session's temperatures). Nothing here
 knows about gRPC, timers or text chunking.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from models import graphemes
-from models.guidance import GuidanceState, sample_step
+from models.guidance import GuidanceState, Temperatures, sample_step
 from models.inference import DecodeState, enrollment_kv, visible_prefix
 from models.loading import ModelBundle
 from models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
@@ -95,9 +96,10 @@ class ModelRunner:
         cfg = self.model.cfg
         g = torch.zeros(2, cfg.n_graphemes, device=self.device)
         a = torch.zeros(2, cfg.n_acoustic_codebooks, cfg.codebook_size, device=self.device)
-        for _ in range(3):
+        for i in range(4):  # with and without temperatures (a branch of the sampler)
             tokens, _ = sample_step(g, a, [GuidanceState(), GuidanceState()], [1.0, 1.0], [1, 1],
-                                    [torch.Generator(device=self.device)] * 2)
+                                    [torch.Generator(device=self.device)] * 2, [1, 1],
+                                    None if i % 2 else [Temperatures(0.5, 0.0, 2.0)] * 2)
             self.state.commit(view, tokens)
 
     @property
@@ -141,7 +143,12 @@ class ModelRunner:
         lambdas: Sequence[float],
         top_ks: Sequence[int],
         force_eos: Sequence[bool],
+        grapheme_top_ks: Optional[Sequence[int]] = None,
+        temperatures: Optional[Sequence[Temperatures]] = None,
     ) -> list[SlotStep]:
+        """One step of `slots`. top_ks: the acoustic codes' k; grapheme_top_ks (None:
+        top_ks) and temperatures (None: 1) as `models.guidance.sample_step` takes them.
+        force_eos: the runaway guard's EOS, over whatever was sampled."""
         self.state.rotate_windows(slots, windows)
         # the captured step reads the whole state itself: its view gathers no memory
         view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else ())
@@ -153,7 +160,8 @@ class ModelRunner:
             logits = self.model_step(view.inputs, view.step, view, visible_prefix(mask), dtype)
         gens = [self.generators[s] for s in slots]
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
-        tokens, bad = sample_step(logits.graphemes, logits.acoustic, guidance, lambdas, top_ks, gens)
+        tokens, bad = sample_step(logits.graphemes, logits.acoustic, guidance, lambdas, top_ks, gens,
+                                  grapheme_top_ks, temperatures)
         if any(force_eos):
             tokens[:, 0] = tokens[:, 0].masked_fill(torch.tensor(force_eos, device=tokens.device), graphemes.EOS)
         res = self.state.commit(view, tokens)

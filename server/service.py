@@ -130,7 +130,10 @@ class RpcError(Exception):
 
 
 def summary_to_proto(s: Summary) -> "pb.SessionSummary":
-    msg = pb.SessionSummary(frames=s.frames, audio_s=s.audio_s, cancelled=s.cancelled, spoken_text=s.spoken_text)
+    msg = pb.SessionSummary(frames=s.frames, audio_s=s.audio_s, cancelled=s.cancelled, spoken_text=s.spoken_text,
+                            unspoken_words=s.unspoken_words)
+    if s.all_words_spoken is not None:
+        msg.all_words_spoken = s.all_words_spoken
     for name in ("ttfa_s", "lookahead_wait_s", "compute_fpl_s"):
         value = getattr(s, name)
         if value is not None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional
 
 from models import graphemes
 from models.config import FRAME_RATE
-from models.guidance import GuidanceState
+from models.guidance import GuidanceState, Temperatures
 
 from .audio import AudioEncoder
 from .chunker import Chunker, TextChunk
@@ -45,6 +45,7 @@ class Word:
     char_end: int
     start_frame: Optional[int] = None
     end_frame: Optional[int] = None
+    covered_frame: Optional[int] = None  # the stream reached its last grapheme: spoken in full
     sent: bool = False
 
 
@@ -80,6 +81,8 @@ class EngineSession:
         self.chunker = Chunker(config.chunking)
         self.timeline = SpeechTimeline(client_speech_time=config.timestamps_are_speech_time)
         self.guidance = GuidanceState()
+        self.temperatures = Temperatures(config.grapheme_temperature, config.first_codebook_temperature,
+                                         config.acoustic_temperature)
         self.chunks: list[Chunk] = []
         self.words: list[Word] = []
         self.n_chars = 0  # collapsed transcript length so far
@@ -214,21 +217,36 @@ class EngineSession:
         return self.phase is Phase.WAITING and not self.done_decoding and not self.lookahead_ready()
 
     def track_words(self, frame: int) -> None:
-        """Update word start/end frames from the guidance progress."""
+        """Update word frames from the guidance progress: a word starts once the progress
+        passes its first grapheme, is spoken in full once it reaches its last, and ends
+        once it reaches the next word (its start, after the space)."""
         progress = self.guidance.progress
         for w in self.words:
             if w.end_frame is not None:
                 continue
             if w.start_frame is None and progress > w.char_start:
                 w.start_frame = frame
+            if w.covered_frame is None and progress >= w.char_end:
+                w.covered_frame = frame
             if w.start_frame is not None and progress >= w.char_end + 1:
                 w.end_frame = frame
             if w.start_frame is None:
                 break
 
     def spoken_text(self) -> str:
+        """The words whose speech started in the audio sent (a word cut off mid-way too)."""
         spoken = [w.text for w in self.words if w.start_frame is not None and w.start_frame < self.frames_sent]
         return " ".join(spoken)
+
+    def unspoken_words(self) -> list[str]:
+        """The words of the text received that were not spoken to their end in the audio
+        sent, in order: by the same grapheme progress that times the words, the stream
+        never reached their last grapheme, or the audio of that frame was not sent; then
+        the words the chunker still holds (a cancel before they were released). Words
+        are covered in order, so these are the text's last words."""
+        out = [w.text for w in self.words if w.covered_frame is None or w.covered_frame >= self.frames_sent]
+        out += [w for w in self.chunker.held_words() if graphemes.word_graphemes(w)]
+        return out
 
     def audio_ahead_s(self, now: float) -> float:
         """Seconds of audio the client has buffered (sent minus played)."""

@@ -204,7 +204,9 @@ class FakeEngine:
                 self.metrics.ttfa_seconds.observe(s.ttfa)
                 self.metrics.compute_fpl_seconds.observe(s.fpl)
                 self.metrics.lookahead_wait_seconds.observe(lookahead)
-        s.sink(Finished(Summary(s.frames, audio_s, s.ttfa, lookahead, s.fpl, cancelled, " ".join(s.words_done))))
+        unspoken = tuple(s.text.split()[len(s.words_done):])
+        s.sink(Finished(Summary(s.frames, audio_s, s.ttfa, lookahead, s.fpl, cancelled, " ".join(s.words_done),
+                                not unspoken, unspoken)))
         return "cancelled" if cancelled else "completed"
 
     def _step(self, s: _Session) -> Optional[str]:

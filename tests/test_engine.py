@@ -794,3 +794,100 @@ def test_a_waiting_session_starts_on_min_words_of_lookahead(engine, voice):
         assert c.done.wait(60)
         assert c.of(Finished)[0].summary.spoken_text == "Hello there my friend and goodbye."
     assert started == {True: True, False: False}
+
+
+def text_graphemes(text: str) -> list[int]:
+    """The collapsed transcript of `text`, as the session builds it word by word."""
+    from models import graphemes
+
+    out: list[int] = []
+    for w in text.split():
+        g = graphemes.collapse_repeats(graphemes.word_graphemes(w))
+        if g:
+            out += ([graphemes.SPACE] if out else []) + g
+    return out
+
+
+def model_that_wants_to_stop(engine, session, text: str, monkeypatch, stall_at=None) -> None:
+    """The engine's model step, its grapheme logits replaced: nearly all mass on EOS from
+    the first step, the rest on the next grapheme of `text` where the session's stream
+    is (on BLANK once it has covered `stall_at` graphemes). Soft guidance (lambda 1)
+    leaves EOS the likeliest token by far: this model tries to end at once."""
+    from models.graphemes import BLANK, EOS
+
+    want = text_graphemes(text)
+    stall_at = len(want) if stall_at is None else stall_at
+    real = engine.runner.model_step
+
+    def step(*args):
+        out = real(*args)
+        g = out.graphemes
+        assert g.shape[0] == 1, "one session at a time: row 0 is `session`"
+        g.zero_()
+        g[0, EOS] = 30.0
+        p = session[0].guidance.progress
+        g[0, want[p] if p < stall_at else BLANK] = 10.0
+        return out
+    monkeypatch.setattr(engine.runner, "model_step", step)
+
+
+def test_a_model_that_tries_to_end_early_speaks_the_whole_text(engine, voice, monkeypatch):
+    """EOS is not accepted while the grapheme stream has not covered the text: the model
+    that would end at its first step speaks every word, and the summary says so."""
+    text = "Every word of this sentence is spoken before the end."
+    session, c = [], Collector(engine)
+    model_that_wants_to_stop(engine, session, text, monkeypatch)
+    h = engine.open_session(SessionConfig(seed=1), voice, c)  # default lambda 1 and grapheme top-k
+    session.append(h)
+    h.push_text(text)
+    h.end_input()
+    assert c.done.wait(60) and not c.of(Failed)
+    summary = c.of(Finished)[0].summary
+    assert not summary.cancelled
+    assert summary.all_words_spoken is True and summary.unspoken_words == ()
+    assert summary.spoken_text == text
+    assert [w.word for w in c.of(WordTiming)] == text.split()
+    # and no later: one frame per grapheme, EOS at the frame after the last
+    assert summary.frames == len(text_graphemes(text))
+
+
+def test_the_runaway_guard_reports_the_words_it_left_unspoken(engine, voice, monkeypatch, caplog):
+    """A model that speaks the first word and then stalls: the runaway guard ends the
+    session (completed), and the summary lists the words that were never spoken."""
+    import dataclasses
+
+    text = "Only the first word gets spoken here."
+    words = text.split()
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_overrun_s=0.2))
+    session, c = [], Collector(engine)
+    model_that_wants_to_stop(engine, session, text, monkeypatch, stall_at=len(text_graphemes(words[0])))
+    h = engine.open_session(SessionConfig(seed=1), voice, c)
+    session.append(h)
+    h.push_text(text)
+    h.end_input()
+    assert c.done.wait(60) and not c.of(Failed)
+    summary = c.of(Finished)[0].summary
+    assert not summary.cancelled
+    assert summary.all_words_spoken is False and summary.unspoken_words == tuple(words[1:])
+    assert summary.spoken_text == words[0]
+    assert [w.word for w in c.of(WordTiming)] == words[:1]
+    assert any(f"{len(words) - 1} of {len(words)} words unspoken" in r.getMessage() for r in caplog.records)
+
+
+def test_a_cancelled_session_lists_the_words_it_did_not_speak(engine, voice):
+    """Barge-in after the first packet: the summary lists the rest of the text, the word
+    the chunker still held (a last word not yet followed by a space) included."""
+    text = "one two three four five six seven eight nine ten and a word still being writ"
+    c = Collector(engine)
+    h = engine.open_session(SessionConfig(**HARD), voice, c)
+    h.push_text(text)  # "writ" may still grow: held by the chunker, not released
+    wait_until(lambda: c.of(AudioPacket))
+    h.cancel()
+    assert c.done.wait(60)
+    summary = c.of(Finished)[0].summary
+    assert summary.cancelled and summary.all_words_spoken is False
+    assert summary.unspoken_words[-1] == "writ" and "ten" in summary.unspoken_words
+    spoken = len(summary.spoken_text.split())
+    # a word cut off mid-way is in both; the rest of the text follows in order
+    assert list(summary.unspoken_words) == text.split()[-len(summary.unspoken_words):]
+    assert spoken + len(summary.unspoken_words) in (len(text.split()), len(text.split()) + 1)

@@ -470,8 +470,8 @@ def test_sampler_edge_cases():
 
 def test_sample_step_equals_the_two_samplers_with_the_same_draws():
     """The runner's one-call sampler: the grapheme as `sample_graphemes`, then the acoustic
-    codes as `sample_top_k`, from each session's generator in that order; EOS barred while
-    the text is open; a row with non-finite logits flagged and sampled from zeros."""
+    codes as `sample_top_k`, from each session's generator in that order; EOS barred until
+    the text is complete and spoken; a row with non-finite logits flagged and sampled from zeros."""
     from models.guidance import sample_step
     from models.graphemes import EOS
 
@@ -486,10 +486,11 @@ def test_sample_step_equals_the_two_samplers_with_the_same_draws():
         g_logits = torch.randn(4, VOCAB_SIZE, generator=lg) * 3
         g_logits[:, EOS] += 4.0  # tempting
         a_logits = torch.randn(4, 3, 64, generator=lg) * 3
+        may_end = [st.speech_may_end for st in states]
         tokens, bad = sample_step(g_logits, a_logits, states, lams, top_ks, g1)
         barred = g_logits.clone()
         for r, st in enumerate(states):
-            if not st.input_complete:
+            if not may_end[r]:
                 barred[r, EOS] = -math.inf
         g_want, a_want = [], []
         for r in range(4):  # one session at a time: draws are per session, grapheme first
@@ -497,7 +498,7 @@ def test_sample_step_equals_the_two_samplers_with_the_same_draws():
             a_want.append(sample_top_k(a_logits[r:r + 1], top_ks[r], g2[r:r + 1]))
         assert tokens.shape == (4, 4) and not bad.any()
         assert torch.equal(tokens[:, 0], torch.cat(g_want)) and torch.equal(tokens[:, 1:], torch.cat(a_want))
-        assert all(t != EOS for r, t in enumerate(tokens[:, 0].tolist()) if r != 1)
+        assert all(t != EOS for r, t in enumerate(tokens[:, 0].tolist()) if not may_end[r])
         for st, g in zip(states, tokens[:, 0].tolist()):
             st.observe(g)
     a_logits[2, 1, 5] = float("nan")
@@ -536,3 +537,124 @@ def test_top_k_sampling_draws_as_a_full_sort_would(k):
     assert 0 <= int(got[2]) < v
     keep = torch.arange(n) != 2  # the all -inf row's token is arbitrary
     assert torch.equal(got[keep], want[keep])
+
+
+def test_speech_may_end_once_the_complete_transcript_is_covered():
+    st = GuidanceState(ids("hi yo"))
+    for g in frames_of("hi y"):
+        st.observe(g)
+    assert not st.speech_may_end  # text still open, and "o" not spoken
+    st.end_input()
+    assert not st.speech_may_end  # complete, but not covered
+    st.observe(ids("o")[0])
+    assert st.speech_may_end
+    st.extend_transcript([SPACE] + ids("x"))  # more text: not covered any more
+    assert not st.speech_may_end
+    assert GuidanceState(input_complete=True).speech_may_end  # nothing to say
+
+
+def test_sample_step_bars_eos_until_the_transcript_is_spoken():
+    """A model that knows the text but wants to stop at once (nearly all mass on EOS,
+    the rest on the next grapheme of the text) under soft guidance: EOS is not sampled
+    while the stream has not covered the complete transcript (the best non-EOS token
+    is), and is once it has."""
+    from models.guidance import sample_step
+
+    text = "hi yo"
+    want = collapse_repeats(ids(text))
+    states = [GuidanceState(ids(text), input_complete=True) for _ in range(2)]
+    gens = _gens(5, 2)
+    a_logits = torch.zeros(2, 2, 8)
+    stream = []
+    for _ in range(40):
+        g_logits = torch.zeros(2, VOCAB_SIZE)
+        g_logits[:, EOS] = 30.0
+        for r, st in enumerate(states):
+            if st.progress < len(want):
+                g_logits[r, want[st.progress]] = 10.0
+        tokens, _ = sample_step(g_logits, a_logits, states, [1.0, 1.0], [1, 20], gens)
+        stream.append(tokens[:, 0].tolist())
+        if EOS in tokens[:, 0].tolist():
+            break
+        for st, g in zip(states, tokens[:, 0].tolist()):
+            st.observe(g)
+    rows = list(zip(*stream))
+    greedy = rows[0]  # k = 1: the guided forward token each step, then EOS
+    assert ctc_collapse(list(greedy[:-1])) == want and greedy[-1] == EOS
+    assert states[0].speech_may_end
+    assert all(t != EOS for t in rows[1][:-1])
+
+
+def _guided_scores(g_logits, states, lams, may_end):
+    """Algorithm 1's log-weights, EOS barred as `sample_step` does (reference)."""
+    out = g_logits.clone().float()
+    for r, st in enumerate(states):
+        if not may_end[r]:
+            out[r, EOS] = -math.inf
+        gs = st.guiding_set()
+        if math.isinf(lams[r]):
+            keep = torch.full_like(out[r], -math.inf)
+            keep[gs] = out[r, gs]
+            out[r] = keep
+        else:
+            out[r, gs] += math.log1p(lams[r])
+    return out
+
+
+def test_grapheme_top_k_one_and_temperature_zero_are_greedy():
+    """grapheme_top_k 1 picks the most likely grapheme after guidance, whatever the
+    draw; so does grapheme temperature 0 at any k; acoustic temperature 0 (codebook 1
+    and codebooks 2..Q apart) picks each codebook's most likely code."""
+    from models.guidance import Temperatures, sample_step
+
+    texts = ["hello world", "the cat sat", "abc"]
+    lams = [1.0, 3.0, math.inf]
+    states = [GuidanceState(ids(t), input_complete=True) for t in texts]
+    lg = torch.Generator().manual_seed(11)
+    gens = _gens(100, 3)
+    for _ in range(30):
+        g_logits = torch.randn(3, VOCAB_SIZE, generator=lg) * 2
+        a_logits = torch.randn(3, 4, 64, generator=lg) * 2
+        may_end = [st.speech_may_end for st in states]
+        want_g = _guided_scores(g_logits, states, lams, may_end).argmax(-1)
+        by_k, _ = sample_step(g_logits, a_logits, states, lams, [20] * 3, gens, [1] * 3)
+        by_t, _ = sample_step(g_logits, a_logits, states, lams, [20] * 3, gens, [20] * 3,
+                              [Temperatures(0.0, 0.0, 1.0), Temperatures(0.0, 1.0, 0.0), Temperatures(0.0, 0.0, 0.0)])
+        assert torch.equal(by_k[:, 0], want_g) and torch.equal(by_t[:, 0], want_g)
+        best_codes = a_logits.argmax(-1)
+        assert torch.equal(by_t[0, 1], best_codes[0, 0]) and torch.equal(by_t[1, 2:], best_codes[1, 1:])
+        assert torch.equal(by_t[2, 1:], best_codes[2])
+        for st, g in zip(states, by_k[:, 0].tolist()):
+            st.observe(g)
+
+
+def test_sample_step_per_stream_k_and_temperatures_equal_the_samplers_on_scaled_logits():
+    """Each row's grapheme k apart from its acoustic k, and logits / T per stream
+    (grapheme, codebook 1, codebooks 2..Q): the same tokens as `sample_graphemes` and
+    `sample_top_k` given the scaled logits and the same draws."""
+    from models.guidance import Temperatures, sample_step
+
+    texts = ["hello world", "the cat sat", "abc"]
+    lams = [1.0, 0.0, math.inf]
+    g_ks, a_ks = [3, 2, 5], [20, 7, 40]
+    temps = [Temperatures(0.5, 2.0, 0.7), Temperatures(1.0, 1.0, 1.0), Temperatures(3.0, 0.2, 1.5)]
+    states = [GuidanceState(ids(t)) for t in texts]
+    g1, g2 = _gens(9, 3), _gens(9, 3)
+    lg = torch.Generator().manual_seed(4)
+    for _ in range(40):
+        g_logits = torch.randn(3, VOCAB_SIZE, generator=lg) * 3
+        a_logits = torch.randn(3, 3, 64, generator=lg) * 3
+        tokens, _ = sample_step(g_logits, a_logits, states, lams, a_ks, g1, g_ks, temps)
+        for r, t in enumerate(temps):
+            scaled_g = g_logits[r:r + 1] / t.grapheme
+            scaled_g[0, EOS] = -math.inf  # text open: EOS barred
+            want_g = sample_graphemes(scaled_g, states[r:r + 1], lams[r], g_ks[r], g2[r:r + 1])
+            inv = torch.tensor([1 / t.first_codebook, 1 / t.acoustic, 1 / t.acoustic])
+            want_a = sample_top_k(a_logits[r:r + 1] * inv[None, :, None], a_ks[r], g2[r:r + 1])
+            assert int(tokens[r, 0]) == int(want_g) and torch.equal(tokens[r, 1:], want_a[0])
+        for st, g in zip(states, tokens[:, 0].tolist()):
+            st.observe(g)
+    with pytest.raises(ValueError):
+        sample_step(g_logits, a_logits, states, lams, a_ks, g1, g_ks, [Temperatures(-1.0, 1.0, 1.0)] * 3)
+    with pytest.raises(ValueError):
+        sample_step(g_logits, a_logits, states, lams, a_ks, g1, g_ks, [(1.0, math.nan, 1.0)] * 3)

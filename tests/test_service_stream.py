@@ -202,3 +202,48 @@ def test_explicit_end_of_input_and_unbounded_past(srv) -> None:
     r = srv.run(raw_synthesize(srv.stub, [config_msg(n_past_chunks=-1, n_future_chunks=0), text_msg("a b c"), END]))
     assert r.code == grpc.StatusCode.OK, r.details
     assert r.responses[0].started.config.n_past_chunks == -1
+
+
+def test_sampling_settings_cross_the_wire() -> None:
+    """Unset: the defaults (graphemes top-k 3, temperatures 1); set: the same values back,
+    temperature 0 (greedy) included; out of range: a ConfigError naming the field."""
+    from server.protocol import config_from_proto, config_to_proto
+    from server.session_api import ConfigError, SessionConfig
+
+    d = config_from_proto(pb.SynthesizeConfig())[0]
+    assert (d.grapheme_top_k, d.grapheme_temperature, d.first_codebook_temperature, d.acoustic_temperature,
+            d.top_k) == (3, 1.0, 1.0, 1.0, 20)
+    cfg = SessionConfig(top_k=50, grapheme_top_k=1, grapheme_temperature=0.0, first_codebook_temperature=0.7,
+                        acoustic_temperature=1.3)
+    names = ("top_k", "grapheme_top_k", "grapheme_temperature", "first_codebook_temperature", "acoustic_temperature")
+
+    def sampling(c):
+        return tuple(getattr(c, n) for n in names)
+
+    assert sampling(config_from_proto(config_to_proto(cfg))[0]) == (50, 1, 0.0, 0.7, 1.3)
+    wire = pb.SynthesizeConfig(grapheme_top_k=5, acoustic_temperature=0.0)
+    assert sampling(config_from_proto(wire)[0]) == (20, 5, 1.0, 1.0, 0.0)
+    for field, value in [("grapheme_top_k", 0), ("grapheme_top_k", 1025), ("grapheme_temperature", -1.0),
+                         ("first_codebook_temperature", 0.005), ("acoustic_temperature", float("nan")),
+                         ("grapheme_temperature", 1e3)]:
+        with pytest.raises(ConfigError, match=field):
+            SessionConfig(**{field: value}).validate()
+
+
+def test_the_summary_says_whether_every_word_was_spoken(srv) -> None:
+    """Over the wire: all_words_spoken and the unspoken words (none here; the engine's
+    tests drive sessions that leave words unspoken), and the mapping both ways."""
+    from server.service import summary_to_proto
+    from server.session_api import Summary
+
+    async def go():
+        async with AsyncLiveSpeechClient(srv.address) as client:
+            return await client.synthesize_to_result(TEXT, **HARD)
+
+    r = srv.run(go())
+    assert r.summary is not None and r.summary.spoken_text == TEXT
+    assert r.summary.all_words_spoken is True and r.summary.unspoken_words == ()
+    msg = summary_to_proto(Summary(9, 0.12, None, None, None, False, "Hello", False, ("there,", "you")))
+    assert msg.HasField("all_words_spoken") and not msg.all_words_spoken
+    assert list(msg.unspoken_words) == ["there,", "you"]
+    assert not summary_to_proto(Summary(0, 0.0, None, None, None, False, "")).HasField("all_words_spoken")
