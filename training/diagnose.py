@@ -83,7 +83,7 @@ class Prepared:
         return self.example.n_frames - 1
 
 
-def prepare(bundle, rows: list[dict], utts: list[Utterance], codes_dir: str) -> list[Prepared]:
+def prepare(bundle, rows: list[dict], utts: list[Utterance], codes_dir: str, letters: str = "even") -> list[Prepared]:
     """Encode the utterances with the bundle's codec as training.encode_corpus does, build
     their training examples (DecoderData) and put in each the enrollment the eval uses
     (the whole enrollment utterance, encoded as the server's `make_voice` does)."""
@@ -95,7 +95,7 @@ def prepare(bundle, rows: list[dict], utts: list[Utterance], codes_dir: str) -> 
     by_id = {r["id"]: r for r in rows}
     recs = [by_id[u.id] for u in utts]
     split = recs[0]["split"] if recs else "test"
-    data = DecoderData("", codes_dir, model.cfg, split, max_seconds=1e9, records=recs, tokenizer=tok)
+    data = DecoderData("", codes_dir, model.cfg, split, max_seconds=1e9, records=recs, tokenizer=tok, letters=letters)
     index = {it["rec"]["id"]: i for i, it in enumerate(data.items)}
     out = []
     for u in utts:
@@ -313,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--asr", choices=("tiny.en", "base", "none"), default="base")
     p.add_argument("--threads", type=int, default=1, help="torch and ASR threads")
     p.add_argument("--save-audio", default=None, help="folder for the WAVs")
+    p.add_argument("--letters", choices=("even", "phones"), default="even",
+                   help="the grapheme row the model was trained on (training.train --letters): the "
+                        "teacher-forced targets and the oracle graphemes")
     return p
 
 
@@ -347,7 +350,7 @@ def main(argv=None) -> int:
         save.mkdir(parents=True, exist_ok=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        preps = prepare(bundle, rows, utts, tmp)
+        preps = prepare(bundle, rows, utts, tmp, a.letters)
     log(f"diagnose: {len(preps)} of {len(utts)} utterances, modes {modes}")
     records: list[dict] = []
     utt_out: list[dict] = []

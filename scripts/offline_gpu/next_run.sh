@@ -1,33 +1,41 @@
 #!/usr/bin/env bash
 # The one prepared GPU command for the default model that speaks: trains the stage the
-# recipe has reached, for one call of the device tool, and leaves what it made under $OUT.
+# recipe has reached (models/weights/next/STAGE) for one call of the device tool, and
+# leaves what it made under $OUT. Here, before the call:
+#   LEAN=1 scripts/offline_gpu/bundle.sh && scripts/offline_gpu/slim.sh hold
+# the call (device tool run: carry [".dev"], timeout_s 600, any kind):
+#   set -o pipefail; export OUT; HOURS=30 bash scripts/offline_gpu/next_run.sh 530 2>&1 | tee $OUT/run.log
+# after it: scripts/offline_gpu/slim.sh restore. The command is idempotent: after a failed
+# start, run it again as it is. Every stage first re-synthesises the corpus from .dev/def
+# (with phone timelines), HOURS hours on all cores.
 #
-#   scripts/offline_gpu/next_run.sh SECONDS     (run from the repository root; .dev/ from
-#                                                `LEAN=1 scripts/offline_gpu/bundle.sh`)
-#
-# Stage "codec" (models/weights/next/STAGE; the default until a codec v2 is committed):
-# re-synthesise the corpus from .dev/def with phone timelines, train the codec with the
-# phone classifier on its first level (training/codec_train.py --phone-weight) for what
-# is left of SECONDS after the corpus, twice side by side: from models/weights/next/codec.pt
-# when one is committed (else the shipped codec), and from scratch; probe codebook 1 of the
-# starting codec and of both results on the same utterances (training/phones.py). $OUT
-# gets codec_{init,scratch}.pt (fp16), their logs, probe.json, logs.tgz. Committed (to
-# models/weights/next/) when its probe, dev mel and resynthesis WER beat what ships.
-# The command is idempotent: after a failed start, run it again as it is.
-# Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), MARGIN (70 s
-# kept for the probe and the copy back).
+# Stage "codec" (no STAGE file): train the codec with the phone classifier on its first
+# level (training/codec_train.py --phone-weight) for what is left of SECONDS, twice side
+# by side: from models/weights/next/codec.pt when one is committed (else the shipped
+# codec), and from scratch; probe codebook 1 of the starting codec and of both results on
+# the same utterances (training/phones.py). $OUT: codec_{init,scratch}.pt (fp16), their
+# logs, probe.json. Committed to models/weights/next/ when its probe, dev mel and
+# resynthesis WER beat what ships (models/weights/next/README.md).
+# Stage "decoder": encode the corpus with models/weights/next/codec.pt (two processes, in
+# the background) and train the decoder of the current recipe (training/train.py's
+# defaults) for what is left, continuing models/weights/next/decoder.pt when one is
+# committed; export it. $OUT: decoder.pt.partNN (cat them), log.jsonl, MODEL_CARD.md.
+# Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1),
+# BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s kept for the
+# probe or export and the copy back).
 set -uo pipefail
 LIMIT=${1:?usage: next_run.sh SECONDS}
 T0=$(date +%s)
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 PY=${PY:-python3}
+NEXT=${NEXT:-models/weights/next}  # what the recipe has reached (another folder for a dry run)
 R=$PWD; W=${W:-/root/w}; FL=${FL:-/root/flite}; DEVICE=${DEVICE:-cuda}  # W, FL, DEVICE: for a dry run on a CPU
 OUT=${OUT:-$R/gpu_out}; mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$R/.dev/multilingual.tiktoken
 export LIVESPEECH_FLITE=$FL/usr/bin/flite LD_LIBRARY_PATH=$FL/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-STAGE=$(cat models/weights/next/STAGE 2>/dev/null || echo codec)
+STAGE=$(cat $NEXT/STAGE 2>/dev/null || echo codec)
 stamp() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*"; }
-snap() { (cd $W && tar czf $OUT/logs.tgz --ignore-failed-read *.log codec_*/log.jsonl corpus/summary.json 2>/dev/null); }
+snap() { (cd $W && tar czf $OUT/logs.tgz --ignore-failed-read *.log codec_*/log.jsonl decoder/log.jsonl corpus/summary.json 2>/dev/null); }
 trap snap EXIT
 
 stamp "stage $STAGE; $(nvidia-smi -L 2>/dev/null | head -1); $(nproc) cores"
@@ -53,7 +61,7 @@ codec)
   # two runs side by side (the small codec leaves the GPU mostly idle): "init" continues the
   # starting codec, "scratch" trains a new one (k-means on its first batch); both with the
   # phone classifier. The better one by probe and resynthesis is committed.
-  INIT=models/weights/next/codec.pt; [ -e $INIT ] || INIT=models/weights/default/codec.pt
+  INIT=$NEXT/codec.pt; [ -e $INIT ] || INIT=models/weights/default/codec.pt
   MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-70}) / 60), 2))")
   stamp "codec: $MIN min each, phone weight ${PHONE_WEIGHT:-1}; init from $INIT, and from scratch"
   common=(--corpus $W/corpus --device $DEVICE --phone-weight "${PHONE_WEIGHT:-1}" --minutes "$MIN" --steps 1000000
@@ -79,6 +87,33 @@ CodecModel.from_checkpoint('$W/codec_$v/last.pt').save('$OUT/codec_$v.pt', half=
     cp $W/codec_$v/log.jsonl $OUT/codec_${v}_log.jsonl
   done
   sha256sum $OUT/codec_*.pt
+  ;;
+decoder)
+  # the corpus encoded with the committed codec v2 (in the background: the decoder starts
+  # on what is there and re-reads the folder), then the decoder of the current recipe
+  # (training/train.py defaults: spelling embeddings, letters on phones, boosted letters
+  # and codebook 1, streaming mask in the second half), continued from
+  # $NEXT/decoder.pt when one is committed
+  CODEC=$NEXT/codec.pt
+  for k in 0 1; do
+    $PY -m training.encode_corpus --corpus $W/corpus --codec $CODEC --out $W/codes --device $DEVICE \
+      --max-seconds 8 --threads 1 --batch 64 --shard $k/2 > $W/encode$k.log 2>&1 &
+  done
+  sleep 20
+  INIT=(); [ -e $NEXT/decoder.pt ] && INIT=(--init $NEXT/decoder.pt --lr "${LR:-5e-4}")
+  MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-70}) / 60), 2))")
+  stamp "decoder: $MIN min ${INIT[*]:-from scratch}"
+  $PY -m training.train --corpus $W/corpus --codes $W/codes --out $W/decoder --device $DEVICE --minutes "$MIN" \
+    --steps 1000000 --batch-frames "${BATCH_FRAMES:-80000}" --max-batch 256 --lr 2e-3 --warmup 100 --rescan-every 50 \
+    --eval-every 200 --ckpt-minutes 2 --threads 4 --eos-jitter 0.3 "${INIT[@]}" > $W/decoder.log 2>&1 \
+    || { tail -20 $W/decoder.log; exit 1; }
+  wait
+  grep '"eval"' $W/decoder.log | tail -n 3 | cut -c1-700
+  stamp "export (fp16, brought back in 15 MB parts: cat decoder.pt.part* > decoder.pt)"
+  $PY -m training.export --codec $CODEC --decoder $W/decoder/last.pt --corpus $W/corpus --codes $W/codes \
+    --out $W/export > $W/export.log 2>&1 || { tail -20 $W/export.log; exit 1; }
+  split -b 15000000 -d $W/export/decoder.pt $OUT/decoder.pt.part
+  cp $W/export/MODEL_CARD.md $W/decoder/log.jsonl $OUT/ && sha256sum $W/export/decoder.pt
   ;;
 *)
   echo "stage $STAGE: not prepared yet"; exit 2 ;;
