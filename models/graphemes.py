@@ -9,7 +9,7 @@ with consecutive repeats collapsed (`collapse_repeats`).
 from __future__ import annotations
 
 import unicodedata
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 BLANK = 0  # silence after the last word (leading silence takes the first character)
 EOS = 1  # end of speech: the decoder emits it once the transcript is spoken
@@ -76,7 +76,8 @@ def ctc_collapse(ids: Iterable[int]) -> list[int]:
 
 
 def align_words_to_frames(
-    words: Sequence[str], spans: Sequence[tuple[int, int]], n_frames: int
+    words: Sequence[str], spans: Sequence[tuple[int, int]], n_frames: int,
+    phones: Optional[Sequence[tuple[str, int, int]]] = None, pause: str = "_",
 ) -> list[int]:
     """Frame-level grapheme targets from word spans (start, end) in frames.
 
@@ -84,8 +85,14 @@ def align_words_to_frames(
     gap before it (or on the word's first frame when there is no gap); every unlabelled
     frame inside speech takes the next label to its right (the paper's blank filling);
     frames after the last word stay BLANK.
+
+    With ``phones`` (the utterance's phone timeline: (name, start, end) frames, ``pause``
+    for pauses) the letters follow the speech: a word's letters are spread over its
+    spoken phones rather than its frames, and the whole pause between two words is SPACE
+    rather than carrying the next word's first letter.
     """
     labels = [-1] * n_frames
+    spoken = None if phones is None else [(a, b) for name, a, b in phones if name != pause and b > a]
     prev_end = None  # end of the last word that got labels (skipped words don't count)
     for word, (start, end) in zip(words, spans):
         chars = word_graphemes(word)
@@ -96,14 +103,22 @@ def align_words_to_frames(
         if prev_end is not None:
             gap_start = max(0, min(prev_end, start))
             if gap_start < start:
-                labels[gap_start] = SPACE
+                for t in range(gap_start, start if spoken is not None else gap_start + 1):
+                    labels[t] = SPACE
             elif end - start > len(chars):
                 labels[start] = SPACE
                 start += 1
         prev_end = end
-        n = end - start
-        for k in range(n):
-            labels[start + k] = chars[min(len(chars) - 1, k * len(chars) // n)]
+        if spoken is None:
+            n = end - start
+            for k in range(n):
+                labels[start + k] = chars[min(len(chars) - 1, k * len(chars) // n)]
+            continue
+        bounds = _letter_bounds(len(chars), start, end, [(max(a, start), min(b, end)) for a, b in spoken
+                                                          if a < end and b > start])
+        for k, c in enumerate(chars):  # a letter squeezed to no frame is not in the stream
+            for t in range(bounds[k], bounds[k + 1]):
+                labels[t] = c
     return _fill(labels, n_frames)
 
 
@@ -123,40 +138,6 @@ def _letter_bounds(n_letters: int, start: int, end: int, phones: Sequence[tuple[
         return int(round(edges[i] + (edges[i + 1] - edges[i]) * (x - i)))
 
     return [at(k * m / n_letters) for k in range(n_letters + 1)]
-
-
-def align_letters_to_phones(words: Sequence[str], spans: Sequence[tuple[int, int]],
-                            phones: Sequence[tuple[str, int, int]], n_frames: int, pause: str = "_") -> list[int]:
-    """Frame-level grapheme targets that follow the speech: like `align_words_to_frames`,
-    but a word's letters are spread over its spoken phones (``phones``: (name, start,
-    end) frames of the utterance's phone timeline, ``pause`` for pauses) rather than over
-    its frames, and the whole pause between two words is SPACE rather than carrying the
-    next word's first letter. Frames before the first word take its first letter (blank
-    filling), frames after the last word are BLANK."""
-    labels = [-1] * n_frames
-    spoken = [(a, b) for name, a, b in phones if name != pause and b > a]
-    prev_end = None
-    for word, (start, end) in zip(words, spans):
-        chars = word_graphemes(word)
-        start = max(0, min(start, n_frames))
-        end = max(start, min(end, n_frames))
-        if not chars or end <= start:
-            continue
-        if prev_end is not None:
-            gap_start = max(0, min(prev_end, start))
-            if gap_start < start:
-                for t in range(gap_start, start):
-                    labels[t] = SPACE
-            elif end - start > len(chars):
-                labels[start] = SPACE
-                start += 1
-        prev_end = end
-        mine = [(max(a, start), min(b, end)) for a, b in spoken if a < end and b > start]
-        bounds = _letter_bounds(len(chars), start, end, mine)
-        for k, c in enumerate(chars):  # a letter squeezed to no frame is not in the stream
-            for t in range(bounds[k], bounds[k + 1]):
-                labels[t] = c
-    return _fill(labels, n_frames)
 
 
 def _fill(labels: list[int], n_frames: int) -> list[int]:

@@ -141,15 +141,13 @@ def test_align_skips_words_without_graphemes():
 
 
 def test_letters_on_phones_move_with_the_sounds_and_pauses_are_spaces():
-    from models.graphemes import align_letters_to_phones
-
     # "hello" over frames 2..12: h is short (1 frame), o long (4); a pause 12..15; "yo" 15..18
     phones = [("_", 0, 2), ("h", 2, 3), ("@", 3, 5), ("l", 5, 8), ("oU", 8, 12), ("_", 12, 15),
               ("j", 15, 16), ("oU", 16, 18), ("_", 18, 20)]
-    out = align_letters_to_phones(["hello", "yo"], [(2, 12), (15, 18)], phones, 20)
+    out = align_words_to_frames(["hello", "yo"], [(2, 12), (15, 18)], 20, phones=phones)
     text = "".join(SYMBOLS[i] if len(SYMBOLS[i]) == 1 else "." for i in out)
     assert text == "hhhelllllooo   yoo.."
     even = align_words_to_frames(["hello", "yo"], [(2, 12), (15, 18)], 20)
     assert ctc_collapse(out) == ctc_collapse(even)  # the same letters, other frames
     # a word with no phone timeline inside its span is split evenly over its frames
-    assert align_letters_to_phones(["ab"], [(0, 4)], [], 4) == align_words_to_frames(["ab"], [(0, 4)], 4)
+    assert align_words_to_frames(["ab"], [(0, 4)], 4, phones=[]) == align_words_to_frames(["ab"], [(0, 4)], 4)

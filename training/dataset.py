@@ -120,13 +120,13 @@ class AudioCrops:
 
 def phone_letters(rec: dict) -> list[int]:
     """The record's grapheme row with its letters on its phones and its pauses as SPACE
-    (models.graphemes.align_letters_to_phones), on the manifest's frames."""
+    (models.graphemes.align_words_to_frames with phones), on the manifest's frames."""
     from training.corpus.plan import spans_to_frames
 
     T = len(rec["graphemes"])
     words = spans_to_frames([(a, b) for _, a, b in rec["words"]], T)
     phones = [(name, int(round(a * FRAME_RATE)), int(round(b * FRAME_RATE))) for name, a, b in rec["phones"]]
-    return G.align_letters_to_phones([w for w, _, _ in rec["words"]], words, phones, T)
+    return G.align_words_to_frames([w for w, _, _ in rec["words"]], words, T, phones=phones)
 
 
 def codes_path(codes_dir: str, utt_id: str) -> str:
