@@ -24,6 +24,12 @@ from torch import nn
 T = TypeVar("T")
 
 
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU has bfloat16 dot products (AVX512-BF16 or AMX); elsewhere oneDNN
+    emulates them, 3-30x slower than float32 on an older EPYC."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def derived(owner: nn.Module, name: str, sources: Sequence[torch.Tensor], build: Callable[[], T]) -> T:
     """`build()` cached on `owner` under `name`, keyed by the identity and version of
     `sources` (every tensor the derived value is computed from)."""

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from models import graphemes
+from models.derived import cpu_has_bf16_dot
 from models.guidance import GuidanceState, Temperatures, sample_step
 from models.inference import DecodeState, enrollment_kv, visible_prefix
 from models.loading import ModelBundle
@@ -31,14 +32,13 @@ BF16_FROM_BATCH = 2
 
 def bf16_matmuls_enabled(setting: str, device: str) -> bool:
     """Whether the step's widest matmuls run in bfloat16 (`ServerConfig.bf16_matmuls`):
-    "auto" where the CPU has bf16 dot products (AVX512-BF16 or AMX; elsewhere oneDNN
-    emulates them, 3-30x slower than float32 on an older EPYC), "on" on any CPU, never
-    on a GPU."""
+    "auto" where the CPU has bf16 dot products (`cpu_has_bf16_dot`), "on" on any CPU,
+    never on a GPU."""
     if setting not in BF16_SETTINGS:
         raise ValueError(f"bf16_matmuls must be one of {', '.join(BF16_SETTINGS)}, got {setting!r}")
     if torch.device(device).type != "cpu" or setting == "off":
         return False
-    return setting == "on" or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return setting == "on" or cpu_has_bf16_dot()
 
 
 @dataclass

@@ -439,3 +439,14 @@ def test_phone_letters_follow_the_phones_with_pauses_as_space(pipeline):
         for (_, _, end), (_, start, _) in zip(rec["words"], rec["words"][1:]):
             a, b = round(end * 75) + 1, round(start * 75) - 1
             assert all(x == G.SPACE for x in letters[a:b])
+
+
+def test_bf16_autocast_trains(tmp_path):
+    """--autocast bf16 (what auto picks on a CPU with bf16 dot products) runs the forward
+    in bfloat16 and still gives finite losses and float32 weights."""
+    out = str(tmp_path / "bf16")
+    assert train.main(["--smoke", "--out", out, "--steps", "2", "--autocast", "bf16"]) == 0
+    rows = [r for r in _log(os.path.join(out, "log.jsonl")) if not r.get("eval")]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    st = torch.load(os.path.join(out, "last.pt"), weights_only=False)
+    assert all(v.dtype == torch.float32 for v in st["model"].values() if v.is_floating_point())

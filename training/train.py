@@ -31,6 +31,7 @@ import torch
 
 from models.attention import streaming_dropout_mask
 from models.config import ModelConfig, preset
+from models.derived import cpu_has_bf16_dot
 from models.livespeech import CodebookLossWeights, LiveSpeech2, codebook_losses
 
 from .dataset import Batch, DecoderData, collate
@@ -223,6 +224,9 @@ def main(argv=None) -> int:
     p.add_argument("--text-embedding", choices=("table", "spelling"), default=None,
                    help="a new model's text-token embedding (models/spelling.py; default spelling); "
                         "--init / --resume keep their model's")
+    p.add_argument("--autocast", choices=("auto", "bf16", "off"), default="auto",
+                   help="bfloat16 autocast of the forward pass: auto = on a CPU with bf16 dot products "
+                        "(AVX512-BF16 / AMX); off elsewhere and on CUDA (not yet measured there)")
     p.add_argument("--letters", choices=("even", "phones"), default="phones",
                    help="grapheme targets: a word's letters over its phones with pauses as SPACE, where the corpus "
                         "has phone timelines (phones), or the manifest's even split (even)")
@@ -327,6 +331,8 @@ def main(argv=None) -> int:
         print("no training examples (encode the corpus first)", file=sys.stderr)
         return 1
 
+    bf16 = a.autocast == "bf16" or (a.autocast == "auto" and device.type == "cpu" and cpu_has_bf16_dot())
+    print(f"autocast: {'bfloat16' if bf16 else 'off'}", flush=True)
     log = open(os.path.join(a.out, "log.jsonl"), "a")
     sched = Schedule(a.lr, a.warmup, a.steps, a.minutes)
     stop_at = a.stop_at
@@ -359,7 +365,8 @@ def main(argv=None) -> int:
         for g in opt.param_groups:
             g["lr"] = sched.lr(step, train_s)
         w = lw.weights()
-        total, losses, accs = forward_loss(model, batch, mask, w)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            total, losses, accs = forward_loss(model, batch, mask, w)
         opt.zero_grad(set_to_none=True)
         total.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
