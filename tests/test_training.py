@@ -450,3 +450,32 @@ def test_bf16_autocast_trains(tmp_path):
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     st = torch.load(os.path.join(out, "last.pt"), weights_only=False)
     assert all(v.dtype == torch.float32 for v in st["model"].values() if v.is_floating_point())
+
+
+def test_an_extra_corpus_trains_from_its_own_codes(tmp_path):
+    """--extra-corpus: another corpus's train split (same utterance ids, other codes) joins
+    the training data under prefixed ids, each example reading its own corpus's codes;
+    dev stays the main corpus's."""
+    cfg = train.preset("tiny")
+    main_corpus, main_codes = make_smoke_corpus(str(tmp_path / "a"), n_utts=4, seed=0)
+    extra_corpus, extra_codes = make_smoke_corpus(str(tmp_path / "b"), n_utts=4, seed=1)
+    for r in read_manifest(extra_corpus):  # codes unlike the main corpus's, whatever the lengths
+        np.save(codes_path(extra_codes, r["id"]), (np.load(codes_path(extra_codes, r["id"])) + 1) % 1024)
+    data = DecoderData(main_corpus, main_codes, cfg, "train")
+    n_main = len(data)
+    data.merge(DecoderData(extra_corpus, extra_codes, cfg, "train", id_prefix="x0-"))
+    assert len(data) == 2 * n_main
+    ids = [it["rec"]["id"] for it in data.items]
+    assert len(set(ids)) == len(ids) and ids[n_main] == "x0-" + ids[0]
+    for i in (0, n_main):
+        utt, codes_dir = data.items[i]["codes"][1], data.items[i]["codes"][0]
+        want = np.load(codes_path(codes_dir, utt))[:, :data.items[i]["T"]]
+        assert np.array_equal(data.example(i, random.Random(0)).codes[1:, :want.shape[1]], want)
+    assert not np.array_equal(data.load_codes(0), data.load_codes(n_main))
+    out = str(tmp_path / "run")
+    assert train.main(["--corpus", main_corpus, "--codes", main_codes, "--extra-corpus", f"{extra_corpus}:{extra_codes}",
+                       "--out", out, "--steps", "1", "--model-overrides", "d_model=64,n_heads=2,n_shared_layers=1,"
+                       "n_group_layers=1,enc_d_model=64,enc_heads=2,enc_layers=1,n_enroll=8",
+                       "--batch-frames", "400", "--max-batch", "4", "--dev-batches", "1"]) == 0
+    st = torch.load(os.path.join(out, "last.pt"), weights_only=False)
+    assert st["n_train"] == 2 * n_main

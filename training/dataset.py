@@ -176,11 +176,12 @@ class DecoderData:
 
     def __init__(self, corpus: str, codes_dir: str, cfg: ModelConfig, split: str = "train",
                  max_seconds: float = 8.0, seed: int = 0, records: Optional[list[dict]] = None,
-                 tokenizer=None, eos_jitter: float = 0.0, letters: str = "even"):
+                 tokenizer=None, eos_jitter: float = 0.0, letters: str = "even", id_prefix: str = ""):
         """``letters``: the grapheme row as the manifest has it ("even": a word's letters
         share its frames evenly, pauses carry the next letter) or "phones": spread over
         the word's phones with pauses as SPACE (`phone_letters`) where the record has a
-        phone timeline."""
+        phone timeline. ``id_prefix`` keeps the ids of a corpus `merge`d into another
+        apart from its own."""
         from models.tokenizer import get_tokenizer
 
         if letters not in ("even", "phones"):
@@ -210,7 +211,8 @@ class DecoderData:
                 self.skipped += 1
                 continue
             g = phone_letters(r) if letters == "phones" and r.get("phones") else r["graphemes"]
-            self.items.append({"rec": r, "text": tt, "T": len(r["graphemes"]), "graphemes": g})
+            self.items.append({"rec": {**r, "id": id_prefix + r["id"]} if id_prefix else r, "text": tt,
+                               "T": len(r["graphemes"]), "graphemes": g, "codes": (codes_dir, r["id"])})
         self.by_voice: dict[str, list[int]] = {}
         for i, it in enumerate(self.items):
             self.by_voice.setdefault(it["rec"]["voice"], []).append(i)
@@ -219,12 +221,24 @@ class DecoderData:
     def __len__(self) -> int:
         return len(self.items)
 
-    def load_codes(self, utt_id: str) -> np.ndarray:
-        c = self._cache.get(utt_id)
+    def merge(self, other: "DecoderData") -> None:
+        """Add another corpus's examples, read from its own codes folder (a voice made on
+        another machine and brought as codes)."""
+        base = len(self.items)
+        self.items.extend(other.items)
+        for voice, idx in other.by_voice.items():
+            self.by_voice.setdefault(voice, []).extend(base + i for i in idx)
+        self.skipped += other.skipped
+        self.missing += other.missing
+
+    def load_codes(self, idx: int) -> np.ndarray:
+        """Item ``idx``'s codes [Q, F] (cached)."""
+        key = self.items[idx]["codes"]
+        c = self._cache.get(key)
         if c is None:
-            c = np.load(codes_path(self.codes_dir, utt_id)).astype(np.int64)
+            c = np.load(codes_path(*key)).astype(np.int64)
             if len(self._cache) < 200_000:
-                self._cache[utt_id] = c
+                self._cache[key] = c
         return c
 
     def example(self, idx: int, rng: Optional[random.Random] = None) -> Example:
@@ -233,7 +247,7 @@ class DecoderData:
         rec = it["rec"]
         T = it["T"]
         q = self.cfg.n_acoustic_codebooks
-        ac = self.load_codes(rec["id"])[:q]
+        ac = self.load_codes(idx)[:q]
         if ac.shape[1] >= T:
             ac = ac[:, :T]
         else:
@@ -255,7 +269,7 @@ class DecoderData:
         rec = self.items[idx]["rec"]
         cands = [j for j in self.by_voice.get(rec["voice"], []) if j != idx]
         j = rng.choice(cands) if cands else idx
-        c = self.load_codes(self.items[j]["rec"]["id"])[: self.cfg.n_acoustic_codebooks]
+        c = self.load_codes(j)[: self.cfg.n_acoustic_codebooks]
         n = int(rng.uniform(1.5, 4.0) * FRAME_RATE)
         n = min(n, c.shape[1], self.cfg.enc_max_frames)
         s = rng.randint(0, c.shape[1] - n)

@@ -38,6 +38,13 @@ from .dataset import Batch, DecoderData, collate
 from .schedule import Schedule, setup_device
 
 
+def _corpus_and_codes(s: str) -> tuple[str, str]:
+    corpus, sep, codes = s.rpartition(":")
+    if not sep or not corpus or not codes:
+        raise argparse.ArgumentTypeError(f"expected CORPUS:CODES, got {s!r}")
+    return corpus, codes
+
+
 def parse_boost(s: str) -> dict[int, float]:
     """'1:3' or '1:3,0:1.5' -> {codebook: factor} (--codebook-boost)."""
     try:
@@ -202,6 +209,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default="data/corpus")
     p.add_argument("--codes", default="data/codes")
+    p.add_argument("--extra-corpus", type=_corpus_and_codes, action="append", default=[], metavar="CORPUS:CODES",
+                   help="also train on this corpus's train split, its codes in CODES (its manifest and codes "
+                        "suffice: a voice synthesised elsewhere); dev stays --corpus's. Repeatable")
     p.add_argument("--out", default="runs/decoder")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init", default=None,
@@ -317,6 +327,9 @@ def main(argv=None) -> int:
     def load_data():
         d = DecoderData(a.corpus, a.codes, cfg, "train", a.max_seconds, tokenizer=tok, eos_jitter=a.eos_jitter,
                         letters=a.letters)
+        for k, (corpus, codes) in enumerate(a.extra_corpus):
+            d.merge(DecoderData(corpus, codes, cfg, "train", a.max_seconds, tokenizer=tok, eos_jitter=a.eos_jitter,
+                                letters=a.letters, id_prefix=f"x{k}-"))
         d.index = {it["rec"]["id"]: i for i, it in enumerate(d.items)}
         return d
 
