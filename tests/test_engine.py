@@ -831,19 +831,26 @@ def model_that_wants_to_stop(engine, session, text: str, monkeypatch, stall_at=N
     monkeypatch.setattr(engine.runner, "model_step", step)
 
 
-def test_a_model_that_tries_to_end_early_speaks_the_whole_text(engine, voice, monkeypatch):
-    """EOS is not accepted while the grapheme stream has not covered the text: the model
-    that would end at its first step speaks every word, and the summary says so."""
-    text = "Every word of this sentence is spoken before the end."
+def speak_with_a_model_that_wants_to_stop(engine, voice, text, monkeypatch, **kw):
+    """`text` spoken whole (default lambda 1 and grapheme top-k) by `model_that_wants_to_stop`;
+    returns the collector and the summary of the session, which must have completed."""
     session, c = [], Collector(engine)
-    model_that_wants_to_stop(engine, session, text, monkeypatch)
-    h = engine.open_session(SessionConfig(seed=1), voice, c)  # default lambda 1 and grapheme top-k
+    model_that_wants_to_stop(engine, session, text, monkeypatch, **kw)
+    h = engine.open_session(SessionConfig(seed=1), voice, c)
     session.append(h)
     h.push_text(text)
     h.end_input()
     assert c.done.wait(60) and not c.of(Failed)
     summary = c.of(Finished)[0].summary
     assert not summary.cancelled
+    return c, summary
+
+
+def test_a_model_that_tries_to_end_early_speaks_the_whole_text(engine, voice, monkeypatch):
+    """EOS is not accepted while the grapheme stream has not covered the text: the model
+    that would end at its first step speaks every word, and the summary says so."""
+    text = "Every word of this sentence is spoken before the end."
+    c, summary = speak_with_a_model_that_wants_to_stop(engine, voice, text, monkeypatch)
     assert summary.all_words_spoken is True and summary.unspoken_words == ()
     assert summary.spoken_text == text
     assert [w.word for w in c.of(WordTiming)] == text.split()
@@ -859,15 +866,8 @@ def test_the_runaway_guard_reports_the_words_it_left_unspoken(engine, voice, mon
     text = "Only the first word gets spoken here."
     words = text.split()
     monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_overrun_s=0.2))
-    session, c = [], Collector(engine)
-    model_that_wants_to_stop(engine, session, text, monkeypatch, stall_at=len(text_graphemes(words[0])))
-    h = engine.open_session(SessionConfig(seed=1), voice, c)
-    session.append(h)
-    h.push_text(text)
-    h.end_input()
-    assert c.done.wait(60) and not c.of(Failed)
-    summary = c.of(Finished)[0].summary
-    assert not summary.cancelled
+    c, summary = speak_with_a_model_that_wants_to_stop(engine, voice, text, monkeypatch,
+                                                       stall_at=len(text_graphemes(words[0])))
     assert summary.all_words_spoken is False and summary.unspoken_words == tuple(words[1:])
     assert summary.spoken_text == words[0]
     assert [w.word for w in c.of(WordTiming)] == words[:1]
