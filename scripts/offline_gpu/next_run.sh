@@ -19,7 +19,8 @@
 # Stage "decoder": encode the corpus with models/weights/next/codec.pt (two processes, in
 # the background) and train the decoder of the current recipe (training/train.py's
 # defaults) for what is left, continuing models/weights/next/decoder.pt when one is
-# committed; export it. $OUT: decoder.pt.partNN (cat them), log.jsonl, MODEL_CARD.md.
+# committed, with the Piper voice's codes of models/weights/next/piper.tar.gz (made here:
+# its manifest.jsonl and codes/) in the training data; export it. $OUT: decoder.pt.partNN (cat them), log.jsonl, MODEL_CARD.md.
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1),
 # BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s kept for the
 # probe or export and the copy back).
@@ -101,11 +102,16 @@ decoder)
   done
   sleep 20
   INIT=(); [ -e $NEXT/decoder.pt ] && INIT=(--init $NEXT/decoder.pt --lr "${LR:-5e-4}")
+  # the Piper voice, synthesised here on a CPU and brought as this codec's codes
+  EXTRA=()
+  if [ -e $NEXT/piper.tar.gz ]; then
+    mkdir -p $W/piper && tar xzf $NEXT/piper.tar.gz -C $W/piper && EXTRA=(--extra-corpus $W/piper:$W/piper/codes)
+  fi
   MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-70}) / 60), 2))")
   stamp "decoder: $MIN min ${INIT[*]:-from scratch}"
   $PY -m training.train --corpus $W/corpus --codes $W/codes --out $W/decoder --device $DEVICE --minutes "$MIN" \
     --steps 1000000 --batch-frames "${BATCH_FRAMES:-80000}" --max-batch 256 --lr 2e-3 --warmup 100 --rescan-every 50 \
-    --eval-every 200 --ckpt-minutes 2 --threads 4 --eos-jitter 0.3 "${INIT[@]}" > $W/decoder.log 2>&1 \
+    --eval-every 200 --ckpt-minutes 2 --threads 4 --eos-jitter 0.3 "${INIT[@]}" "${EXTRA[@]}" > $W/decoder.log 2>&1 \
     || { tail -20 $W/decoder.log; exit 1; }
   wait
   grep '"eval"' $W/decoder.log | tail -n 3 | cut -c1-700
