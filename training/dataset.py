@@ -188,7 +188,6 @@ class DecoderData:
             raise ValueError(f"letters must be 'even' or 'phones', not {letters!r}")
         self.cfg = cfg
         self.eos_jitter = eos_jitter
-        self.codes_dir = codes_dir
         self.tok = tokenizer or get_tokenizer()
         self.eos_id = self.tok.eos_id if hasattr(self.tok, "eos_id") else cfg.text_vocab_size - 1
         self.rng = random.Random(seed)

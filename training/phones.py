@@ -34,9 +34,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .corpus.align import PAUSE
 from .dataset import read_manifest, read_wav_segment
 
-PAUSE = "_"
 IGNORE = -100  # frames without a label (torch's cross_entropy ignore_index)
 
 
@@ -155,7 +155,7 @@ def probe_codec(codec, corpus: str, records: Sequence[dict], vocab: PhoneVocab |
             phone_pairs.update((int(p), int(c)) for p, c in zip(ph, codes) if p != IGNORE)
             letter_pairs.update((int(g), int(c)) for g, c in zip(gr, codes))
         sets[name] = (phone_pairs, letter_pairs, codes_all, repeats / max(1, frames))
-    ph_fit, le_fit, codes_fit, _ = sets["fit"]
+    ph_fit, le_fit, _, _ = sets["fit"]
     ph_sc, le_sc, codes_sc, repeat = sets["score"]
     h = _entropy(codes_sc)
     return {
