@@ -8,6 +8,8 @@ directory when the package directory is read-only (an installed package); set
 generated: the service's method table is read from its descriptor (`method_handlers`,
 `Stub`), so no generated module imports another by a top-level name.
 
+Requests whose bytes do not decode reach the handlers as `Malformed` (see there).
+
 It also holds the one mapping between the proto config and `SessionConfig`
 (`config_from_proto`, `config_to_proto`), used by the service and the client.
 """
@@ -146,15 +148,47 @@ def rpc_method_handler(behavior: Any, client_streaming: bool, server_streaming: 
     return getattr(grpc, f"{rpc_shape(client_streaming, server_streaming)}_rpc_method_handler")(behavior, **kw)
 
 
+class Malformed:
+    """A request whose bytes did not decode (invalid UTF-8 in a string field, corrupt wire
+    format). The request deserializer returns this instead of raising: grpc.aio answers a
+    deserializer's exception with INTERNAL or UNKNOWN and logs a traceback, where the
+    client's mistake is INVALID_ARGUMENT (the service decides, `message` says why)."""
+
+    __slots__ = ("type_name", "reason")
+
+    def __init__(self, type_name: str, reason: str) -> None:
+        self.type_name = type_name
+        self.reason = reason
+
+    @property
+    def message(self) -> str:
+        return f"malformed {self.type_name}: {self.reason}"
+
+
+def _lenient_decoder(cls: Any) -> Any:
+    from google.protobuf.message import DecodeError
+
+    def decode(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            # "Error parsing message with type 'livespeech.v1.X': String field had bad UTF-8"
+            reason = str(e).rpartition("': ")[2] or "undecodable bytes"
+            return Malformed(cls.DESCRIPTOR.name, reason[:1].lower() + reason[1:])
+
+    return decode
+
+
 def method_handlers(servicer: object) -> grpc.GenericRpcHandler:
-    """A generic handler routing each method of the service to `servicer.<Method>`."""
+    """A generic handler routing each method of the service to `servicer.<Method>`;
+    requests that do not decode arrive as `Malformed`."""
     handlers = {}
     for m in SERVICE.methods:
         handlers[m.name] = rpc_method_handler(
             getattr(servicer, m.name),
             m.client_streaming,
             m.server_streaming,
-            request_deserializer=_message_class(m.input_type).FromString,
+            request_deserializer=_lenient_decoder(_message_class(m.input_type)),
             response_serializer=_message_class(m.output_type).SerializeToString,
         )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

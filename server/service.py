@@ -18,7 +18,9 @@ Status choices (see also the .proto):
   piece over `max_text_piece_chars` is INVALID_ARGUMENT);
 - the client half-closes without `end_of_input`: treated as end of input, HALF_CLOSE_S
   later (see there);
-- messages after `cancel` are ignored (a text pump may race the cancel).
+- messages after `cancel` are ignored (a text pump may race the cancel);
+- a message whose bytes do not decode (`protocol.Malformed`), in any method:
+  INVALID_ARGUMENT "malformed <type>: <reason>", logged once per call (`decoded`).
 
 Tenants: with authentication on (server/auth.py), calls reach this servicer only with a
 valid token, and `current_tenant()` names the caller; voices are looked up, listed,
@@ -38,7 +40,7 @@ from .audio import MODEL_SAMPLE_RATE
 from .auth import current_tenant
 from .config import ServerConfig
 from .metrics import Metrics
-from .protocol import Enrollment, config_from_proto, config_to_proto, pb
+from .protocol import Enrollment, Malformed, config_from_proto, config_to_proto, pb
 from .session_api import (
     AudioPacket,
     CapacityError,
@@ -127,6 +129,15 @@ class RpcError(Exception):
         self.message = message
         self.metadata = metadata
         self.from_engine = from_engine
+
+
+def decoded(request: Any) -> Any:
+    """The request, or RpcError INVALID_ARGUMENT if its bytes did not decode. Once per
+    call: the first malformed message ends the call, later ones are dropped unread."""
+    if isinstance(request, Malformed):
+        log.info("refused a malformed request: %s", request.message)
+        raise RpcError(Code.INVALID_ARGUMENT, request.message)
+    return request
 
 
 def summary_to_proto(s: Summary) -> "pb.SessionSummary":
@@ -250,7 +261,7 @@ class _Stream:
     # ------------------------------------------------------------ main
 
     async def run(self, it: AsyncIterator) -> None:
-        first = await self._first_message(it)
+        first = decoded(await self._first_message(it))
         if first.WhichOneof("request") != "config":
             raise RpcError(Code.INVALID_ARGUMENT, "first message must be config")
         try:
@@ -341,7 +352,7 @@ class _Stream:
         """One client message to the session handle; returns its kind."""
         handle = self.handle
         assert handle is not None
-        kind = msg.WhichOneof("request")
+        kind = decoded(msg).WhichOneof("request")
         # limits, timestamps and ordering are validated by the handle (one place)
         if kind == "text":
             ts: Optional[float] = msg.text.timestamp_s if msg.text.HasField("timestamp_s") else None
@@ -549,7 +560,7 @@ class LiveSpeechService:
 
     async def RegisterVoice(self, request: "pb.RegisterVoiceRequest", context: grpc.aio.ServicerContext) -> Any:
         async def go() -> "pb.VoiceInfo":
-            check_voice_id(request.voice_id)
+            check_voice_id(decoded(request).voice_id)
             which = request.WhichOneof("audio")
             if which is None:
                 raise ConfigError("audio: set pcm or wav")
@@ -567,11 +578,15 @@ class LiveSpeechService:
         return await self._unary(context, go())
 
     async def ListVoices(self, request: "pb.ListVoicesRequest", context: grpc.aio.ServicerContext) -> Any:
-        return pb.ListVoicesResponse(voices=[voice_info_to_proto(v) for v in self.voices.list(current_tenant())])
+        async def go() -> "pb.ListVoicesResponse":
+            decoded(request)
+            return pb.ListVoicesResponse(voices=[voice_info_to_proto(v) for v in self.voices.list(current_tenant())])
+
+        return await self._unary(context, go())
 
     async def DeleteVoice(self, request: "pb.DeleteVoiceRequest", context: grpc.aio.ServicerContext) -> Any:
         async def go() -> "pb.DeleteVoiceResponse":
-            await self.voices.delete(request.voice_id, current_tenant())
+            await self.voices.delete(decoded(request).voice_id, current_tenant())
             return pb.DeleteVoiceResponse()
 
         return await self._unary(context, go())
