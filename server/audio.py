@@ -143,10 +143,47 @@ class AudioEncoder:
 # ------------------------------------------------------------------- files
 
 
+# (format tag, bits per sample) decode_wav reads exactly; scipy also "reads" other
+# widths (a 12-bit header as 16- or 8-bit samples), which would be the wrong audio
+_WAV_PCM, _WAV_FLOAT, _WAV_EXTENSIBLE = 1, 3, 0xFFFE
+WAV_FORMATS = {(_WAV_PCM, b) for b in (8, 16, 24, 32)} | {(_WAV_FLOAT, b) for b in (32, 64)}
+
+
+def _wav_format(data: bytes) -> Optional[tuple[int, int]]:
+    """(format tag, bits per sample) from the fmt chunk; None if there is none to read
+    (scipy then names what is wrong with the file)."""
+    import struct
+
+    if len(data) < 12 or data[:4] not in (b"RIFF", b"RIFX") or data[8:12] != b"WAVE":
+        return None
+    order = "<" if data[:4] == b"RIFF" else ">"
+    pos = 12
+    while pos + 8 <= len(data):
+        cid, size = data[pos:pos + 4], struct.unpack(order + "I", data[pos + 4:pos + 8])[0]
+        body = data[pos + 8:pos + 8 + size]
+        if cid == b"fmt ":
+            if len(body) < 16:
+                return None
+            tag, bits = struct.unpack(order + "H", body[0:2])[0], struct.unpack(order + "H", body[14:16])[0]
+            if tag == _WAV_EXTENSIBLE and len(body) >= 26:  # the sub-format GUID starts with the tag
+                tag = struct.unpack(order + "H", body[24:26])[0]
+            return tag, bits
+        pos += 8 + size + (size & 1)  # chunks are padded to even sizes
+    return None
+
+
 def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
-    """WAV bytes (PCM 8/16/24/32-bit or float; any channel count) -> float32 mono, rate."""
+    """WAV bytes (PCM 8/16/24/32-bit or float 32/64-bit; any channel count) -> float32
+    mono, rate. Other sample formats raise ValueError."""
     from scipy.io import wavfile
 
+    fmt = _wav_format(data)
+    if fmt is not None and fmt not in WAV_FORMATS:
+        tag, bits = fmt
+        kind = {_WAV_PCM: "PCM", _WAV_FLOAT: "float"}.get(tag, f"format tag {tag}")
+        raise ValueError(
+            f"unsupported sample format: {bits}-bit {kind} (supported: PCM 8/16/24/32-bit, float 32/64-bit)"
+        )
     try:
         rate, x = wavfile.read(io.BytesIO(data))
     except Exception as e:  # scipy raises ValueError/TypeError for malformed files

@@ -22,6 +22,8 @@ the handler in one `contextvars.Context`); without tokens every caller is tenant
 
 Secrets never reach a log or an error message: tokens are kept only as SHA-256 digests,
 refusals name the reason and the peer, and parse errors name the line, not its text.
+Refusals are logged at most once per `REFUSAL_LOG_INTERVAL_S` per reason (`RefusalLog`);
+the metric `livespeech_errors_total{code="UNAUTHENTICATED"}` counts every one.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import hashlib
 import logging
 import re
 import stat
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Optional
 
@@ -50,6 +53,7 @@ MAX_TOKEN_CHARS = 4096
 TENANT_RE = VOICE_ID_RE
 # methods open without a token (probes); exact names, not prefixes
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+REFUSAL_LOG_INTERVAL_S = 10.0
 
 _tenant: contextvars.ContextVar[str] = contextvars.ContextVar("livespeech_tenant", default="")
 
@@ -169,12 +173,42 @@ def bearer_token(metadata: Iterable[tuple[str, Any]]) -> Optional[str]:
     return token
 
 
+class RefusalLog:
+    """Refused calls, logged at most once per `interval_s` for each reason: a client that
+    retries without a valid token, or a scan, would otherwise write a line per call. The
+    next line after a quiet interval says how many were left out since the last one."""
+
+    def __init__(
+        self,
+        interval_s: float = REFUSAL_LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        emit: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self.emit = emit if emit is not None else log.info
+        self._last: dict[str, float] = {}  # reason -> when it was last logged
+        self._left_out: dict[str, int] = {}
+
+    def refused(self, code: str, method: str, reason: str, peer: str) -> None:
+        now = self.clock()
+        last = self._last.get(reason)
+        if last is not None and now - last < self.interval_s:
+            self._left_out[reason] = self._left_out.get(reason, 0) + 1
+            return
+        self._last[reason] = now
+        left_out = self._left_out.pop(reason, 0)
+        more = f"; {left_out} more refused for this reason in the {now - last:.0f} s before" if left_out else ""
+        self.emit(f"{code} {method}: {reason} (peer {peer}){more}")
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without a valid bearer token before their handler runs."""
 
     def __init__(self, tokens: TokenTable, metrics: Metrics) -> None:
         self.tokens = tokens
         self.metrics = metrics
+        self.refusals = RefusalLog()
 
     async def intercept_service(
         self,
@@ -191,17 +225,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         reason = "missing bearer token" if token is None else "invalid token"
         self.metrics.errors_total.labels(code="UNAUTHENTICATED").inc()
         handler = await continuation(details)  # only to answer in the method's shape
-        return _refusal(handler, details.method, grpc.StatusCode.UNAUTHENTICATED, reason)
+        return _refusal(handler, details.method, grpc.StatusCode.UNAUTHENTICATED, reason, self.refusals)
 
 
-def _refusal(handler: Optional[grpc.RpcMethodHandler], method: str, code: grpc.StatusCode, reason: str) -> grpc.RpcMethodHandler:
+def _refusal(
+    handler: Optional[grpc.RpcMethodHandler], method: str, code: grpc.StatusCode, reason: str, refusals: RefusalLog
+) -> grpc.RpcMethodHandler:
     """A handler of the refused method's kind that ends the call with `code`. Requests
     are never deserialized: an unauthenticated peer's bytes are not parsed."""
     streaming_in = bool(handler and handler.request_streaming)
     streaming_out = bool(handler and handler.response_streaming)
 
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        log.info("%s %s: %s (peer %s)", code.name, method, reason, context.peer())
+        refusals.refused(code.name, method, reason, context.peer())
         if streaming_in:
             # as the service does before refusing a stream: a status that overtakes a
             # client write in flight turns into INTERNAL on grpc's asyncio client

@@ -153,3 +153,25 @@ def test_wav_round_trip_and_formats() -> None:
     assert rate == 8000 and y.shape == x.shape
     with pytest.raises(ValueError):
         decode_wav(b"RIFF junk")
+
+
+def _wav_header(bits: int, tag: int = 1, rate: int = 16000, data: bytes = b"\x00\x10" * 800) -> bytes:
+    """A mono WAV with a hand-written fmt chunk (any sample width, even unsupported)."""
+    import struct
+
+    block = (bits + 7) // 8
+    fmt = struct.pack("<HHIIHH", tag, 1, rate, rate * block, block, bits)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+@pytest.mark.parametrize("bits,tag", [(12, 1), (4, 1), (20, 1), (16, 3), (8, 6)])
+def test_wav_with_an_unsupported_sample_format_is_refused(bits: int, tag: int) -> None:
+    with pytest.raises(ValueError, match="unsupported sample format"):
+        decode_wav(_wav_header(bits, tag))
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_wav_header_helper_makes_files_that_decode(bits: int) -> None:
+    x, rate = decode_wav(_wav_header(bits))
+    assert rate == 16000 and len(x) == 1600 // (bits // 8)

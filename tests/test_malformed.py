@@ -99,3 +99,16 @@ def test_synthesize_malformed_message_is_invalid_argument(srv, caplog, where, pa
     assert "malformed" in details and needle in details, details
     _check_logs(caplog, 1)
     assert srv.wait_idle()
+
+
+def test_register_voice_with_a_12_bit_wav_is_invalid_argument(srv) -> None:
+    from server.protocol import Stub, pb
+    from test_audio import _wav_header
+
+    async def go():
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await Stub(srv.channel).RegisterVoice(pb.RegisterVoiceRequest(voice_id="twelve", wav=_wav_header(12)))
+        return e.value
+
+    err = srv.run(go())
+    assert err.code() == C.INVALID_ARGUMENT and "12-bit" in err.details(), (err.code(), err.details())

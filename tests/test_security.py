@@ -429,8 +429,54 @@ def test_limits(auth_srv, client) -> None:
 # ---------------------------------------------------------------- secrets
 
 
-def test_no_secret_in_logs_reprs_or_errors(auth_srv, client, caplog, tmp_path) -> None:
+def test_refusals_are_logged_at_most_once_per_interval_with_a_count(auth_srv, client, caplog, monkeypatch) -> None:
+    from server.auth import RefusalLog
+
     h = auth_srv
+    monkeypatch.setattr(h.app.auth, "refusals", RefusalLog(interval_s=3600.0))  # the whole test in one interval
+    caplog.set_level(logging.INFO)
+    before = h.metrics.errors_total.labels(code="UNAUTHENTICATED")._value.get()
+
+    async def refused(n: int) -> list:
+        async with grpc.aio.insecure_channel(h.address) as ch:
+            codes = []
+            for _ in range(n):
+                try:
+                    await Stub(ch).ListVoices(pb.ListVoicesRequest(), metadata=bearer(WRONG), timeout=10)
+                except grpc.aio.AioRpcError as e:
+                    codes.append(e.code())
+            return codes
+
+    assert client.run(refused(20)) == [C.UNAUTHENTICATED] * 20
+    lines = [r.getMessage() for r in caplog.records if "UNAUTHENTICATED" in r.getMessage()]
+    assert len(lines) == 1 and "invalid token" in lines[0], lines
+    # every refusal is still counted
+    assert h.metrics.errors_total.labels(code="UNAUTHENTICATED")._value.get() == before + 20
+
+
+def test_refusal_log_counts_what_it_left_out() -> None:
+    from server.auth import RefusalLog
+
+    now = [0.0]
+    lines = []
+    rl = RefusalLog(interval_s=10.0, clock=lambda: now[0], emit=lines.append)
+    for _ in range(5):
+        rl.refused("UNAUTHENTICATED", "/m", "invalid token", "peer-a")
+    now[0] = 5.0
+    rl.refused("UNAUTHENTICATED", "/m", "invalid token", "peer-b")
+    rl.refused("UNAUTHENTICATED", "/m", "missing bearer token", "peer-c")  # another reason: its own line
+    assert len(lines) == 2 and "invalid token" in lines[0] and "missing bearer token" in lines[1]
+    assert "more" not in lines[0]
+    now[0] = 11.0
+    rl.refused("UNAUTHENTICATED", "/m", "invalid token", "peer-d")
+    assert len(lines) == 3 and "peer-d" in lines[2] and "5 more" in lines[2], lines
+
+
+def test_no_secret_in_logs_reprs_or_errors(auth_srv, client, caplog, tmp_path, monkeypatch) -> None:
+    from server.auth import RefusalLog
+
+    h = auth_srv
+    monkeypatch.setattr(h.app.auth, "refusals", RefusalLog())  # earlier tests' refusals must not hide these
     caplog.set_level(logging.DEBUG)
     logging.getLogger().setLevel(logging.DEBUG)
     client.run(every_method(h.address, bearer(WRONG)))
