@@ -64,7 +64,11 @@ class ModelBundle:
 
 
 def load_decoder(path: os.PathLike | str, device="cpu") -> LiveSpeech2:
-    obj = torch.load(path, map_location=device, weights_only=True)
+    return decoder_from_weights(torch.load(path, map_location=device, weights_only=True), device)
+
+
+def decoder_from_weights(obj: dict, device="cpu") -> LiveSpeech2:
+    """A decoder from a {"config", "state_dict"} dict (what save_decoder writes)."""
     model = LiveSpeech2(ModelConfig.from_dict(obj["config"]), device=device)
     model.load_state_dict({k: v.float() for k, v in obj["state_dict"].items()})
     return model.to(device).eval()

@@ -170,7 +170,7 @@ def test_batched_encoding_refuses_a_codec_that_sees_the_padding():
     assert not encode_corpus.batchable(SimpleNamespace(config=SimpleNamespace(causal=False, pad_mode="constant")))
 
 
-def test_decoder_init_from_exported_weights(tmp_path):
+def test_decoder_init_from_exported_weights_or_a_run_checkpoint(tmp_path):
     from models.loading import load_decoder, save_decoder
 
     first = str(tmp_path / "a")
@@ -187,6 +187,12 @@ def test_decoder_init_from_exported_weights(tmp_path):
     got = torch.load(os.path.join(second, "last.pt"), map_location="cpu", weights_only=False)["model"]
     want = load_decoder(str(tmp_path / "decoder.pt")).state_dict()
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+    # a run's own checkpoint (optimizer state and all) is a starting point too
+    third = str(tmp_path / "c")
+    assert train.main(["--smoke", "--out", third, "--steps", "1", "--threads", "1", "--lr", "1e-12",
+                       "--init", os.path.join(first, "last.pt")]) == 0
+    got = torch.load(os.path.join(third, "last.pt"), map_location="cpu", weights_only=False)["model"]
+    assert all(torch.allclose(got[k], st["model"][k], atol=1e-6) for k in st["model"])
 
 
 def test_training_builds_its_mamba_layers_for_the_training_device(monkeypatch):

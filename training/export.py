@@ -127,6 +127,11 @@ def model_card(out: str, dec_obj: dict, dec_path: str, codec_path: str, corpus: 
     s_per_step = [r["s_per_step"] for r in dsteps[1:] if "s_per_step" in r]
     dargs = dec_obj.get("args", {})
     cargs = _read_json(os.path.join(codec_run, "args.json"))
+    hours: dict[str, float] = {}
+    for r in train:  # voice ids start with their synthesiser's name
+        eng = r["voice"].split("-", 1)[0]
+        hours[eng] = hours.get(eng, 0.0) + r["duration_s"] / 3600
+    engines = ", ".join(f"{e} {h:.1f} h" for e, h in sorted(hours.items(), key=lambda kv: -kv[1]))
     lines = [
         "# Model card: livespeech default model",
         "",
@@ -147,19 +152,24 @@ def model_card(out: str, dec_obj: dict, dec_path: str, codec_path: str, corpus: 
     lines += [
         "",
         "## Training data",
-        f"Synthetic corpus `{corpus}` built with `python -m training.corpus build` (eSpeak NG "
-        f"formant voices, offline sentence pool): {len(records)} utterances, "
+        f"Synthetic corpus `{corpus}` built with `python -m training.corpus build` (offline "
+        f"sentence pool; train hours by synthesiser: {engines}): {len(records)} utterances, "
         f"{len(train)} train ({sum(r['duration_s'] for r in train) / 3600:.1f} h, "
         f"{len({r['voice'] for r in train})} voices). Dev/test use held-out sentences and "
-        f"partly held-out voices. English only, robotic speech.",
+        f"partly held-out voices. English only."
+        + (f" The decoder also trained on {', '.join(str(c[0]) for c in dargs['extra_corpus'])} (`--extra-corpus`)."
+           if dargs.get("extra_corpus") else ""),
         "",
         "## Codec",
-        f"`python -m training.codec_train` ({codec_run}): {max((r['step'] for r in csteps + cevals), default='?')} steps on "
-        f"{cargs.get('device', '?')}, batch {cargs.get('batch', '?')} x {cargs.get('crop_s', '?')} s crops, AdamW lr "
-        f"{cargs.get('lr', '?')}, L1 + multi-res STFT + mel, no discriminator.",
-        f"Dev resynthesis (16 x 2 s dev crops, 8 codebooks): mel distance {cbest.get('dev_mel', float('nan')):.3f}, "
-        f"multi-res STFT {cbest.get('dev_stft', float('nan')):.3f}, L1 {cbest.get('dev_l1', float('nan')):.4f}, "
-        f"SNR {cbest.get('dev_snr_db', float('nan')):.1f} dB (step {cbest.get('step', '?')}).",
+        *([f"`python -m training.codec_train` ({codec_run}): {max((r['step'] for r in csteps + cevals), default='?')} steps on "
+           f"{cargs.get('device', '?')}, batch {cargs.get('batch', '?')} x {cargs.get('crop_s', '?')} s crops, AdamW lr "
+           f"{cargs.get('lr', '?')}, L1 + multi-res STFT + mel, no discriminator.",
+           f"Dev resynthesis (16 x 2 s dev crops, 8 codebooks): mel distance {cbest.get('dev_mel', float('nan')):.3f}, "
+           f"multi-res STFT {cbest.get('dev_stft', float('nan')):.3f}, L1 {cbest.get('dev_l1', float('nan')):.4f}, "
+           f"SNR {cbest.get('dev_snr_db', float('nan')):.1f} dB (step {cbest.get('step', '?')})."]
+          if csteps or cevals else
+          # an exported codec travels without its run; the README beside it says how it was made
+          [f"`{codec_path}`, exported without its training run: how it was trained is in the README.md beside it."]),
         "",
         "## Decoder",
         f"`python -m training.train` ({dec_run}): step {dec_obj.get('step', '?')}, AdamW lr "

@@ -278,9 +278,12 @@ def main(argv=None) -> int:
     if a.resume and os.path.exists(last_path):
         st = torch.load(last_path, map_location="cpu", weights_only=False)
     elif a.init:
-        from models.loading import load_decoder
+        from models.loading import decoder_from_weights
 
-        init = load_decoder(a.init)
+        # an exported decoder, or a run's own checkpoint (last.pt/best.pt: our file, which
+        # also holds the optimizer state, so not loadable weights-only)
+        obj = torch.load(a.init, map_location="cpu", weights_only=False)
+        init = decoder_from_weights(obj if "state_dict" in obj else {"config": obj["config"], "state_dict": obj["model"]})
     if a.text_embedding or init is None:
         overrides.setdefault("text_embedding", a.text_embedding or "spelling")
     else:

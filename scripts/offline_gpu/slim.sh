@@ -23,6 +23,6 @@ restore)
   done
   ;;
 esac
-tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
+tracked=$(git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -n 1 | cut -f1)  # one du: xargs would split the total
 dev=$(du -sb .dev 2>/dev/null | cut -f1 || echo 0)
 echo "tracked files + .dev: $(( (tracked + ${dev:-0}) / 1048576 )) MiB (a call carries 64 MiB)"
