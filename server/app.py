@@ -12,8 +12,9 @@ is draining", in-flight sessions get `drain_grace_s` to finish (then UNAVAILABLE
 Security (server/auth.py, docs/reliability.md): TLS when `tls_cert` is set (mutual TLS
 with `tls_client_ca`), bearer tokens when configured; both are loaded before the engine
 starts, so a bad certificate or token file stops startup; SIGHUP re-reads the tokens
-(`App.reload_tokens`: rotation and revocation without a restart). At most `rpc_limit` RPCs are
-in flight; gRPC refuses the excess before any handler runs.
+(`App.reload_tokens`: rotation and revocation without a restart). The service caps the
+Synthesize streams open at once (`synthesize_stream_limit`); gRPC has no server-wide cap
+on calls, which would refuse health checks and reflection along with a Synthesize flood.
 """
 from __future__ import annotations
 
@@ -162,7 +163,6 @@ async def build_server(
         server = grpc.aio.server(
             options=grpc_options(config),
             interceptors=[auth] if auth is not None else None,
-            maximum_concurrent_rpcs=config.rpc_limit,
         )
         server.add_generic_rpc_handlers((method_handlers(service),))
         health_servicer = health.aio.HealthServicer()

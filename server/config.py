@@ -54,10 +54,12 @@ class ServerConfig:
     max_enrollment_seconds: float = 30.0
     max_voices: int = 1_000
     max_voices_per_tenant: int = 100  # registered voices one tenant may hold
-    # in-flight RPCs of all kinds; more are refused (RESOURCE_EXHAUSTED) by gRPC before
-    # any handler runs. Streams waiting for their config hold no engine slot, so without
-    # this bound abandoned streams could pile up; 0 = 8 * max_sessions + 64
-    max_concurrent_rpcs: int = 0
+    # Synthesize streams open at once; more are refused (RESOURCE_EXHAUSTED with
+    # retry-after-ms) before they are read. Streams waiting for their config hold no
+    # engine slot, so without this bound abandoned streams could pile up. The cap is
+    # Synthesize's alone: health checks, reflection and the voice methods are never
+    # refused for it; 0 = 8 * max_sessions + 64
+    max_synthesize_streams: int = 0
     # timeouts
     config_timeout_s: float = 10.0  # first message -> DEADLINE_EXCEEDED
     idle_timeout_s: float = 60.0  # no message and nothing to generate -> DEADLINE_EXCEEDED
@@ -117,7 +119,7 @@ class ServerConfig:
         need(self.torch_threads >= 0, "torch_threads must be >= 0")
         need(self.retry_after_ms >= 0, "retry_after_ms must be >= 0")
         need(self.max_voices_per_tenant >= 0, "max_voices_per_tenant must be >= 0")
-        need(self.max_concurrent_rpcs >= 0, "max_concurrent_rpcs must be >= 0 (0 = automatic)")
+        need(self.max_synthesize_streams >= 0, "max_synthesize_streams must be >= 0 (0 = automatic)")
         need((self.tls_cert is None) == (self.tls_key is None), "tls_cert and tls_key go together")
         need(self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file"):
@@ -125,11 +127,11 @@ class ServerConfig:
             need(path is None or path.is_file(), f"{name}: {path} is not a file")
 
     @property
-    def rpc_limit(self) -> int:
-        """`max_concurrent_rpcs`, resolved: room for every slot's stream, several queued
-        streams per slot (clients racing for capacity get a fast RESOURCE_EXHAUSTED from
-        the service, not from gRPC) and probes."""
-        return self.max_concurrent_rpcs or 8 * self.max_sessions + 64
+    def synthesize_stream_limit(self) -> int:
+        """`max_synthesize_streams`, resolved: room for every slot's stream and several
+        queued streams per slot (clients racing for capacity get the engine's "at
+        capacity" refusal)."""
+        return self.max_synthesize_streams or 8 * self.max_sessions + 64
 
     def replace(self, **kw: Any) -> "ServerConfig":
         return dataclasses.replace(self, **kw)

@@ -14,6 +14,8 @@ becomes a defined status (an `RpcError`, or INTERNAL for a bug, which is logged)
 
 Status choices (see also the .proto):
 - no config within `config_timeout_s`: DEADLINE_EXCEEDED;
+- more than `synthesize_stream_limit` streams open: RESOURCE_EXHAUSTED with
+  `retry-after-ms`, refused like any stream (its messages drained, see REFUSE_READ_S);
 - a session's total text over `max_session_text_chars`: RESOURCE_EXHAUSTED (a single
   piece over `max_text_piece_chars` is INVALID_ARGUMENT);
 - the client half-closes without `end_of_input`: treated as end of input, HALF_CLOSE_S
@@ -435,6 +437,7 @@ class LiveSpeechService:
         self.metrics = metrics
         self.draining = False
         self._streams: set[_Stream] = set()
+        self._open_streams = 0  # admitted under synthesize_stream_limit (not those being refused)
         self._changed = asyncio.Event()
 
     @property
@@ -462,9 +465,19 @@ class LiveSpeechService:
         outcome = "rejected"
         self._streams.add(stream)
         requests = request_iterator.__aiter__()
+        admitted = False
         try:
             if self.draining:
                 raise RpcError(Code.UNAVAILABLE, "server is draining")
+            limit = self.config.synthesize_stream_limit
+            if self._open_streams >= limit:
+                raise RpcError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"server has {limit} Synthesize streams open (max_synthesize_streams); retry later or elsewhere",
+                    (("retry-after-ms", str(self.config.retry_after_ms)),),
+                )
+            self._open_streams += 1
+            admitted = True
             await stream.run(requests)
         except RpcError as e:
             if stream.handle is None:  # refused: no reader task owns the requests
@@ -477,6 +490,8 @@ class LiveSpeechService:
             log.exception("Synthesize failed")
             await self._abort(context, RpcError(Code.INTERNAL, "internal error"))
         finally:
+            if admitted:
+                self._open_streams -= 1
             stream.close()
             # the engine counts the sessions it admitted or refused for capacity; the
             # streams that never got that far are counted here

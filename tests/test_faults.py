@@ -363,17 +363,19 @@ def test_many_abandoned_streams_end_and_leave_nothing(srv, client, baseline) -> 
     at_rest(srv, baseline)
 
 
-def test_rpc_limit_refuses_excess_streams_before_any_work(server_factory, client) -> None:
-    h = server_factory(max_sessions=2, max_concurrent_rpcs=10, config_timeout_s=1.0)
+def test_stream_cap_refuses_excess_streams_before_any_work(server_factory, client) -> None:
+    h = server_factory(max_sessions=2, max_synthesize_streams=10, config_timeout_s=1.0, retry_after_ms=250)
 
     async def go():
         async with grpc.aio.insecure_channel(h.address) as ch:
             calls = [Stub(ch).Synthesize() for _ in range(25)]
-            return [await c.code() for c in calls], [await c.details() for c in calls]
+            return [(await c.code(), await c.details(), dict(await c.trailing_metadata() or ())) for c in calls]
 
-    codes, details = client.run(go(), timeout=60)
-    refused = [d for c, d in zip(codes, details) if c == C.RESOURCE_EXHAUSTED]
+    results = client.run(go(), timeout=60)
+    codes = [c for c, _, _ in results]
+    refused = [(d, t) for c, d, t in results if c == C.RESOURCE_EXHAUSTED]
     assert len(refused) == 15 and codes.count(C.DEADLINE_EXCEEDED) == 10, codes
+    assert all("max_synthesize_streams" in d and t.get("retry-after-ms") == "250" for d, t in refused), refused
     assert h.wait_idle()
 
 

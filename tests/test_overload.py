@@ -176,3 +176,97 @@ def test_twice_capacity_excess_refused_fast_admitted_complete(srv, client) -> No
     # the engine's open_session was called for every attempt, and the refused ones did no work there
     assert srv.metrics.sessions_total.labels(outcome="rejected")._value.get() >= MAX_SESSIONS
     assert not leaks(srv, baseline)
+
+
+# ---------------------------------------------------------------- a flood of Synthesize streams
+
+
+def test_health_and_reflection_answer_through_a_synthesize_flood(server_factory, client) -> None:
+    """More Synthesize streams than the server takes, none sending a config: health,
+    reflection and the voice methods still answer; every kind of client asking for one
+    more Synthesize gets RESOURCE_EXHAUSTED with `retry-after-ms`."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from clients.client import AsyncLiveSpeechClient, LiveSpeechClient
+    from conftest import HARD
+    from server.protocol import SERVICE_NAME, pb
+
+    h = server_factory(fake=True, max_sessions=2, retry_after_ms=RETRY_AFTER_MS, config_timeout_s=60.0)
+    flood = h.app.config.synthesize_stream_limit + 50
+
+    async def open_flood():
+        channels = [grpc.aio.insecure_channel(h.address) for _ in range(4)]
+        calls = [Stub(channels[i % 4]).Synthesize() for i in range(flood)]
+        for c in calls:
+            await c.wait_for_connection()
+        while h.app.service.in_flight < h.app.config.synthesize_stream_limit:  # the server holds them all
+            await asyncio.sleep(0.01)
+        return channels, calls
+
+    async def probes():
+        out = {}
+        async with grpc.aio.insecure_channel(h.address) as ch:
+            try:
+                r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10)
+                out["health"] = r.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError as e:
+                out["health"] = e.code()
+            refl = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(timeout=10)
+            try:
+                await refl.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+                r = await refl.read()
+                await refl.done_writing()
+                out["reflection"] = SERVICE_NAME in {s.name for s in r.list_services_response.service}
+            except grpc.aio.AioRpcError as e:
+                out["reflection"] = e.code()
+            try:
+                out["list_voices"] = bool((await Stub(ch).ListVoices(pb.ListVoicesRequest(), timeout=10)).voices)
+            except grpc.aio.AioRpcError as e:
+                out["list_voices"] = e.code()
+            # one more Synthesize, raw, with its writes in flight when the refusal comes
+            raw = await session(Stub(ch))
+            out["raw_stub"] = (raw.code, raw.retry_after_ms)
+        async with AsyncLiveSpeechClient(h.address, timeout=10) as c:
+            try:
+                await c.synthesize_to_result(TEXT, **HARD)
+                out["async_client"] = (C.OK, None)
+            except grpc.aio.AioRpcError as e:
+                out["async_client"] = (e.code(), dict(e.trailing_metadata() or ()).get("retry-after-ms"))
+        return out
+
+    def sync_clients() -> dict:
+        out = {}
+        with grpc.insecure_channel(h.address) as ch:
+            call = Stub(ch).Synthesize(iter([config_msg(), text_msg("hello there"), END]), timeout=10)
+            try:
+                list(call)
+                out["sync_stub"] = (C.OK, None)
+            except grpc.RpcError as e:
+                out["sync_stub"] = (e.code(), dict(e.trailing_metadata() or ()).get("retry-after-ms"))
+        with LiveSpeechClient(h.address, timeout=10) as c:
+            try:
+                c.synthesize_to_result(TEXT, **HARD)
+                out["sync_client"] = (C.OK, None)
+            except grpc.RpcError as e:
+                out["sync_client"] = (e.code(), dict(e.trailing_metadata() or ()).get("retry-after-ms"))
+        return out
+
+    channels, calls = client.run(open_flood())
+    try:
+        out = client.run(probes())
+        out.update(sync_clients())
+    finally:
+        async def close():
+            for c in calls:
+                c.cancel()
+            for ch in channels:
+                await ch.close()
+
+        client.run(close())
+    assert out["health"] is True and out["reflection"] is True and out["list_voices"] is True, out
+    retry = str(RETRY_AFTER_MS)
+    assert out["raw_stub"] == (C.RESOURCE_EXHAUSTED, RETRY_AFTER_MS), out
+    for kind in ("async_client", "sync_stub", "sync_client"):
+        assert out[kind] == (C.RESOURCE_EXHAUSTED, retry), (kind, out)
+    assert h.wait_idle(30)
