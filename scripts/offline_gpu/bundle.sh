@@ -16,6 +16,8 @@ mkdir -p "$D/espeak/lib" "$D/def"
 [ -e data/corpus/config.json ] || $PY -m training.corpus build --out data/corpus --hours 0.01 --no-progress \
   --engines "${ENGINES:-espeak=0.8,flite=0.2}"
 cp data/corpus/config.json data/corpus/sentences.jsonl data/corpus/voices.json "$D/def/"
+# next_run.sh reads the pool gzipped (12 -> 2.6 MB of the call's 64 MiB)
+[ "${LEAN:-0}" = 1 ] && gzip -nf "$D/def/sentences.jsonl"
 tmp=$(mktemp -d)
 (cd "$tmp" && apt-get download libespeak-ng1 espeak-ng-data libsonic0 >/dev/null)
 for f in "$tmp"/*.deb; do dpkg -x "$f" "$tmp/x"; done

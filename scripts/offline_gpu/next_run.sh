@@ -20,7 +20,9 @@
 # the background) and train the decoder of the current recipe (training/train.py's
 # defaults) for what is left, continuing models/weights/next/decoder.pt when one is
 # committed, with the Piper voice's codes of models/weights/next/piper.tar.gz (made here:
-# its manifest.jsonl and codes/) in the training data; export it. $OUT: decoder.pt.partNN (cat them), log.jsonl, MODEL_CARD.md.
+# its manifest.jsonl and codes/) in the training data, on training sentences the committed
+# decoder has not seen ($NEXT/TRAINED_BEFORE); export it. $OUT: decoder.pt.partNN (cat
+# them), log.jsonl, MODEL_CARD.md, TRAINED_BEFORE (commit it with the decoder).
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1),
 # BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s kept for the
 # probe or export and the copy back).
@@ -52,10 +54,18 @@ if [ ! -e $W/corpus/config.json ]; then  # the definition; the sentences may tra
   else cp .dev/def/sentences.jsonl $W/corpus/; fi
   cp .dev/def/config.json $W/corpus/
 fi
-stamp "corpus: ${HOURS:-20} h"
+# a continued decoder meets new sentences: its corpus leaves out the training utterances
+# the committed one has trained on ($NEXT/TRAINED_BEFORE; dev and test stay the same)
+SKIP=0; [ "$STAGE" = decoder ] && [ -e $NEXT/decoder.pt ] && SKIP=$(cat $NEXT/TRAINED_BEFORE 2>/dev/null || echo 0)
+stamp "corpus: ${HOURS:-20} h, training utterances from index $SKIP"
 $PY -m training.corpus build --out $W/corpus --hours "${HOURS:-20}" --workers "$(nproc)" --no-progress \
-  > $W/corpus.log 2>&1 || { tail -20 $W/corpus.log; exit 1; }
+  --skip-train-before "$SKIP" > $W/corpus.log 2>&1 || { tail -20 $W/corpus.log; exit 1; }
 tail -n 4 $W/corpus.log
+# what to commit as $NEXT/TRAINED_BEFORE with this run's decoder
+$PY -c "
+import json
+ids = [int(r['id'][1:]) for r in map(json.loads, open('$W/corpus/manifest.jsonl')) if r['split'] == 'train']
+print(max(ids) + 1 if ids else $SKIP)" > $OUT/TRAINED_BEFORE
 
 case $STAGE in
 codec)

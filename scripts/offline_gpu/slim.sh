@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HOLD=${HOLD:-/work/.slim_hold}
-paths=(models/weights/default/decoder.pt docs/loadtest-results)
+paths=(models/weights/default/decoder.pt docs/loadtest-results docs/eval-runs)
 # the shipped codec is read only while no codec v2 is committed (the codec stage starts from it)
 [ -e models/weights/next/codec.pt ] && paths+=(models/weights/default/codec.pt)
 case ${1:?usage: slim.sh hold|restore} in
@@ -23,6 +23,16 @@ restore)
   done
   ;;
 esac
-tracked=$(git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -n 1 | cut -f1)  # one du: xargs would split the total
-dev=$(du -sb .dev 2>/dev/null | cut -f1 || echo 0)
-echo "tracked files + .dev: $(( (tracked + ${dev:-0}) / 1048576 )) MiB (a call carries 64 MiB)"
+# what a call carries: the files git sees (tracked, and untracked but not ignored) that are
+# not behind a held link, and .dev/
+python3 - <<'PY'
+import os, subprocess
+paths = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                       capture_output=True, text=True, check=True).stdout.split("\0")
+def behind_link(p):
+    parts = p.split("/")
+    return any(os.path.islink("/".join(parts[:k])) for k in range(1, len(parts) + 1))
+n = sum(os.path.getsize(p) for p in paths if p and os.path.lexists(p) and not behind_link(p))
+n += sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(".dev") for f in fs)
+print(f"the tree and .dev: {n / 2**20:.1f} MiB (a call carries 64 MiB)")
+PY

@@ -341,9 +341,12 @@ def _graceful_sigterm():
 
 def build(out: str, hours: float, config: CorpusConfig | None = None, workers: int = 1,
           max_utterances: int | None = None, progress: bool = True, log=_log,
-          stop_after: int | None = None) -> dict:
+          stop_after: int | None = None, skip_train_before: int = 0) -> dict:
     """Synthesise until ``hours`` of audio (or ``max_utterances``) are in ``out``; resumes.
 
+    ``skip_train_before``: leave out the plan's training utterances below this index, so
+    that a model continued on a new corpus meets sentences it has not seen; dev and test
+    stay the plan's own, comparable across corpora.
     ``stop_after``: stop (as if killed) after that many new utterances in this call; for tests.
     Returns the summary."""
     config = config or CorpusConfig()
@@ -361,7 +364,8 @@ def build(out: str, hours: float, config: CorpusConfig | None = None, workers: i
     if done:
         log(f"resuming: {n_done} utterances ({done_s / 3600:.3f} h) already in {out}")
     voices_json = [v.to_json() for v in corpus.voices]
-    jobs = (j for j in corpus.jobs() if j.id not in done_ids)
+    jobs = (j for j in corpus.jobs()
+            if j.id not in done_ids and not (j.split == "train" and j.index < skip_train_before))
     bar = Progress(target_s, done_s, n_done, enabled=progress)
     new = 0
 

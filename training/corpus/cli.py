@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=int, default=1, help="synthesis processes (default 1)")
     b.add_argument("--max-utterances", type=int, default=None, help="stop at this many utterances")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--skip-train-before", type=int, default=0, metavar="INDEX",
+                   help="leave out the training utterances below this index (u%%08d ids): fresh sentences for "
+                        "a model continued from one trained on an earlier corpus; dev and test are unchanged")
     g = b.add_argument_group("corpus definition (fixed when the directory is created; a resume "
                              "takes the corpus's own, and refuses values that disagree)",
                              argument_default=argparse.SUPPRESS)
@@ -130,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             summary = build(a.out, a.hours, config, workers=a.workers,
-                            max_utterances=a.max_utterances, progress=not a.no_progress)
+                            max_utterances=a.max_utterances, progress=not a.no_progress,
+                            skip_train_before=a.skip_train_before)
         except ConfigMismatch as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
