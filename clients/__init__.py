@@ -1,11 +1,17 @@
 """LiveSpeech clients: `clients.client` (library) and `clients.cli` (the `livespeech` command).
 
-`from clients import LiveSpeechClient` works; the import is lazy so that the CLI's
-forwarding subcommands do not load gRPC.
+`from clients import LiveSpeechClient, SynthesisSession, Started, AudioPacket, ...` works
+(the client classes and the event types); the import is lazy so that the CLI's forwarding
+subcommands do not load gRPC.
 """
 from typing import Any
 
-__all__ = ["AsyncLiveSpeechClient", "LiveSpeechClient", "TextPiece", "llm_stream", "split_pieces"]
+__all__ = [
+    "AsyncLiveSpeechClient", "LiveSpeechClient", "SynthesisSession", "SyncSynthesisSession", "SynthesisStream",
+    "SynthesisResult", "RetryPolicy", "NO_RETRY", "Refusal", "TextPiece", "VoiceInfo", "llm_stream", "split_pieces",
+    # events
+    "Event", "Started", "AudioPacket", "WordTiming", "Summary",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,12 +1,23 @@
 """Client library for the LiveSpeech gRPC service.
 
-Async:
+Push text as it comes (async; `LiveSpeechClient.session()` is the blocking twin):
 
     async with AsyncLiveSpeechClient("127.0.0.1:50051") as client:
-        stream = client.synthesize(llm_stream("Hello there, how are you?", rate=40), voice_id="default")
-        async for event in stream:          # Started, AudioPacket, WordTiming, Summary
-            ...
-        # barge-in: await stream.cancel()   -> a Summary with cancelled=True, spoken_text
+        async with client.session(voice_id="default", sample_rate=16000) as session:
+            await session.send("Hello the")     # sub-word pieces are fine
+            await session.send("re, how are you?")
+            await session.flush()               # speak what was sent, without more lookahead
+            await session.end()                 # or: await session.cancel() (barge-in)
+            async for event in session:         # Started, AudioPacket, WordTiming, Summary
+                ...
+
+A text source instead (a str, or a sync or async iterable of str / `TextPiece`, sent as
+it comes; a blocking sync iterator, e.g. stdin, is read on a worker thread):
+
+    stream = client.synthesize(llm_stream("Hello there, how are you?", rate=40), voice_id="default")
+    async for event in stream:
+        ...
+    # barge-in: await stream.cancel()   -> a Summary with cancelled=True, spoken_text
 
 Sync (a private event loop on a background thread):
 
@@ -14,9 +25,10 @@ Sync (a private event loop on a background thread):
         result = client.synthesize_to_result("Hello there.", sample_rate=16000)
         result.write_wav("out.wav")
 
-`text` is a str (sent as one piece), or a sync or async iterable of str / `TextPiece`
-(sent as they come; a blocking sync iterator, e.g. stdin, is read on a worker thread).
-Errors are `grpc.aio.AioRpcError` with the server's status code and message.
+A call the server refuses before `Started` (UNAVAILABLE, RESOURCE_EXHAUSTED) is made again
+under the client's `RetryPolicy`, waiting at least the server's `retry-after-ms`; once the
+session started nothing is retried. Errors are `grpc.aio.AioRpcError` with the server's
+status code and message.
 
 A secured server (docs/reliability.md): `tls_ca=` (PEM path or bytes) verifies the
 server's certificate, `tls_cert=`/`tls_key=` add a client certificate (mutual TLS),
@@ -36,7 +48,7 @@ import time
 import wave
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator, Optional, Union
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Optional, Union
 
 import grpc
 
@@ -269,56 +281,354 @@ class SynthesisResult:
             self.summary = event
 
 
+# ------------------------------------------------------------------ retries
+
+
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a Synthesize call is made again: only when the server answered UNAVAILABLE or
+    RESOURCE_EXHAUSTED before `Started` (nothing was spoken, so the new call replays the
+    config and the text sent so far), never once the session started. `attempts` counts
+    the calls, the first one included. The wait before retry n (from 0) is
+    `backoff_s * multiplier**n`, at most `max_backoff_s`, never shorter than the
+    server's `retry-after-ms`, and stretched by up to `jitter` (refused clients should
+    not come back all at once)."""
+
+    attempts: int = 4
+    backoff_s: float = 0.25
+    multiplier: float = 2.0
+    max_backoff_s: float = 5.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError("attempts must be >= 1")
+        if self.backoff_s < 0 or self.max_backoff_s < 0 or self.multiplier < 1 or self.jitter < 0:
+            raise ValueError("backoff_s, max_backoff_s, jitter must be >= 0 and multiplier >= 1")
+
+    def delay_s(self, retry: int, retry_after_s: Optional[float], rng: random.Random) -> float:
+        wait = min(self.backoff_s * self.multiplier**retry, self.max_backoff_s)
+        if retry_after_s is not None:
+            wait = max(wait, retry_after_s)
+        return wait * (1.0 + rng.uniform(0.0, self.jitter))
+
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A call refused before `Started`, made again after `delay_s`."""
+
+    code: grpc.StatusCode
+    details: str
+    retry_after_s: Optional[float]  # the server's `retry-after-ms`, when it sent one
+    delay_s: float
+
+
+def retry_after_s(error: grpc.aio.AioRpcError) -> Optional[float]:
+    """The server's `retry-after-ms` trailing metadata (sent with capacity refusals)."""
+    value = dict(error.trailing_metadata() or ()).get("retry-after-ms")
+    try:
+        return int(value) / 1000 if value is not None else None
+    except ValueError:
+        return None
+
+
 # ------------------------------------------------------------------ async client
 
 
-class SynthesisStream:
-    """One Synthesize call: an async iterator of events, plus `cancel()` (barge-in:
-    the server answers with a cancelled summary) and `abort()` (hang up)."""
+def _event(msg: "pb.SynthesizeResponse") -> Optional[Event]:
+    """A response as an event; None for a message kind this client does not know (a
+    newer server's)."""
+    kind = msg.WhichOneof("response")
+    if kind == "audio":
+        a = msg.audio
+        return AudioPacket(a.seq, a.data, a.start_s, a.duration_s)
+    if kind == "word":
+        return WordTiming(msg.word.word, msg.word.start_s, msg.word.end_s)
+    if kind == "started":
+        cfg, _ = config_from_proto(msg.started.config)
+        return Started(msg.started.session_id, cfg)
+    if kind == "summary":
+        s = msg.summary
+
+        def opt(name: str) -> Any:
+            return getattr(s, name) if s.HasField(name) else None
+
+        return Summary(
+            s.frames, s.audio_s, opt("ttfa_s"), opt("lookahead_wait_s"), opt("compute_fpl_s"), s.cancelled,
+            s.spoken_text, opt("all_words_spoken"), tuple(s.unspoken_words),
+        )
+    return None
+
+
+_END = pb.SynthesizeRequest(end_of_input=pb.EndOfInput())
+_CANCEL = pb.SynthesizeRequest(cancel=pb.Cancel())
+_HALF_CLOSE = object()  # an outbox item: close the write side
+_WRITE_ENDED = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
+
+
+class SynthesisSession:
+    """One Synthesize call that text is pushed into: `send()`, `flush()`, `end()`,
+    `cancel()`; iterate it for events (`Started`, `AudioPacket`, `WordTiming`, then a
+    `Summary`). The call is made on first use; a refusal before `Started` is retried
+    under `retry` (the text sent so far is replayed; `refusals` lists them), an error
+    after it is raised from the iteration.
+
+    One writer task owns the call's write side, so a caller cancelled inside `send()`
+    cannot cancel the call (grpc cancels a call whose task is cancelled inside `write`).
+    `end()` does not half-close: `cancel()` still reaches the server while the tail of
+    the audio streams; the write side closes after a cancel or once the summary arrived
+    (so the server ends the call without waiting for more messages)."""
 
     def __init__(
-        self, stub: Stub, config: "pb.SynthesizeConfig", text: TextSource, timeout: Optional[float], metadata: tuple = ()
+        self,
+        stub: Stub,
+        config: "pb.SynthesizeConfig",
+        *,
+        timeout: Optional[float] = None,
+        metadata: tuple = (),
+        retry: RetryPolicy = NO_RETRY,
     ) -> None:
-        self._call = stub.Synthesize(timeout=timeout, metadata=metadata or None)
-        self._config = config
-        self._text = text
-        self._pump: Optional[asyncio.Task] = None
-        self._lock = asyncio.Lock()
-        self._closed_writing = False
-        self.first_text_sent_t: Optional[float] = None
+        self._stub = stub
+        self._timeout = timeout
+        self._metadata = metadata or None
+        self._retry = retry
+        self._rng = random.Random()
+        self._sent: list = [pb.SynthesizeRequest(config=config)]  # replayed by a retry; dropped at Started
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._call: Any = None
+        self._writer: Optional[asyncio.Task] = None
+        self._attempts = 0
+        self._ended = False  # end() was called
+        self._cancelled = asyncio.Event()
+        self._cancel_written = asyncio.Event()
+        self._over = False  # the call's status was read, or it was hung up
+        self.started: Optional[Started] = None
+        self.refusals: list[Refusal] = []
+        self.first_text_t: Optional[float] = None
         self.first_audio_t: Optional[float] = None
 
     @property
     def client_ttfa_s(self) -> Optional[float]:
-        if self.first_text_sent_t is None or self.first_audio_t is None:
+        """First text sent -> first audio received (client clock, retries included)."""
+        if self.first_text_t is None or self.first_audio_t is None:
             return None
-        return self.first_audio_t - self.first_text_sent_t
+        return self.first_audio_t - self.first_text_t
 
-    async def _send(self, msg: "pb.SynthesizeRequest", last: bool = False) -> None:
-        async with self._lock:
-            await self._send_locked(msg, last)
+    @property
+    def accepting_text(self) -> bool:
+        return not (self._ended or self._over or self._cancelled.is_set())
 
-    async def _send_locked(self, msg: "pb.SynthesizeRequest", last: bool) -> None:
-        if self._closed_writing or self._call.done():
-            return  # nothing more to say: the call ended (its status is what matters)
-        await self._call.write(msg)
-        if last:
-            self._closed_writing = True
-            await self._call.done_writing()
+    # -------------------------------------------------------------- write side
+
+    def _open(self) -> None:
+        if self._call is None and not self._over:
+            self._connect()
+
+    def _connect(self) -> None:
+        self._attempts += 1
+        self._call = self._stub.Synthesize(timeout=self._timeout, metadata=self._metadata)
+        self._writer = asyncio.create_task(self._write(self._call, list(self._sent)))
+
+    async def _write(self, call: Any, replay: list) -> None:
+        try:
+            for item in replay:
+                if await self._write_one(call, item):
+                    return
+            while True:
+                item = await self._outbox.get()
+                if self.started is None and item is not _HALF_CLOSE:
+                    self._sent.append(item)
+                if await self._write_one(call, item):
+                    return
+        except _WRITE_ENDED:
+            pass  # the call ended: the iteration reads its status
+
+    async def _write_one(self, call: Any, item: Any) -> bool:
+        """Write one item; True once the write side is closed."""
+        if call.done():
+            return True
+        if item is _HALF_CLOSE:
+            await call.done_writing()
+            return True
+        await call.write(item)
+        if item is _CANCEL:
+            await call.done_writing()
+            self._cancel_written.set()
+            return True
+        return False
+
+    async def send(self, text: str, *, timestamp_s: Optional[float] = None, flush: bool = False) -> None:
+        """Queue a text piece (sub-word pieces are fine). After `cancel()` or once the
+        call is over it is dropped (a barge-in races the text; the iteration reports
+        how the call ended); otherwise, after `end()` it is a mistake (ValueError)."""
+        if self._over or self._cancelled.is_set():
+            return
+        if self._ended:
+            raise ValueError("send() after end()")
+        self._open()
+        if self.first_text_t is None and text.strip():
+            self.first_text_t = time.monotonic()
+        self._outbox.put_nowait(_text_request(TextPiece(text, timestamp_s, flush)))
+
+    async def flush(self) -> None:
+        """Speak the text sent so far without waiting for more lookahead."""
+        await self.send("", flush=True)
+
+    async def end(self) -> None:
+        """End of input: the speech ends with the last text, then the summary."""
+        if not self.accepting_text:
+            return
+        self._ended = True
+        self._open()
+        self._outbox.put_nowait(_END)
+
+    async def cancel(self) -> None:
+        """Barge-in: text not yet written is dropped and the server stops, answering
+        with a cancelled summary; returns once the cancel is written. Before `Started`
+        nothing is retried any more (and a refused call then ends the events without a
+        summary)."""
+        if self._cancelled.is_set() or self._over:
+            return
+        self._cancelled.set()
+        if self._call is None:  # nothing was sent: nothing to cancel
+            self._over = True
+            return
+        while not self._outbox.empty():
+            self._outbox.get_nowait()
+        self._outbox.put_nowait(_CANCEL)
+        writer = self._writer
+        if writer is not None and not writer.done():  # none while a retry waits: no call to tell
+            written = asyncio.ensure_future(self._cancel_written.wait())
+            try:
+                await asyncio.wait({written, writer}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                written.cancel()
+
+    def abort(self) -> None:
+        """Hang up (the server frees the session at once)."""
+        self._over = True
+        if self._writer is not None:
+            self._writer.cancel()
+        if self._call is not None:
+            self._call.cancel()
+
+    def _close(self) -> None:
+        self._over = True
+        if self._writer is not None and not self._writer.done():
+            self._writer.cancel()
+
+    # -------------------------------------------------------------- read side
+
+    async def _retried(self, error: grpc.aio.AioRpcError) -> bool:
+        """Whether `error` is retried: then after the wait a new call is under way."""
+        if (
+            self.started is not None
+            or self._cancelled.is_set()
+            or error.code() not in RETRYABLE_CODES
+            or self._attempts >= self._retry.attempts
+        ):
+            return False
+        hint = retry_after_s(error)
+        delay = self._retry.delay_s(len(self.refusals), hint, self._rng)
+        self.refusals.append(Refusal(error.code(), error.details() or "", hint, delay))
+        log.info("Synthesize refused (%s: %s); retrying in %.2f s", error.code().name, error.details(), delay)
+        if self._writer is not None:
+            self._writer.cancel()
+        try:
+            async with asyncio.timeout(delay):
+                await self._cancelled.wait()
+            return False  # cancelled while waiting
+        except TimeoutError:
+            pass
+        if self._over:  # hung up while waiting
+            return False
+        self._connect()
+        return True
+
+    def __aiter__(self) -> "SynthesisSession":
+        return self
+
+    async def __anext__(self) -> Event:
+        self._open()
+        while True:
+            if self._over:
+                raise StopAsyncIteration
+            try:
+                msg = await self._call.read()
+            except grpc.aio.AioRpcError as e:
+                if await self._retried(e):
+                    continue
+                self._close()
+                if self.started is None and self._cancelled.is_set():
+                    raise StopAsyncIteration from None  # cancelled before anything was spoken
+                raise
+            if msg is grpc.aio.EOF:
+                self._close()
+                raise StopAsyncIteration
+            event = _event(msg)
+            if isinstance(event, Started):
+                self.started = event
+                self._sent.clear()
+            elif isinstance(event, AudioPacket):
+                if self.first_audio_t is None:
+                    self.first_audio_t = time.monotonic()
+            elif isinstance(event, Summary):
+                self._outbox.put_nowait(_HALF_CLOSE)
+            if event is not None:
+                return event
+
+    async def __aenter__(self) -> "SynthesisSession":
+        self._open()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if not self._over:
+            self.abort()
+
+    async def collect(self) -> SynthesisResult:
+        result = SynthesisResult()
+        async for event in self:
+            result.add(event)
+        result.client_ttfa_s = self.client_ttfa_s
+        return result
+
+
+class SynthesisStream:
+    """A `SynthesisSession` fed from a text source: a task sends its pieces, then end of
+    input. Iterate for events; `cancel()` (barge-in: the server answers with a cancelled
+    summary), `abort()` (hang up)."""
+
+    def __init__(
+        self,
+        stub: Stub,
+        config: "pb.SynthesizeConfig",
+        text: TextSource,
+        timeout: Optional[float],
+        metadata: tuple = (),
+        retry: RetryPolicy = NO_RETRY,
+    ) -> None:
+        self.session = SynthesisSession(stub, config, timeout=timeout, metadata=metadata, retry=retry)
+        self._text = text
+        self._pump: Optional[asyncio.Task] = None
+
+    @property
+    def client_ttfa_s(self) -> Optional[float]:
+        return self.session.client_ttfa_s
 
     async def _pump_text(self) -> None:
-        try:
-            await self._send(pb.SynthesizeRequest(config=self._config))
-            async for piece in _aiter_text(self._text):
-                if self._closed_writing:
-                    return
-                req = _text_request(piece)
-                if self.first_text_sent_t is None and req.text.text.strip():
-                    self.first_text_sent_t = time.monotonic()
-                await self._send(req)
-            await self._send(pb.SynthesizeRequest(end_of_input=pb.EndOfInput()), last=True)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-            pass  # the call ended; the reader reports its status
+        async for piece in _aiter_text(self._text):
+            if not self.session.accepting_text:
+                return
+            if isinstance(piece, str):
+                piece = TextPiece(piece)
+            await self.session.send(piece.text, timestamp_s=piece.timestamp_s, flush=piece.flush)
+        await self.session.end()
 
     def __aiter__(self) -> "SynthesisStream":
         return self
@@ -327,53 +637,22 @@ class SynthesisStream:
         if self._pump is None:
             self._pump = asyncio.create_task(self._pump_text())
         try:
-            msg = await self._call.read()
+            return await self.session.__anext__()
         except BaseException:
             self._pump.cancel()
             raise
-        if msg is grpc.aio.EOF:
-            self._pump.cancel()
-            raise StopAsyncIteration
-        kind = msg.WhichOneof("response")
-        if kind == "audio":
-            a = msg.audio
-            if self.first_audio_t is None:
-                self.first_audio_t = time.monotonic()
-            return AudioPacket(a.seq, a.data, a.start_s, a.duration_s)
-        if kind == "word":
-            return WordTiming(msg.word.word, msg.word.start_s, msg.word.end_s)
-        if kind == "started":
-            cfg, _ = config_from_proto(msg.started.config)
-            return Started(msg.started.session_id, cfg)
-        if kind == "summary":
-            s = msg.summary
-
-            def opt(name: str) -> Any:
-                return getattr(s, name) if s.HasField(name) else None
-
-            return Summary(
-                s.frames, s.audio_s, opt("ttfa_s"), opt("lookahead_wait_s"), opt("compute_fpl_s"), s.cancelled,
-                s.spoken_text, opt("all_words_spoken"), tuple(s.unspoken_words),
-            )
-        return await self.__anext__()  # a newer server's message kind: skip
 
     async def cancel(self) -> None:
         """Barge-in: stop sending text; the server ends with a cancelled summary."""
-        # the pump is stopped between writes: grpc cancels the whole call when a task is
-        # cancelled inside `write`
-        async with self._lock:
-            if self._pump is not None:
-                self._pump.cancel()
-            try:
-                await self._send_locked(pb.SynthesizeRequest(cancel=pb.Cancel()), last=True)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-                pass
+        if self._pump is not None:
+            self._pump.cancel()
+        await self.session.cancel()
 
     def abort(self) -> None:
         """Hang up (the server frees the session at once)."""
         if self._pump is not None:
             self._pump.cancel()
-        self._call.cancel()
+        self.session.abort()
 
     async def collect(self) -> SynthesisResult:
         result = SynthesisResult()
@@ -396,8 +675,10 @@ class AsyncLiveSpeechClient:
         tls_key: Optional[Pem] = None,
         token: Optional[str] = None,
         security: Optional[ClientSecurity] = None,
+        retry: RetryPolicy = RetryPolicy(),
     ) -> None:
-        """`security`, or its fields as keywords (`tls_ca`, `tls_cert`, `tls_key`, `token`)."""
+        """`security`, or its fields as keywords (`tls_ca`, `tls_cert`, `tls_key`, `token`).
+        `retry`: for every Synthesize call (`NO_RETRY` turns retries off)."""
         if security is None:
             security = ClientSecurity(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token)
         self.security = security
@@ -407,6 +688,7 @@ class AsyncLiveSpeechClient:
         )
         self.stub = Stub(self.channel)
         self.timeout = timeout
+        self.retry = retry
         self._metadata = security.metadata
 
     async def __aenter__(self) -> "AsyncLiveSpeechClient":
@@ -419,18 +701,36 @@ class AsyncLiveSpeechClient:
         if self._own_channel:
             await self.channel.close()
 
+    def session(
+        self,
+        config: Optional[SessionConfig] = None,
+        *,
+        enrollment: Optional[tuple[bytes, int]] = None,
+        retry: Optional[RetryPolicy] = None,
+        **overrides: Any,
+    ) -> SynthesisSession:
+        """A Synthesize call to push text into (the call is made on first use). Keyword
+        overrides are `SessionConfig` fields (voice_id, sample_rate, encoding, packet_ms,
+        ...); `retry` replaces the client's policy for this call."""
+        return SynthesisSession(
+            self.stub, build_config(config, enrollment=enrollment, **overrides), timeout=self.timeout,
+            metadata=self._metadata, retry=retry or self.retry,
+        )
+
     def synthesize(
         self,
         text: TextSource,
         config: Optional[SessionConfig] = None,
         *,
         enrollment: Optional[tuple[bytes, int]] = None,
+        retry: Optional[RetryPolicy] = None,
         **overrides: Any,
     ) -> SynthesisStream:
-        """Start a Synthesize call; iterate the result for events. Keyword overrides are
-        `SessionConfig` fields (voice_id, sample_rate, encoding, packet_ms, ...)."""
+        """A Synthesize call fed from `text`; iterate the result for events. Keywords as
+        for `session()`."""
         return SynthesisStream(
-            self.stub, build_config(config, enrollment=enrollment, **overrides), text, self.timeout, self._metadata
+            self.stub, build_config(config, enrollment=enrollment, **overrides), text, self.timeout, self._metadata,
+            retry or self.retry,
         )
 
     async def synthesize_to_result(self, text: TextSource, config: Optional[SessionConfig] = None, **kw: Any) -> SynthesisResult:
@@ -475,6 +775,65 @@ def _voice_info(v: "pb.VoiceInfo") -> VoiceInfo:
 # ------------------------------------------------------------------ sync client
 
 
+class SyncSynthesisSession:
+    """Blocking twin of `SynthesisSession`, on a `LiveSpeechClient`'s loop thread. Each
+    method waits for its async counterpart; iterate on one thread while another sends
+    (or send everything, `end()`, then iterate)."""
+
+    def __init__(self, run: Callable[[Any], Any], session: SynthesisSession) -> None:
+        self._run = run
+        self.session = session
+
+    @property
+    def started(self) -> Optional[Started]:
+        return self.session.started
+
+    @property
+    def refusals(self) -> list[Refusal]:
+        return self.session.refusals
+
+    @property
+    def client_ttfa_s(self) -> Optional[float]:
+        return self.session.client_ttfa_s
+
+    def send(self, text: str, *, timestamp_s: Optional[float] = None, flush: bool = False) -> None:
+        self._run(self.session.send(text, timestamp_s=timestamp_s, flush=flush))
+
+    def flush(self) -> None:
+        self._run(self.session.flush())
+
+    def end(self) -> None:
+        self._run(self.session.end())
+
+    def cancel(self) -> None:
+        self._run(self.session.cancel())
+
+    def abort(self) -> None:
+        async def hang_up() -> None:
+            self.session.abort()
+
+        self._run(hang_up())
+
+    def __iter__(self) -> "SyncSynthesisSession":
+        return self
+
+    def __next__(self) -> Event:
+        try:
+            return self._run(self.session.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def __enter__(self) -> "SyncSynthesisSession":
+        self._run(self.session.__aenter__())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._run(self.session.__aexit__(*exc))
+
+    def collect(self) -> SynthesisResult:
+        return self._run(self.session.collect())
+
+
 class LiveSpeechClient:
     """Blocking wrapper: runs an `AsyncLiveSpeechClient` on a private loop thread."""
 
@@ -503,6 +862,14 @@ class LiveSpeechClient:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
             self._loop.close()
+
+    def session(self, config: Optional[SessionConfig] = None, **kw: Any) -> SyncSynthesisSession:
+        """A Synthesize call to push text into; keywords as for `AsyncLiveSpeechClient.session`."""
+
+        async def make() -> SynthesisSession:
+            return self._client.session(config, **kw)
+
+        return SyncSynthesisSession(self._run, self._run(make()))
 
     def synthesize(self, text: TextSource, config: Optional[SessionConfig] = None, **kw: Any) -> Iterator[Event]:
         """Yield events as they arrive. A sync iterator of text is read on a worker
