@@ -65,7 +65,15 @@ class ServerConfig:
     idle_timeout_s: float = 60.0  # no message and nothing to generate -> DEADLINE_EXCEEDED
     max_session_wall_s: float = 3_600.0  # a session open this long -> DEADLINE_EXCEEDED (frees its slot)
     drain_grace_s: float = 30.0  # SIGTERM: in-flight sessions may finish for this long
-    max_buffered_packets: int = 256  # per session; more and the client "is not reading"
+    # a session whose client has read less audio than real time allows, by more than
+    # this many seconds, while the server had audio waiting for it: RESOURCE_EXHAUSTED
+    # "client is not reading", slot freed. What the client's gRPC library took into its
+    # flow-control window counts as read. Stalls shorter than this are not cut off
+    slow_reader_grace_s: float = 5.0
+    # events queued per session for a client that does not take them (memory backstop;
+    # the grace ends a stalled client first: the engine makes ~1x real time, and this
+    # holds 2 s of lead + the grace in 20 ms packets); more and the client "is not reading"
+    max_buffered_packets: int = 1024
     torch_threads: int = 0  # intra-op threads; 0 = auto (app.torch_threads: half the CPUs beside the codec thread)
     retry_after_ms: int = 1_000  # advertised to clients refused for capacity
     # security (server/auth.py): TLS with a PEM certificate chain and key; mutual TLS
@@ -116,6 +124,7 @@ class ServerConfig:
         need(self.max_sessions_per_tenant >= 0, "max_sessions_per_tenant must be >= 0 (0 = no limit)")
         need(self.drain_grace_s >= 0, "drain_grace_s must be >= 0")
         need(self.max_buffered_packets >= 1, "max_buffered_packets must be >= 1")
+        need(0 < self.slow_reader_grace_s <= 3_600, f"slow_reader_grace_s must be in (0, 3600], got {self.slow_reader_grace_s}")
         need(self.torch_threads >= 0, "torch_threads must be >= 0")
         need(self.retry_after_ms >= 0, "retry_after_ms must be >= 0")
         need(self.max_voices_per_tenant >= 0, "max_voices_per_tenant must be >= 0")

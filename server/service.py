@@ -4,9 +4,10 @@ One `Synthesize` stream = one `_Stream`: the handler reads the config, opens an 
 session, then runs a reader task (client messages -> `SessionHandle`) and a writer task
 (engine events -> client). The engine thread calls the session's sink; the sink hands
 each event to the event loop with `loop.call_soon_threadsafe`, into a queue the writer
-drains. The queue is bounded by `max_buffered_packets`: when the client does not read,
-the writer blocks on gRPC flow control, the queue fills and the session ends with
-RESOURCE_EXHAUSTED "client is not reading".
+drains. A client that does not read is ended with RESOURCE_EXHAUSTED "client is not
+reading" (`ReadClock`): when gRPC flow control has blocked the writer and the audio the
+client took falls behind real time by more than `slow_reader_grace_s`; or when the queue
+reaches `max_buffered_packets` (a memory backstop).
 
 Every way out of a stream goes through `Synthesize`'s `finally`: the engine handle is
 closed (the slot is freed within one engine step), the outcome is counted, and a failure
@@ -163,6 +164,46 @@ def voice_info_to_proto(info: VoiceInfo) -> "pb.VoiceInfo":
     )
 
 
+class ReadClock:
+    """How far a client's reading is behind real time, counted only while the server
+    has output waiting for it (`backlog`): with nothing to send, the server is the one
+    behind. `balance_s` is the audio the client holds if it plays in real time:
+    + each audio packet the transport takes, - the time that passes; clamped at 0 while
+    there is no backlog (the client has everything there is). The client "is not
+    reading" once the balance is below -grace, i.e. it would have waited that long for
+    audio the server had. The clock starts with the first audio packet written."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.balance_s = 0.0
+        self.since: Optional[float] = None  # last update; None until the first audio
+        self.backlog = False
+
+    def update(self, now: float, backlog: bool) -> None:
+        """Account for the time up to `now` (under the previous backlog state), then take
+        the new state."""
+        if self.since is not None:
+            self.balance_s -= now - self.since
+            if not self.backlog:
+                self.balance_s = max(self.balance_s, 0.0)
+            self.since = now
+        self.backlog = backlog
+
+    def start(self, now: float) -> None:
+        if self.since is None:
+            self.since = now
+
+    def took(self, audio_s: float) -> None:
+        self.balance_s += audio_s
+
+    def behind(self) -> bool:
+        return self.balance_s < -self.grace_s
+
+    def due_in(self) -> float:
+        """Seconds until `behind()` at the earliest, if the backlog stays."""
+        return max(self.balance_s + self.grace_s, 0.0) + 1e-3
+
+
 class _Stream:
     """State of one Synthesize stream (event-loop side)."""
 
@@ -185,6 +226,9 @@ class _Stream:
         self.request_seen = asyncio.Event()  # set by the reader at each client message
         self.tenant = current_tenant()
         self.opened_at = time.monotonic()
+        self.read_clock = ReadClock(self.config.slow_reader_grace_s)
+        self.writing = False  # the writer waits for gRPC to take a message
+        self._read_check: Optional[asyncio.TimerHandle] = None
 
     # ------------------------------------------------------------ engine side
 
@@ -204,6 +248,23 @@ class _Stream:
             self.finish(RpcError(Code.RESOURCE_EXHAUSTED, "client is not reading"))
             return
         self.events.put_nowait(event)
+        self._backlog_changed()
+
+    def _backlog_changed(self) -> None:
+        """Update the read clock; while output waits for the client, check it when the
+        grace could run out."""
+        backlog = self.writing or not self.events.empty()
+        clock = self.read_clock
+        clock.update(self.loop.time(), backlog)
+        if clock.behind():
+            self.finish(RpcError(Code.RESOURCE_EXHAUSTED, "client is not reading"))
+        elif backlog and clock.since is not None and self._read_check is None:
+            self._read_check = self.loop.call_later(clock.due_in(), self._check_reading)
+
+    def _check_reading(self) -> None:
+        self._read_check = None
+        if not (self.closed or self.outcome.done()):
+            self._backlog_changed()
 
     def finish(self, outcome: Optional[RpcError]) -> None:
         if not self.outcome.done():
@@ -212,6 +273,8 @@ class _Stream:
     def close(self) -> None:
         """Every exit path: free the engine slot now, stop the helper tasks."""
         self.release()
+        if self._read_check is not None:
+            self._read_check.cancel()
         for t in self.tasks:
             t.cancel()
 
@@ -394,24 +457,36 @@ class _Stream:
                 continue
 
     async def _write(self) -> None:
-        write = self.context.write
         while True:
             ev = await self._next_event()
             if isinstance(ev, AudioPacket):
-                await write(
+                self.read_clock.start(self.loop.time())
+                await self._timed_write(
                     pb.SynthesizeResponse(
                         audio=pb.AudioPacket(seq=ev.seq, data=ev.data, start_s=ev.start_s, duration_s=ev.duration_s)
                     )
                 )
+                self.read_clock.took(ev.duration_s)
+                self._backlog_changed()
             elif isinstance(ev, WordTiming):
-                await write(pb.SynthesizeResponse(word=pb.WordTiming(word=ev.word, start_s=ev.start_s, end_s=ev.end_s)))
+                await self._timed_write(pb.SynthesizeResponse(word=pb.WordTiming(word=ev.word, start_s=ev.start_s, end_s=ev.end_s)))
+                self._backlog_changed()
             elif isinstance(ev, Finished):
-                await write(pb.SynthesizeResponse(summary=summary_to_proto(ev.summary)))
+                await self._timed_write(pb.SynthesizeResponse(summary=summary_to_proto(ev.summary)))
                 self.finish(None)
                 return
             elif isinstance(ev, Failed):
                 code = Code.__members__.get(ev.code, Code.INTERNAL)
                 raise RpcError(Code.INTERNAL if code is Code.OK else code, ev.message, from_engine=True)
+
+    async def _timed_write(self, msg: "pb.SynthesizeResponse") -> None:
+        """`context.write`, with the time it waits for gRPC (flow control) on the read clock."""
+        self.writing = True
+        self._backlog_changed()
+        try:
+            await self.context.write(msg)
+        finally:
+            self.writing = False
 
 
 @contextlib.contextmanager
