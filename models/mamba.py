@@ -246,6 +246,8 @@ class MambaBlock(nn.Module):
         self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else dt_rank
         self.layer_idx = layer_idx
         self.chunk_size = chunk_size
+        # forward's scan: selective_scan's contract (models.mamba_triton's kernels on CUDA)
+        self.scan = selective_scan
 
         self.in_proj = nn.Linear(d_model, self.d_inner * 2, bias=bias, **factory)
         self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, kernel_size=d_conv, groups=self.d_inner,
@@ -283,7 +285,7 @@ class MambaBlock(nn.Module):
         dt, B, C = F.linear(x, self.x_proj.weight).split([self.dt_rank, self.d_state, self.d_state], -1)
         delta = F.softplus(self.dt_proj(dt))
         A = -torch.exp(_f32(self.A_log))
-        y = selective_scan(x, delta, A, B, C, _f32(self.D), z, self.chunk_size)
+        y = self.scan(x, delta, A, B, C, _f32(self.D), z, self.chunk_size)
         return F.linear(y, self.out_proj.weight, self.out_proj.bias)
 
     def _step_tensors(self, matmul_dtype: Optional[torch.dtype]) -> tuple:

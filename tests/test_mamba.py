@@ -225,3 +225,37 @@ def test_parity_with_mamba_ssm():
         steps_ours, _, _ = run_steps(ours, x, three_d=True)
         steps_theirs, _, _ = run_steps(theirs, x.cuda(), three_d=True)
     torch.testing.assert_close(steps_theirs.cpu(), steps_ours, rtol=1e-3, atol=1e-4)
+
+
+_TRITON_CHECK = """
+import torch
+from models.mamba import MambaBlock
+from models.mamba_triton import check_against_torch, use_triton_scan
+errs = [check_against_torch('cpu', b=2, T=9, d=40, n=16), check_against_torch('cpu', b=1, T=5, d=32, n=8, seed=3)]
+torch.manual_seed(0)
+block = MambaBlock(24, d_state=16)
+x = torch.randn(2, 7, 24, requires_grad=True)
+outs = []
+for triton_scan in (False, True):
+    if triton_scan:
+        assert use_triton_scan(block) == 1
+    y = block(x)
+    outs.append([y.detach(), *torch.autograd.grad(y.square().sum(), [x, *block.parameters()])])
+errs += [float((b - a).norm() / a.norm()) for a, b in zip(*outs)]
+print(max(errs))
+"""
+
+
+def test_the_triton_scan_matches_the_pytorch_scan_under_tritons_interpreter():
+    """models/mamba_triton.py's kernels (training on CUDA) against models/mamba.py's scan,
+    output and gradients, run by Triton's interpreter on the CPU; alone and inside a block."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _TRITON_CHECK], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split()[-1]) < 1e-5

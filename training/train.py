@@ -199,6 +199,34 @@ def save_checkpoint(path: str, model, opt, step: int, lw: CodebookLossWeights, s
     os.replace(tmp, path)
 
 
+def choose_scan(want: str, model: torch.nn.Module, device: torch.device) -> str:
+    """Put the model's Mamba blocks on the Triton scan where asked and sound (see --scan);
+    says which scan trains."""
+    if want == "torch":
+        return "pytorch"
+    if device.type != "cuda":
+        if want == "triton":
+            raise SystemExit("--scan triton needs a CUDA device")
+        return "pytorch"
+    try:
+        from models.mamba_triton import check_against_torch, time_against_torch, use_triton_scan
+
+        err = check_against_torch(device)
+        why = f"differs from the PyTorch scan by {err:.1e}" if not err < 1e-4 else ""
+        if not why:
+            t_torch, t_triton = time_against_torch(device)
+            speed = f"{t_torch * 1e3:.1f} ms PyTorch, {t_triton * 1e3:.1f} ms Triton a forward + backward"
+            if want == "auto" and t_triton >= t_torch:
+                why = f"is no faster: {speed}"
+    except Exception as e:  # no Triton, or its compiler fails on this machine
+        why = f"{type(e).__name__}: {e}"
+    if why:
+        if want == "triton":
+            raise SystemExit(f"--scan triton: {why}")
+        return f"pytorch (the Triton scan {why})"
+    return f"triton ({use_triton_scan(model)} blocks; matches the PyTorch scan to {err:.1e}; {speed})"
+
+
 def build_model(cfg: ModelConfig, device) -> LiveSpeech2:
     # the device goes to the constructor too: make_mamba picks mamba-ssm's kernels from it
     return LiveSpeech2(cfg, device=device).to(device)
@@ -237,6 +265,10 @@ def main(argv=None) -> int:
     p.add_argument("--autocast", choices=("auto", "bf16", "off"), default="auto",
                    help="bfloat16 autocast of the forward pass: auto = on a CPU with bf16 dot products "
                         "(AVX512-BF16 / AMX); off elsewhere and on CUDA (not yet measured there)")
+    p.add_argument("--scan", choices=("auto", "torch", "triton"), default="auto",
+                   help="the Mamba blocks' selective scan: triton = models/mamba_triton.py's kernels (CUDA); auto = "
+                        "those on CUDA when they import and match the PyTorch scan on the device "
+                        "(check_against_torch), else the PyTorch scan (models/mamba.py)")
     p.add_argument("--letters", choices=("even", "phones"), default="phones",
                    help="grapheme targets: a word's letters over its phones with pauses as SPACE, where the corpus "
                         "has phone timelines (phones), or the manifest's even split (even)")
@@ -348,7 +380,7 @@ def main(argv=None) -> int:
         return 1
 
     bf16 = a.autocast == "bf16" or (a.autocast == "auto" and device.type == "cpu" and cpu_has_bf16_dot())
-    print(f"autocast: {'bfloat16' if bf16 else 'off'}", flush=True)
+    print(f"autocast: {'bfloat16' if bf16 else 'off'}; scan: {choose_scan(a.scan, model, device)}", flush=True)
     log = open(os.path.join(a.out, "log.jsonl"), "a")
     sched = Schedule(a.lr, a.warmup, a.steps, a.minutes)
     stop_at = a.stop_at
