@@ -188,7 +188,7 @@ def test_health_and_reflection_answer_through_a_synthesize_flood(server_factory,
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    from clients.client import AsyncLiveSpeechClient, LiveSpeechClient
+    from clients.client import NO_RETRY, AsyncLiveSpeechClient, LiveSpeechClient
     from conftest import HARD
     from server.protocol import SERVICE_NAME, pb
 
@@ -227,7 +227,7 @@ def test_health_and_reflection_answer_through_a_synthesize_flood(server_factory,
             # one more Synthesize, raw, with its writes in flight when the refusal comes
             raw = await session(Stub(ch))
             out["raw_stub"] = (raw.code, raw.retry_after_ms)
-        async with AsyncLiveSpeechClient(h.address, timeout=10) as c:
+        async with AsyncLiveSpeechClient(h.address, timeout=10, retry=NO_RETRY) as c:
             try:
                 await c.synthesize_to_result(TEXT, **HARD)
                 out["async_client"] = (C.OK, None)
@@ -244,7 +244,7 @@ def test_health_and_reflection_answer_through_a_synthesize_flood(server_factory,
                 out["sync_stub"] = (C.OK, None)
             except grpc.RpcError as e:
                 out["sync_stub"] = (e.code(), dict(e.trailing_metadata() or ()).get("retry-after-ms"))
-        with LiveSpeechClient(h.address, timeout=10) as c:
+        with LiveSpeechClient(h.address, timeout=10, retry=NO_RETRY) as c:
             try:
                 c.synthesize_to_result(TEXT, **HARD)
                 out["sync_client"] = (C.OK, None)
