@@ -667,8 +667,8 @@ class Engine:
             self.metrics.rtf.observe(s.compute_s / audio_s)
             self.metrics.audio_seconds_total.inc(audio_s)
         # the slot is free before the client hears of the end: a client that opens its next
-        # session on the summary must find the slot
-        self._end(s, "cancelled" if cancelled else "completed")
+        # session on the summary must find the slot. "completed" only with every word spoken
+        self._end(s, "cancelled" if cancelled else "incomplete" if unspoken else "completed")
         s.sink(Finished(summary))
 
     def _settle_for(self, s: EngineSession) -> None:

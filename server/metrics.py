@@ -1,9 +1,11 @@
 """Prometheus metrics, one `CollectorRegistry` per `Metrics` (several servers per process).
 
 Who records what (so nothing is counted twice):
-- the engine: `sessions_total{outcome}` for every session it admitted (completed,
-  cancelled, failed, disconnected; a session the service ends for a client fault, e.g.
-  "client is not reading", reaches the engine as a close: disconnected) and for
+- the engine: `sessions_total{outcome}` for every session it admitted (completed: every
+  word of its text spoken; incomplete: ended by the runaway guard with words unspoken;
+  cancelled, failed, disconnected; a session the service ends with an error status, e.g.
+  "client is not reading", a text limit or a timeout, reaches the engine as a close:
+  failed) and for
   refusals at capacity (rejected); `errors_total{code}` for the failures it reports;
   and all latency, step, batch, underrun, RTF, audio, token and codec metrics;
 - the service: `sessions_total` for streams that never reached the engine (rejected:
@@ -17,7 +19,7 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-SESSION_OUTCOMES = ("completed", "cancelled", "failed", "disconnected", "rejected")
+SESSION_OUTCOMES = ("completed", "incomplete", "cancelled", "failed", "disconnected", "rejected")
 
 # one decode step at 75 Hz has a 13.3 ms budget: resolve 0.5 ms .. 200 ms
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.0133, 0.02, 0.03, 0.05, 0.1, 0.2)
