@@ -205,7 +205,7 @@ class Engine:
                 now = time.monotonic()
                 for s in list(self._sessions.values()):
                     with self._isolated(s, "releasing text"):
-                        self._release_chunks(s, s.chunker.poll(now, waiting=s.waiting_for_text()))
+                        self._release_held_text(s, now)
                 batch = self.scheduler.select(list(self._sessions.values()), now)
                 if batch:
                     self._step(batch)
@@ -226,8 +226,20 @@ class Engine:
             if cmd[0] == "open":
                 self._end(s, "failed")
 
+    def _release_held_text(self, s: EngineSession, now: float) -> None:
+        """The chunker's timed releases; and while the speech waits for text that has not
+        come for the session's buffer delay, all the text held, spoken without lookahead."""
+        waiting = s.waiting_for_text()
+        deadline = s.buffer_deadline() if waiting else None
+        if deadline is not None and now >= deadline:
+            self._release_chunks(s, s.chunker.flush(now))
+            s.waive_lookahead()
+        else:
+            self._release_chunks(s, s.chunker.poll(now, waiting=waiting))
+
     def _idle_timeout(self, now: float) -> float:
         deadlines = [d for s in self._sessions.values() if (d := s.chunker.next_deadline()) is not None]
+        deadlines += [d for s in self._sessions.values() if s.waiting_for_text() and (d := s.buffer_deadline()) is not None]
         wait = self.config.idle_poll_s * 10
         if deadlines:
             wait = min(wait, max(0.0, min(deadlines) - now))
@@ -250,6 +262,8 @@ class Engine:
                 elif kind == "text":
                     _, text, ts, flush, at = cmd
                     self._release_chunks(s, s.on_text(text, ts, flush, at))
+                    if flush:
+                        s.waive_lookahead()
                 elif kind == "end":
                     self._release_chunks(s, s.on_end(cmd[1]))
                     self._maybe_add_eos(s)

@@ -264,6 +264,7 @@ def config_from_proto(msg: "pb.SynthesizeConfig") -> tuple[SessionConfig, Option
         n_past_chunks=opt(msg, "n_past_chunks", d.n_past_chunks),
         n_future_chunks=opt(msg, "n_future_chunks", d.n_future_chunks),
         start_future_chunks=opt(msg, "start_future_chunks", d.start_future_chunks),
+        max_buffer_delay_ms=opt(msg, "max_buffer_delay_ms", d.max_buffer_delay_ms),
         chunking=ChunkingConfig(
             min_words=opt(c, "min_words", dc.min_words),
             max_words=opt(c, "max_words", dc.max_words),
@@ -295,6 +296,7 @@ def config_to_proto(cfg: SessionConfig, enrollment: Optional[Enrollment] = None)
         n_past_chunks=cfg.n_past_chunks,
         n_future_chunks=cfg.n_future_chunks,
         start_future_chunks=cfg.start_future_chunks,
+        max_buffer_delay_ms=cfg.max_buffer_delay_ms,
         chunking=pb.ChunkingPolicy(
             min_words=ch.min_words,
             max_words=ch.max_words,

@@ -87,6 +87,10 @@ class EngineSession:
         self.words: list[Word] = []
         self.n_chars = 0  # collapsed transcript length so far
         self.input_ended = False  # engine's view (after the queued command ran)
+        self.last_text_at: Optional[float] = None  # when the last text piece arrived
+        # chunks up to this index are spoken without waiting for their lookahead (a flush,
+        # or no text for max_buffer_delay_ms: `waive_lookahead`); later ones wait as usual
+        self.lookahead_waived_through = -1
         self.eos_added = False
         self.last_progress = 0  # guidance progress, and the step it last changed at
         self.progress_step = 0
@@ -149,8 +153,10 @@ class EngineSession:
 
     # --- engine thread ---------------------------------------------------------------------
     def on_text(self, text: str, client_time_s: Optional[float], flush: bool, now: float) -> list[TextChunk]:
-        if self.first_text_at is None and text:
-            self.first_text_at = now
+        if text:
+            self.last_text_at = now
+            if self.first_text_at is None:
+                self.first_text_at = now
         return self.chunker.push(text, now, client_time_s, flush)
 
     def on_end(self, now: float) -> list[TextChunk]:
@@ -193,7 +199,8 @@ class EngineSession:
 
     def lookahead_ready(self) -> bool:
         """The start policy: current chunk c is spoken once min(nf, start_future_chunks + c)
-        chunks after it are in memory, or the text has ended. Never past the text: once
+        chunks after it are in memory, or the text has ended, or its lookahead was waived
+        (`waive_lookahead`: a flush, or the buffer delay). Never past the text: once
         the speech has covered every grapheme so far, it waits for more (or the end).
 
         c is the chunk of the audio: of the last frame complete in every codebook, which
@@ -210,7 +217,24 @@ class EngineSession:
         if self.guidance.progress >= self.n_chars:
             return False
         c = self.timeline.current_chunk(max(0, self.step_count - self.audio_lag_frames))
+        if c <= self.lookahead_waived_through:
+            return True
         return n - 1 >= c + min(self.config.n_future_chunks, self.config.start_future_chunks + c)
+
+    def waive_lookahead(self) -> None:
+        """The chunks released so far are spoken without waiting for more text."""
+        self.lookahead_waived_through = len(self.chunks) - 1
+
+    def buffer_deadline(self) -> Optional[float]:
+        """When the text held goes out without its lookahead if no more text comes
+        (`SessionConfig.max_buffer_delay_ms` after the last piece); None: never (no
+        limit, no text yet, the text has ended, or nothing is held back)."""
+        delay_ms = self.config.max_buffer_delay_ms
+        if not delay_ms or self.last_text_at is None or self.input_ended:
+            return None
+        if not self.chunker.held_words() and self.lookahead_waived_through >= len(self.chunks) - 1:
+            return None
+        return self.last_text_at + delay_ms / 1000.0
 
     def waiting_for_text(self) -> bool:
         """Whether the speech is held up for want of text (not started, or the text ran dry)."""

@@ -83,6 +83,12 @@ class SessionConfig:
     # graphemes, 8 frames ahead of the audio); since k counts at the audio it did not, and
     # it cut TTFA by ~40 % at the same underruns (docs/loadtest.md, "Sixteenth session")
     start_future_chunks: int = 0
+    # the longest the text waits for more text: once none came for this long while the
+    # speech waits for text (its lookahead, or a word still being written), the text
+    # held is spoken without more lookahead (EngineSession.buffer_deadline). An LLM's
+    # pauses between tokens are far shorter; a reply that stopped without end of input
+    # would otherwise be held until the idle timeout. 0: no limit (the paper's policy)
+    max_buffer_delay_ms: int = 500
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     guidance_lambda: float = 1.0  # math.inf = hard guidance
     # acoustic codes: top-k of every codebook (~1,024 codes each)
@@ -117,6 +123,8 @@ class SessionConfig:
             raise ConfigError("n_future_chunks must be in [0, 8]")
         if not 0 <= self.start_future_chunks <= 8:  # above nf it is nf (the paper's policy)
             raise ConfigError("start_future_chunks must be in [0, 8]")
+        if not 0 <= self.max_buffer_delay_ms <= 10_000:
+            raise ConfigError(f"max_buffer_delay_ms must be in [0, 10000] (0 = no limit), got {self.max_buffer_delay_ms}")
         if not self.guidance_lambda >= 0.0:
             raise ConfigError("guidance_lambda must be >= 0 (inf for hard guidance)")
         if not 1 <= self.top_k <= 1024:

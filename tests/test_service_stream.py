@@ -247,3 +247,54 @@ def test_the_summary_says_whether_every_word_was_spoken(srv) -> None:
     assert msg.HasField("all_words_spoken") and not msg.all_words_spoken
     assert list(msg.unspoken_words) == ["there,", "you"]
     assert not summary_to_proto(Summary(0, 0.0, None, None, None, False, "")).HasField("all_words_spoken")
+
+
+# the words before the last are long enough for their timing to go out with the audio
+# sent before the next text: that audio lags the graphemes by the codebook delays (8 frames)
+@pytest.mark.parametrize("text, options, flush", [
+    ("Hi there.", {}, False),  # the last word is still being written: no space follows it
+    ("Hello there, this is a test. Hi everybody.", {}, False),  # the last chunk's lookahead never comes
+    ("Hi there, everybody", {"start_future_chunks": 2}, False),  # nor the first chunk's
+    # a flush speaks what was sent without more lookahead, with the buffer delay off
+    ("Hello there, this is a test. Hi everybody", {"max_buffer_delay_ms": 0}, True),
+])
+def test_text_whose_lookahead_never_comes_is_spoken_without_end_of_input(srv, text, options, flush) -> None:
+    """No more text and no end of input: the text held is spoken after the session's
+    buffer delay (or at a flush), not held until the idle timeout. The second-last word's
+    timing goes out once the speech has moved into the last word; it arrives while the
+    stream is still open, then end of input completes it with every word spoken."""
+    words = text.split()
+
+    async def go():
+        call = srv.stub.Synthesize(timeout=20)
+        await call.write(config_msg(**options))
+        await call.write(text_msg(text, flush=flush))
+        timed = []
+        while not timed or timed[-1] != words[-2]:
+            r = await call.read()
+            assert r is not grpc.aio.EOF, "the stream ended before the speech reached the last word"
+            if r.WhichOneof("response") == "word":
+                timed.append(r.word.word)
+        await call.write(END)
+        responses = []
+        while (r := await call.read()) is not grpc.aio.EOF:
+            responses.append(r)
+        return timed, responses, await call.code()
+
+    timed, responses, code = srv.run(go())
+    assert code == grpc.StatusCode.OK
+    assert timed == words[:-1]
+    summary = responses[-1].summary
+    assert responses[-1].WhichOneof("response") == "summary"
+    assert summary.spoken_text == text and summary.all_words_spoken
+
+
+def test_max_buffer_delay_crosses_the_wire() -> None:
+    from server.protocol import config_from_proto, config_to_proto
+    from server.session_api import ConfigError, SessionConfig
+
+    assert config_from_proto(pb.SynthesizeConfig())[0].max_buffer_delay_ms == SessionConfig().max_buffer_delay_ms
+    assert config_from_proto(pb.SynthesizeConfig(max_buffer_delay_ms=0))[0].max_buffer_delay_ms == 0
+    assert config_from_proto(config_to_proto(SessionConfig(max_buffer_delay_ms=1500)))[0].max_buffer_delay_ms == 1500
+    with pytest.raises(ConfigError, match="max_buffer_delay_ms"):
+        config_from_proto(pb.SynthesizeConfig(max_buffer_delay_ms=10_001))
