@@ -485,3 +485,36 @@ def test_an_extra_corpus_trains_from_its_own_codes(tmp_path):
                        "--batch-frames", "400", "--max-batch", "4", "--dev-batches", "1"]) == 0
     st = torch.load(os.path.join(out, "last.pt"), weights_only=False)
     assert st["n_train"] == 2 * n_main
+
+
+def test_the_phone_head_learns_the_phone_of_the_frame_codebook_1_predicts(tmp_path):
+    from training.dataset import DecoderData, collate
+    from training.phones import IGNORE
+
+    out = str(tmp_path / "run")
+    assert train.main(["--smoke", "--out", out, "--steps", "3", "--threads", "1", "--phone-weight", "1"]) == 0
+    rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+    assert all("ce_phone" in r for r in rows if not r.get("eval"))
+    assert all(0 <= r["dev_phone_acc"] <= 1 for r in rows if r.get("eval"))
+    st = torch.load(os.path.join(out, "last.pt"), map_location="cpu", weights_only=False)
+    assert st["phone_head"]["proj.weight"].shape[0] == len(st["phone_vocab"]) > 1
+    assert not any(k.startswith("proj") for k in st["model"])  # the decoder itself has no such head
+    # resumed with its head and vocabulary
+    assert train.main(["--smoke", "--out", out, "--steps", "4", "--threads", "1", "--phone-weight", "1",
+                       "--resume"]) == 0
+    # the targets: each frame's phone, at the step where codebook 1 predicts that frame
+    model = train.build_model(train.ModelConfig.from_dict(st["config"]), "cpu")
+    vocab = train.phone_vocab_for([], st["phone_vocab"])
+    corpus, codes = os.path.join(out, "smoke_data", "corpus"), os.path.join(out, "smoke_data", "codes")
+    data = DecoderData(corpus, codes, model.cfg, "train", phone_vocab=vocab)
+    ex = [data.example(i) for i in range(2)]
+    b = collate(ex, model)
+    d1 = model.cfg.delays[1]
+    for i, e in enumerate(ex):
+        rec = data.items[i]["rec"]
+        want = vocab.frame_labels(rec, 0, e.n_frames - 1, 320, 24000)
+        assert (want != IGNORE).any()
+        assert b.phones[i, d1:d1 + len(want)].tolist() == want.tolist()
+        assert (b.phones[i, :d1] == IGNORE).all()
+        # codebook 1's target at those steps is the same frame's code
+        assert b.targets[i, 1, d1:d1 + len(want)].tolist() == e.codes[1, :len(want)].tolist()

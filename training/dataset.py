@@ -169,6 +169,7 @@ class Example:
     text_pos: list[int]
     enroll: np.ndarray  # [Q, E]
     n_frames: int  # T + 1 (columns of codes)
+    phones: Optional[np.ndarray] = None  # [T + 1] phone class of each frame (training.phones), IGNORE where none
 
 
 class DecoderData:
@@ -176,18 +177,21 @@ class DecoderData:
 
     def __init__(self, corpus: str, codes_dir: str, cfg: ModelConfig, split: str = "train",
                  max_seconds: float = 8.0, seed: int = 0, records: Optional[list[dict]] = None,
-                 tokenizer=None, eos_jitter: float = 0.0, letters: str = "even", id_prefix: str = ""):
+                 tokenizer=None, eos_jitter: float = 0.0, letters: str = "even", id_prefix: str = "",
+                 phone_vocab=None):
         """``letters``: the grapheme row as the manifest has it ("even": a word's letters
         share its frames evenly, pauses carry the next letter) or "phones": spread over
         the word's phones with pauses as SPACE (`phone_letters`) where the record has a
         phone timeline. ``id_prefix`` keeps the ids of a corpus `merge`d into another
-        apart from its own."""
+        apart from its own. ``phone_vocab`` (a training.phones.PhoneVocab): examples
+        carry each frame's phone class (an auxiliary target, `train --phone-weight`)."""
         from models.tokenizer import get_tokenizer
 
         if letters not in ("even", "phones"):
             raise ValueError(f"letters must be 'even' or 'phones', not {letters!r}")
         self.cfg = cfg
         self.eos_jitter = eos_jitter
+        self.phone_vocab = phone_vocab
         self.tok = tokenizer or get_tokenizer()
         self.eos_id = self.tok.eos_id if hasattr(self.tok, "eos_id") else cfg.text_vocab_size - 1
         self.rng = random.Random(seed)
@@ -262,7 +266,13 @@ class DecoderData:
         if self.eos_jitter > 0:  # drawn after the enrollment: with 0, the same draws as before
             last_tau = int(rec["chunks"][-1][2])
             pos[-1] = jittered_end(last_tau, pos[-2] + 1 if len(pos) > 1 else 0, T, self.eos_jitter, rng)
-        return Example(codes, last, ids, pos, enroll, T + 1)
+        phones = None
+        if self.phone_vocab is not None:
+            from .phones import IGNORE
+
+            phones = np.full(T + 1, IGNORE, np.int64)  # the EOS column has no phone
+            phones[:T] = self.phone_vocab.frame_labels(rec, 0, T, SAMPLE_RATE // FRAME_RATE, SAMPLE_RATE)
+        return Example(codes, last, ids, pos, enroll, T + 1, phones)
 
     def enrollment(self, idx: int, rng: random.Random) -> np.ndarray:
         rec = self.items[idx]["rec"]
@@ -303,6 +313,8 @@ class Batch:
     text_ids: torch.Tensor  # [B, L]
     text_pos: torch.Tensor  # [B, L]
     text_valid: torch.Tensor  # [B, L]
+    # [B, S] the phone class of the frame codebook 1 predicts at each step (training.phones.IGNORE where none)
+    phones: torch.Tensor
 
     def to(self, device) -> "Batch":
         return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
@@ -337,7 +349,15 @@ def collate(examples: Sequence[Example], model) -> Batch:
         tid[i, :n] = torch.tensor(e.text_ids)
         tpos[i, :n] = torch.tensor(e.text_pos)
         tval[i, :n] = True
-    return Batch(inputs, targets, valid, enroll, elen, tid, tpos, tval)
+    from .phones import IGNORE
+
+    # aligned with codebook 1's targets: step s predicts frame s - delay
+    d1 = cfg.delays[1]
+    phones = torch.full(inputs.shape[::2], IGNORE, dtype=torch.long)
+    for i, e in enumerate(examples):
+        if e.phones is not None:
+            phones[i, d1:d1 + e.n_frames] = torch.from_numpy(e.phones)
+    return Batch(inputs, targets, valid, enroll, elen, tid, tpos, tval, phones)
 
 
 def n_frames_for(duration_s: float) -> int:

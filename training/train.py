@@ -126,6 +126,44 @@ def forward_loss(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, weig
     return total, losses, accs
 
 
+class PhoneHead(torch.nn.Module):
+    """Training only (`--phone-weight`): a linear classifier of the phone of the frame
+    codebook 1 predicts, on the first codebook group's normalised hidden state (read by a
+    forward hook on `model.group_norms[0]`), so that the state the codebook-1 head reads
+    learns to carry the phone. Not part of the exported decoder."""
+
+    def __init__(self, model: LiveSpeech2, names: list[str]):
+        super().__init__()
+        self.names = list(names)
+        self.proj = torch.nn.Linear(model.cfg.d_model, len(names), device=next(model.parameters()).device)
+        self._hidden: Optional[torch.Tensor] = None
+        model.group_norms[0].register_forward_hook(lambda _m, _i, out: setattr(self, "_hidden", out))
+
+    def loss(self, phones: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross-entropy, accuracy) on the labelled steps of the last forward's batch."""
+        from .phones import IGNORE
+
+        h, self._hidden = self._hidden, None
+        logits = self.proj(h)
+        keep = phones != IGNORE
+        if not keep.any():
+            zero = logits.sum() * 0.0
+            return zero, zero.detach()
+        lg, y = logits[keep].float(), phones[keep]
+        return torch.nn.functional.cross_entropy(lg, y), (lg.argmax(-1) == y).float().mean()
+
+
+def phone_vocab_for(corpora: list[str], saved: Optional[list[str]] = None, min_count: int = 20):
+    """The PhoneVocab of the training corpora's phone timelines (or a checkpoint's own)."""
+    from .dataset import read_manifest
+    from .phones import PhoneVocab
+
+    if saved is not None:
+        return PhoneVocab(tuple(saved))
+    return PhoneVocab.from_records([r for c in corpora for r in read_manifest(c)
+                                    if r["split"] == "train" and r.get("phones")], min_count)
+
+
 def letter_change_hits(model: LiveSpeech2, b: Batch, text: Batch) -> tuple[int, int]:
     """(right, total) teacher-forced next-letter predictions of batch ``b`` at the frames
     where its letter changes, reading the text of ``text`` (b itself, or b with the
@@ -146,16 +184,20 @@ def _rotate_texts(b: Batch) -> Batch:
 
 
 @torch.no_grad()
-def evaluate(model: LiveSpeech2, batches: list[Batch], device) -> dict:
+def evaluate(model: LiveSpeech2, batches: list[Batch], device, phone_head: Optional[PhoneHead] = None) -> dict:
     """Dev losses and accuracies with the full text context, and reading: next-letter
-    accuracy at letter changes with the true text and with another utterance's text."""
+    accuracy at letter changes with the true text and with another utterance's text;
+    with a phone head, its accuracy."""
     model.eval()
     k = model.cfg.n_codebooks
     sl, sa, n = torch.zeros(k), torch.zeros(k), 0
+    phone_acc = []
     read = {"true": [0, 0], "other": [0, 0]}
     for b in batches:
         b = b.to(device)
         _, losses, accs = forward_loss(model, b, b.text_valid, torch.ones(k))
+        if phone_head is not None:
+            phone_acc.append(float(phone_head.loss(b.phones)[1]))
         sl += losses.cpu()
         sa += accs.cpu()
         n += 1
@@ -171,7 +213,8 @@ def evaluate(model: LiveSpeech2, batches: list[Batch], device) -> dict:
     return {"dev_loss": float(sl.sum()), "dev_loss_graph": float(sl[0]), "dev_loss_acoustic": float(sl[1:].mean()),
             "dev_acc_graph": float(sa[0]), "dev_acc_acoustic": float(sa[1:].mean()),
             "dev_read_acc": round(acc["true"], 4), "dev_read_acc_other_text": round(acc["other"], 4),
-            "dev_loss_k": [round(float(x), 4) for x in sl], "dev_acc_k": [round(float(x), 4) for x in sa]}
+            "dev_loss_k": [round(float(x), 4) for x in sl], "dev_acc_k": [round(float(x), 4) for x in sa],
+            **({"dev_phone_acc": round(float(np.mean(phone_acc)), 4)} if phone_acc else {})}
 
 
 def dev_batches(data: DecoderData, model: LiveSpeech2, n_batches: int, batch_size: int) -> list[Batch]:
@@ -265,6 +308,12 @@ def main(argv=None) -> int:
     p.add_argument("--autocast", choices=("auto", "bf16", "off"), default="auto",
                    help="bfloat16 autocast of the forward pass: auto = on a CPU with bf16 dot products "
                         "(AVX512-BF16 / AMX); off elsewhere and on CUDA (not yet measured there)")
+    p.add_argument("--phone-weight", type=float, default=0.0,
+                   help="weight of an auxiliary loss: the phone of the frame codebook 1 predicts, classified from "
+                        "the first codebook group's hidden state (PhoneHead; corpora with phone timelines; training "
+                        "only, not exported); 0: off")
+    p.add_argument("--phone-min-count", type=int, default=20,
+                   help="the phone head's classes: phones with at least this many segments (rarer: unlabelled)")
     p.add_argument("--scan", choices=("auto", "torch", "triton"), default="auto",
                    help="the Mamba blocks' selective scan: triton = models/mamba_triton.py's kernels (CUDA); auto = "
                         "those on CUDA when they import and match the PyTorch scan on the device "
@@ -304,6 +353,7 @@ def main(argv=None) -> int:
                             enc_layers=1, enc_heads=2, n_enroll=8), **overrides}
         a.batch_frames, a.max_batch, a.eval_every, a.dev_batches = 400, 4, 5, 1
         a.warmup, a.log_every, a.rescan_every = 2, 1, 10**9
+        a.phone_min_count = 1
         a.max_seconds = 30.0
     last_path = os.path.join(a.out, "last.pt")
     st = init = None
@@ -331,8 +381,17 @@ def main(argv=None) -> int:
     torch.manual_seed(a.seed)
     model = build_model(cfg, device)
     n_params = sum(x.numel() for x in model.parameters())
+    phone_head = phone_vocab = None
+    if a.phone_weight > 0:
+        phone_vocab = phone_vocab_for([a.corpus, *(c for c, _ in a.extra_corpus)],
+                                      st.get("phone_vocab") if st is not None else None, a.phone_min_count)
+        phone_head = PhoneHead(model, list(phone_vocab.names))
+        print(f"phone head: {len(phone_vocab)} classes, weight {a.phone_weight}", flush=True)
     decay = [p_ for n, p_ in model.named_parameters() if p_.dim() >= 2 and "emb" not in n]
     no_decay = [p_ for n, p_ in model.named_parameters() if not (p_.dim() >= 2 and "emb" not in n)]
+    if phone_head is not None:
+        decay.append(phone_head.proj.weight)
+        no_decay.append(phone_head.proj.bias)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.98),
                             fused=device.type in ("cpu", "cuda"))
@@ -346,6 +405,10 @@ def main(argv=None) -> int:
         print(f"initialised from {a.init}", flush=True)
     if st is not None:
         model.load_state_dict(st["model"])
+        if phone_head is not None:
+            if "phone_head" not in st:
+                raise SystemExit(f"--phone-weight: {last_path} was trained without the phone head")
+            phone_head.load_state_dict(st["phone_head"])
         opt.load_state_dict(st["opt"])
         step, best, train_s = st["step"], st["best"], st.get("train_s", 0.0)
         lw.acc = st["loss_acc"].clone()
@@ -361,15 +424,16 @@ def main(argv=None) -> int:
 
     def load_data():
         d = DecoderData(a.corpus, a.codes, cfg, "train", a.max_seconds, tokenizer=tok, eos_jitter=a.eos_jitter,
-                        letters=a.letters)
+                        letters=a.letters, phone_vocab=phone_vocab)
         for k, (corpus, codes) in enumerate(a.extra_corpus):
             d.merge(DecoderData(corpus, codes, cfg, "train", a.max_seconds, tokenizer=tok, eos_jitter=a.eos_jitter,
-                                letters=a.letters, id_prefix=f"x{k}-"))
+                                letters=a.letters, id_prefix=f"x{k}-", phone_vocab=phone_vocab))
         d.index = {it["rec"]["id"]: i for i, it in enumerate(d.items)}
         return d
 
     data = load_data()
-    dev = DecoderData(a.corpus, a.codes, cfg, "dev", a.max_seconds, tokenizer=tok, letters=a.letters)
+    dev = DecoderData(a.corpus, a.codes, cfg, "dev", a.max_seconds, tokenizer=tok, letters=a.letters,
+                      phone_vocab=phone_vocab)
     if len(dev) == 0:
         dev = data
     devb = dev_batches(dev, model, a.dev_batches, 8)
@@ -393,8 +457,10 @@ def main(argv=None) -> int:
     model.train()
 
     def ckpt(path: str) -> None:
-        save_checkpoint(path, model, opt, step, lw, sampler, mask_gen, py_rng, best, vars(a),
-                        {"n_train": len(data), "train_s": train_s})
+        extra = {"n_train": len(data), "train_s": train_s}
+        if phone_head is not None:
+            extra.update(phone_head=phone_head.state_dict(), phone_vocab=phone_head.names)
+        save_checkpoint(path, model, opt, step, lw, sampler, mask_gen, py_rng, best, vars(a), extra)
 
     t_resume = time.time() - train_s  # training time carried over from earlier runs
     while not sched.finished(step, train_s) and not (stop_at and step >= stop_at):
@@ -415,9 +481,14 @@ def main(argv=None) -> int:
         w = lw.weights()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             total, losses, accs = forward_loss(model, batch, mask, w)
+            if phone_head is not None:
+                phone_ce, phone_acc = phone_head.loss(batch.phones)
+                total = total + a.phone_weight * phone_ce
+                accum["ce_phone"] = accum.get("ce_phone", 0.0) + float(phone_ce.detach())
+                accum["acc_phone"] = accum.get("acc_phone", 0.0) + float(phone_acc)
         opt.zero_grad(set_to_none=True)
         total.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        gn = torch.nn.utils.clip_grad_norm_([*model.parameters(), *(phone_head.parameters() if phone_head else ())], 1.0)
         opt.step()
         lw.update(accs)
         step += 1
@@ -442,7 +513,7 @@ def main(argv=None) -> int:
         done = (sched.finished(step, train_s) or bool(stop_at and step >= stop_at)
                 or (a.max_minutes is not None and time.time() - t0 > a.max_minutes * 60))
         if step % a.eval_every == 0 or done:
-            ev = evaluate(model, devb, device)
+            ev = evaluate(model, devb, device, phone_head)
             is_best = ev["dev_loss"] < best
             if is_best:
                 best = ev["dev_loss"]

@@ -22,9 +22,12 @@
 # committed, with the Piper voice's codes of models/weights/next/piper.tar.gz (made here:
 # its manifest.jsonl and codes/) in the training data, on training sentences the committed
 # decoder has not seen ($NEXT/TRAINED_BEFORE); export it. $OUT: decoder.pt.partNN (cat
-# them), log.jsonl, MODEL_CARD.md, TRAINED_BEFORE (commit it with the decoder).
+# them), log.jsonl, MODEL_CARD.md, TRAINED_BEFORE (commit it with the decoder). Two
+# candidates train side by side: the recipe, and the recipe with the auxiliary phone loss
+# (PHONE_WEIGHT, default 1; 0: the first alone); $OUT holds NAME.pt.partNN,
+# NAME_log.jsonl and NAME_MODEL_CARD.md for NAME = decoder, decoder_phone.
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1),
-# BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s kept for the
+# BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s, the decoder stage 90, kept for the
 # probe or export and the copy back).
 set -uo pipefail
 LIMIT=${1:?usage: next_run.sh SECONDS}
@@ -38,7 +41,7 @@ export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$R/.dev/multilingual.tiktoken
 export LIVESPEECH_FLITE=$FL/usr/bin/flite LD_LIBRARY_PATH=$FL/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 STAGE=$(cat $NEXT/STAGE 2>/dev/null || echo codec)
 stamp() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*"; }
-snap() { (cd $W && tar czf $OUT/logs.tgz --ignore-failed-read *.log codec_*/log.jsonl decoder/log.jsonl corpus/summary.json 2>/dev/null); }
+snap() { (cd $W && tar czf $OUT/logs.tgz --ignore-failed-read *.log codec_*/log.jsonl decoder*/log.jsonl corpus/summary.json 2>/dev/null); }
 trap snap EXIT
 
 stamp "stage $STAGE; $(nvidia-smi -L 2>/dev/null | head -1); $(nproc) cores"
@@ -117,19 +120,38 @@ decoder)
   if [ -e $NEXT/piper.tar.gz ]; then
     mkdir -p $W/piper && tar xzf $NEXT/piper.tar.gz -C $W/piper && EXTRA=(--extra-corpus $W/piper:$W/piper/codes)
   fi
-  MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-70}) / 60), 2))")
-  stamp "decoder: $MIN min ${INIT[*]:-from scratch}"
-  $PY -m training.train --corpus $W/corpus --codes $W/codes --out $W/decoder --device $DEVICE --minutes "$MIN" \
-    --steps 1000000 --batch-frames "${BATCH_FRAMES:-80000}" --max-batch 256 --lr 2e-3 --warmup 100 --rescan-every 50 \
-    --eval-every 200 --ckpt-minutes 2 --threads 4 --eos-jitter 0.3 "${INIT[@]}" "${EXTRA[@]}" > $W/decoder.log 2>&1 \
-    || { tail -20 $W/decoder.log; exit 1; }
+  # two candidates side by side on the one GPU, the same data order: the recipe as it is
+  # ("decoder") and with the auxiliary phone loss (train --phone-weight: "decoder_phone");
+  # the better one by dev codebook-1 CE (then training.diagnose here) is committed
+  MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-90}) / 60), 2))")
+  stamp "decoder: $MIN min ${INIT[*]:-from scratch}; candidates: decoder, decoder_phone (weight ${PHONE_WEIGHT:-1})"
+  pids=()
+  for v in decoder decoder_phone; do
+    AUX=(); [ $v = decoder_phone ] && AUX=(--phone-weight "${PHONE_WEIGHT:-1}")
+    [ $v = decoder_phone ] && [ "${PHONE_WEIGHT:-1}" = 0 ] && continue
+    $PY -m training.train --corpus $W/corpus --codes $W/codes --out $W/$v --device $DEVICE --minutes "$MIN" \
+      --steps 1000000 --batch-frames "${BATCH_FRAMES:-80000}" --max-batch 256 --lr 2e-3 --warmup 100 --rescan-every 50 \
+      --eval-every 200 --ckpt-minutes 2 --threads 4 --eos-jitter 0.3 "${INIT[@]}" "${EXTRA[@]}" "${AUX[@]}" \
+      > $W/$v.log 2>&1 &
+    pids+=($!)
+  done
+  ok=0; for p in "${pids[@]}"; do wait $p && ok=1; done
+  wait  # the encoders
+  for v in decoder decoder_phone; do
+    [ -e $W/$v.log ] || continue
+    echo "== $v: $(grep '^scan\|autocast' $W/$v.log | head -n 1)"; grep '"eval"' $W/$v.log | tail -n 2 | cut -c1-900
+  done
+  [ $ok = 1 ] || { tail -n 20 $W/decoder*.log; exit 1; }
+  stamp "export (fp16, brought back in 15 MB parts: cat NAME.pt.part* > NAME.pt)"
+  for v in decoder decoder_phone; do
+    [ -e $W/$v/last.pt ] || continue
+    ( $PY -m training.export --codec $CODEC --decoder $W/$v/last.pt --corpus $W/corpus --codes $W/codes \
+        --out $W/export_$v > $W/export_$v.log 2>&1 \
+      && split -b 15000000 -d $W/export_$v/decoder.pt $OUT/$v.pt.part \
+      && cp $W/export_$v/MODEL_CARD.md $OUT/${v}_MODEL_CARD.md && cp $W/$v/log.jsonl $OUT/${v}_log.jsonl \
+      && sha256sum $W/export_$v/decoder.pt ) || tail -n 20 $W/export_$v.log &
+  done
   wait
-  grep '"eval"' $W/decoder.log | tail -n 3 | cut -c1-700
-  stamp "export (fp16, brought back in 15 MB parts: cat decoder.pt.part* > decoder.pt)"
-  $PY -m training.export --codec $CODEC --decoder $W/decoder/last.pt --corpus $W/corpus --codes $W/codes \
-    --out $W/export > $W/export.log 2>&1 || { tail -20 $W/export.log; exit 1; }
-  split -b 15000000 -d $W/export/decoder.pt $OUT/decoder.pt.part
-  cp $W/export/MODEL_CARD.md $W/decoder/log.jsonl $OUT/ && sha256sum $W/export/decoder.pt
   ;;
 *)
   echo "stage $STAGE: not prepared yet"; exit 2 ;;
