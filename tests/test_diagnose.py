@@ -12,6 +12,7 @@ from server.runner import ModelRunner
 from training import diagnose
 from training.dataset import read_manifest
 from training.evaluate import SR, read_audio, select_utterances
+from training.phones import PhoneTable
 from training.smoke import make_smoke_corpus
 
 
@@ -26,11 +27,11 @@ def setup(tmp_path_factory):
     preps = diagnose.prepare(bundle, rows, utts, str(root / "codes"))
     runner = ModelRunner(bundle, capacity=1)
     voice = runner.make_voice("v", read_audio(utts[0].enroll_audio), SR)
-    return bundle, preps[0], runner, voice
+    return bundle, preps[0], runner, voice, corpus, rows
 
 
 def test_oracle_modes_emit_the_forced_codes_in_their_frames(setup):
-    bundle, p, runner, voice = setup
+    bundle, p, runner, voice, corpus, rows = setup
     T = p.n_frames
     gt = p.example.codes
     assert gt[0, T] == G.EOS and p.chunk_tau[-1] == T and p.example.text_pos[-1] == T
@@ -45,15 +46,21 @@ def test_oracle_modes_emit_the_forced_codes_in_their_frames(setup):
     ac = diagnose.synthesize(runner, voice, p, "oracle-acoustic", seed=3)
     n = min(T, len(ac.frames))
     np.testing.assert_array_equal(ac.frames[:n, 1:].T, gt[1:, :n])  # every codebook at its own delay
-    m = diagnose.stream_metrics(p, s.frames)
+    rec = next(r for r in rows if r["id"] == p.utt.id)
+    table = PhoneTable.fit(bundle.codec, corpus, rows, min_count=1)
+    m = diagnose.stream_metrics(p, s.frames, rec, table)
     assert m["frame_match"][0] == m["frame_match"][1] == 1.0 and m["graph_stream_errors"] == 0
+    # codebook 1 forced to the ground truth's codes names the phones those codes name
+    own = diagnose.phone_hits(table, rec, gt[1, :T])
+    assert (m["cb1_phone_hits"], m["cb1_phone_frames"]) == (own["cb1_phone_hits"], own["cb1_phone_frames"])
+    assert own["cb1_phone_frames"] > 0
     tf = diagnose.teacher_forced(bundle.model, p, 4, 2)
     assert tf["full"]["n"][0] == T + 1 and tf["full"]["n"][1] == T  # grapheme EOS frame is a target
     assert all(np.isfinite(tf[k]["ce"]).all() for k in ("full", "window"))
 
 
 def test_free_mode_steps_like_the_server_runner(setup):
-    bundle, p, runner, voice = setup
+    bundle, p, runner, voice, _, _ = setup
     free = diagnose.synthesize(runner, voice, p, "free", seed=7)
     runner.admit(0, voice, 7)
     for c in range(len(p.chunk_tau)):

@@ -63,3 +63,15 @@ def test_probe_codec_runs_on_a_corpus(tmp_path):
     assert out["n_fit"] == 3 and out["n_score"] == 1
     assert 0 <= out["cb1_repeat"] <= 1 and out["cb1_codes_used"] >= 1
     assert 0 <= out["cb1_given_phone"] <= out["cb1_entropy"] + 1e-9
+
+
+def test_phone_table_counts_frames_whose_code_names_the_timeline_phone():
+    from training.phones import PhoneTable
+
+    vocab = PhoneVocab(("_", "espeak:a", "espeak:b"))
+    rec = {"engine": "espeak", "phones": [["_", 0.0, 0.04], ["a", 0.04, 0.08], ["b", 0.08, 0.12]]}
+    # 75 Hz frames at 24 kHz: 3 frames per phone; code 7 stands for "a", 9 for "b", others for the pause
+    table = PhoneTable(vocab, {7: 1, 9: 2}, 0, 320, 24000)
+    codes = np.array([1, 1, 7, 7, 7, 7, 9, 9, 9])  # frame 2 says "a" during the pause: a miss
+    hit, n = table.hits(rec, codes)
+    assert n == 9 and hit == 2 + 3 + 3

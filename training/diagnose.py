@@ -44,6 +44,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ from models.inference import visible_prefix
 from server.session_api import SessionConfig
 from training.dataset import DecoderData, Example, codes_path, collate, read_manifest, read_wav_segment
 from training.encode_corpus import encode_batch, save_codes
+from training.phones import PhoneTable
 from training.eval import report
 from training.eval.backends import make_backends
 from training.eval.text import edit_distance, error_counts, get_normalizer
@@ -204,18 +206,27 @@ def decode_audio(bundle, frames: np.ndarray) -> np.ndarray:
         return bundle.codec.decode(codes.unsqueeze(0))[0, 0].float().cpu().numpy()
 
 
-def stream_metrics(prep: Prepared, frames: np.ndarray) -> dict:
+def stream_metrics(prep: Prepared, frames: np.ndarray, rec: dict, phones: Optional[PhoneTable]) -> dict:
     """How the emitted frames compare with the ground truth frame by frame (frames past
-    either end count as mismatches), and the CTC-collapsed grapheme stream's error rate
-    against the ground-truth stream's."""
+    either end count as mismatches), the CTC-collapsed grapheme stream's error rate
+    against the ground-truth stream's, and (with a phone table) on how many frames the
+    emitted codebook-1 code names the phone the ground truth has there."""
     T = prep.n_frames
     gt = prep.example.codes[:, :T]
     n = min(T, len(frames))
     match = (frames[:n].T == gt[:, :n]).sum(1) / max(T, len(frames), 1)
     ref = G.ctc_collapse(gt[0].tolist())
     hyp = G.ctc_collapse(frames[:, 0].tolist()) if len(frames) else []
-    return {"frames": int(len(frames)), "gt_frames": T, "frame_match": [round(float(x), 4) for x in match],
-            "graph_stream_errors": edit_distance(ref, hyp), "graph_stream_ref": len(ref)}
+    out = {"frames": int(len(frames)), "gt_frames": T, "frame_match": [round(float(x), 4) for x in match],
+           "graph_stream_errors": edit_distance(ref, hyp), "graph_stream_ref": len(ref)}
+    return {**out, **phone_hits(phones, rec, frames[:, 1] if len(frames) else np.zeros(0, np.int64))}
+
+
+def phone_hits(phones: Optional[PhoneTable], rec: dict, codes: np.ndarray) -> dict:
+    if phones is None or not rec.get("phones"):
+        return {}
+    hit, n = phones.hits(rec, codes)
+    return {"cb1_phone_hits": hit, "cb1_phone_frames": n}
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -235,6 +246,9 @@ def summarize(records: list[dict], utterances: list[dict]) -> tuple[list[dict], 
             row["frame_match"] = ((np.array([r["frame_match"] for r in sm]) * span).sum(0) / span.sum()).tolist()
             errors, ref = sum(r["graph_stream_errors"] for r in sm), sum(r["graph_stream_ref"] for r in sm)
             row["graph_stream_cer"] = errors / max(1, ref)
+        ph = [r for r in recs if "cb1_phone_frames" in r]
+        if ph:
+            row["cb1_phone"] = sum(r["cb1_phone_hits"] for r in ph) / max(1, sum(r["cb1_phone_frames"] for r in ph))
         rows.append(row)
     tf: dict = {}
     for name in ("full", "window"):
@@ -250,10 +264,10 @@ def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
     pct = lambda x: "–" if x is None else f"{100 * x:.1f}"  # noqa: E731
     synth = report.markdown_table(
         ["System", "WER %", "CER %", "grapheme stream CER %", "grapheme frames = GT %", "codebook 1 frames = GT %",
-         "dur/GT", "n"],
+         "codebook 1 names the GT phone %", "dur/GT", "n"],
         [[r["label"], pct(r["wer"]), pct(r["cer"]), pct(r.get("graph_stream_cer")),
           pct(r["frame_match"][0]) if "frame_match" in r else "–",
-          pct(r["frame_match"][1]) if "frame_match" in r else "–",
+          pct(r["frame_match"][1]) if "frame_match" in r else "–", pct(r.get("cb1_phone")),
           "–" if r["dur_ratio"] is None or r["label"] == report.GT else f"{r['dur_ratio']:.2f}", str(r["n"])]
          for r in rows])
     k = len(tf.get("full", {}).get("ce", []))
@@ -282,6 +296,9 @@ def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
         "- grapheme stream CER: edit distance of the CTC-collapsed emitted grapheme stream to the collapsed "
         "ground-truth stream; `= GT %`: emitted frames equal to the ground truth's frame by frame "
         "(frames past either end count as mismatches).",
+        "- codebook 1 names the GT phone: frames whose codebook-1 code stands for (majority over 300 train "
+        "utterances, training.phones.PhoneTable) the phone the corpus's timeline has at that frame; the ground "
+        "truth's row is its own codec codes, the most a decoder can reach with this table.",
         f"- Per-utterance numbers: `{json_path}`.",
         "",
         "## Synthesis",
@@ -351,6 +368,9 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         preps = prepare(bundle, rows, utts, tmp, a.letters)
+    by_id = {r["id"]: r for r in rows}
+    phones = (PhoneTable.fit(bundle.codec, str(corpus), rows, device=bundle.device)
+              if any(r.get("phones") for r in rows) else None)
     log(f"diagnose: {len(preps)} of {len(utts)} utterances, modes {modes}")
     records: list[dict] = []
     utt_out: list[dict] = []
@@ -363,7 +383,9 @@ def main(argv=None) -> int:
         base = dict(utt=u.id, heldout_voice=u.heldout)
         gt = read_audio(u.audio)
         base["ref_duration_s"] = len(gt) / SR
-        audios = [(report.GT, gt, {}), (report.CODEC, codec_resynthesis(bundle, gt)[0], {})]
+        rec_u = by_id[u.id]
+        audios = [(report.GT, gt, phone_hits(phones, rec_u, p.example.codes[1, :p.n_frames])),
+                  (report.CODEC, codec_resynthesis(bundle, gt)[0], {})]
         seed = (zlib.crc32(u.id.encode()) + a.seed) % (2**31)
         voice = runner.make_voice(u.enroll_id, read_audio(u.enroll_audio), SR)
         for m in modes:
@@ -371,7 +393,8 @@ def main(argv=None) -> int:
             s = synthesize(runner, voice, p, m, seed, a.top_k, a.n_past, a.n_future)
             dt = time.perf_counter() - t1
             audios.append((MODE_LABELS[m], decode_audio(bundle, s.frames),
-                           {**stream_metrics(p, s.frames), "steps": s.steps, "compute_s": round(dt, 3), "seed": seed}))
+                           {**stream_metrics(p, s.frames, rec_u, phones), "steps": s.steps, "compute_s": round(dt, 3),
+                            "seed": seed}))
         for label, audio, extra in audios:
             rec = {**base, "system": label, "audio_s": len(audio) / SR, **extra}
             if audio.size:

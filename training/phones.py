@@ -100,21 +100,62 @@ def _conditional_entropy(pairs: Counter) -> float:
     return sum(sum(cc.values()) / n * _entropy(cc) for cc in by_label.values()) if n else 0.0
 
 
-def _table_accuracy(fit: Counter, score: Counter) -> float:
-    """Accuracy on ``score`` of the majority code -> label table of ``fit`` (both count
-    (label, code) pairs); a code unseen in the fit gets the commonest label."""
+def _majority_table(fit: Counter) -> tuple[dict, object]:
+    """(code -> its commonest label, the commonest label overall) from counts of (label,
+    code) pairs; (empty, None) without any."""
     by_code: dict = {}
     labels: Counter = Counter()
     for (label, code), c in fit.items():
         by_code.setdefault(code, Counter())[label] += c
         labels[label] += c
     if not labels:
+        return {}, None
+    return {code: cc.most_common(1)[0][0] for code, cc in by_code.items()}, labels.most_common(1)[0][0]
+
+
+def _table_accuracy(fit: Counter, score: Counter) -> float:
+    """Accuracy on ``score`` of the majority code -> label table of ``fit`` (both count
+    (label, code) pairs); a code unseen in the fit gets the commonest label."""
+    table, default = _majority_table(fit)
+    if default is None:
         return float("nan")
-    default = labels.most_common(1)[0][0]
-    table = {code: cc.most_common(1)[0][0] for code, cc in by_code.items()}
     n = sum(score.values())
     hit = sum(c for (label, code), c in score.items() if table.get(code, default) == label)
     return hit / n if n else float("nan")
+
+
+@dataclass
+class PhoneTable:
+    """Which phone a codebook-1 code stands for (the majority over train utterances):
+    reads codes a decoder emits as phones, to count the frames whose code names the
+    phone the ground truth has there (training.diagnose)."""
+
+    vocab: PhoneVocab
+    table: dict
+    default: int
+    hop: int
+    sample_rate: int
+
+    @classmethod
+    def fit(cls, codec, corpus: str, records: Sequence[dict], n: int = 300, device="cpu", seed: int = 0,
+            min_count: int = 20) -> "PhoneTable":
+        labelled = [r for r in records if r.get("phones")]
+        vocab = PhoneVocab.from_records(labelled, min_count)
+        fit = [r for r in labelled if r["split"] == "train"]
+        random.Random(seed).shuffle(fit)
+        pairs: Counter = Counter()
+        for r, codes in zip(fit[:n], first_codebook(codec, corpus, fit[:n], device)):
+            ph = vocab.frame_labels(r, 0, len(codes), codec.hop_length, codec.sample_rate)
+            pairs.update((int(p), int(c)) for p, c in zip(ph, codes) if p != IGNORE)
+        table, default = _majority_table(pairs)
+        return cls(vocab, table, -1 if default is None else int(default), codec.hop_length, codec.sample_rate)
+
+    def hits(self, rec: dict, codes: np.ndarray) -> tuple[int, int]:
+        """(frames whose code names the record's phone there, frames with a phone label)."""
+        labels = self.vocab.frame_labels(rec, 0, len(codes), self.hop, self.sample_rate)
+        keep = labels != IGNORE
+        named = np.array([self.table.get(int(c), self.default) for c in codes[keep]], np.int64)
+        return int((named == labels[keep]).sum()), int(keep.sum())
 
 
 @torch.no_grad()
