@@ -1,4 +1,5 @@
-"""The server process: gRPC (LiveSpeech + health + reflection), metrics, drain.
+"""The server process: gRPC (LiveSpeech + health + reflection), the WebSocket and
+OpenAI-compatible HTTP endpoints (server/web.py, when `http_port` is set), metrics, drain.
 
     app = await build_server(config, engine)   # started; app.port is the bound port
     ...
@@ -7,7 +8,9 @@
 `serve(config)` builds the engine from the model bundle and runs until SIGTERM/SIGINT
 under uvloop. Drain: health -> NOT_SERVING, new Synthesize calls -> UNAVAILABLE "server
 is draining", in-flight sessions get `drain_grace_s` to finish (then UNAVAILABLE
-"server is shutting down"), then `server.stop()` and `engine.stop()`.
+"server is shutting down"), then `server.stop()`, the HTTP server's and `engine.stop()`.
+WebSocket and HTTP sessions are drained with gRPC's (they are the service's streams too),
+refused while draining with close code 4503 / HTTP 503.
 
 Security (server/auth.py, docs/reliability.md): TLS when `tls_cert` is set (mutual TLS
 with `tls_client_ca`), bearer tokens when configured; both are loaded before the engine
@@ -35,6 +38,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 from .protocol import SERVICE_NAME, method_handlers
 from .service import LiveSpeechService
+from .web import WebEndpoints, ssl_context
 from .session_api import ConfigError, EngineAPI
 from .voices import VoiceStore
 
@@ -57,6 +61,7 @@ class App:
         port: int,
         metrics_port: Optional[int],
         auth: Optional[AuthInterceptor] = None,
+        web: Optional[WebEndpoints] = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -68,7 +73,12 @@ class App:
         self.port = port
         self.metrics_port = metrics_port
         self.auth = auth
+        self.web = web  # the WebSocket/HTTP endpoints (None: http_port 0)
         self._stopped: Optional[asyncio.Task] = None
+
+    @property
+    def http_port(self) -> Optional[int]:
+        return self.web.port if self.web is not None else None
 
     @property
     def address(self) -> str:
@@ -91,6 +101,8 @@ class App:
         if forced:
             log.warning("drain: ended %d sessions still running after %.1f s", forced, grace_s)
         await self.server.stop(grace=1.0)
+        if self.web is not None:
+            await self.web.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
         self.metrics.stop_http_server()
         log.info("stopped")
@@ -125,11 +137,8 @@ class App:
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
-    # largest legitimate message: enrollment audio (PCM16 at 48 kHz, or a WAV of up to
-    # 32-bit stereo at 48 kHz) for max_enrollment_seconds, plus headroom
-    max_msg = int(config.max_enrollment_seconds * 48_000 * 8) + (1 << 20)
     return [
-        ("grpc.max_receive_message_length", max(max_msg, 4 << 20)),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", 16 << 20),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
@@ -152,6 +161,7 @@ async def build_server(
     if tokens is not None and credentials is None and config.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("bearer tokens without TLS on %s: tokens travel in clear text (terminate TLS in front)", config.host)
     engine.start()
+    web: Optional[WebEndpoints] = None
     try:
         if voices is None:
             voices = VoiceStore(
@@ -177,18 +187,24 @@ async def build_server(
         metrics_port = None
         if config.metrics_port:  # -1: any free port
             metrics_port = metrics.start_http_server(max(config.metrics_port, 0), config.host)
+        if config.http_port:  # -1: any free port
+            web = WebEndpoints(config, service, auth)
+            await web.start(ssl_context(config))
         await server.start()
     except BaseException:
+        if web is not None:
+            await web.stop()
         metrics.stop_http_server()
         engine.stop()
         raise
-    log.info("listening on %s:%d (metrics: %s)", config.host, port, metrics_port or "off")
+    log.info("listening on %s:%d (metrics: %s, WebSocket/HTTP: %s)", config.host, port, metrics_port or "off",
+             web.port if web is not None else "off")
     log.info(
         "security: %s, %s",
         ("mutual TLS" if config.tls_client_ca else "TLS") if credentials else "plaintext",
         f"bearer tokens for {len(tokens.tenants)} tenants" if tokens else "no authentication",
     )
-    return App(config, engine, metrics, voices, service, server, health_servicer, port, metrics_port, auth)
+    return App(config, engine, metrics, voices, service, server, health_servicer, port, metrics_port, auth, web)
 
 
 # ------------------------------------------------------------------ process
@@ -275,7 +291,8 @@ async def _serve(config: ServerConfig, engine: Optional[EngineAPI]) -> None:
     if engine is None:
         engine = make_engine(config, metrics)
     app = await build_server(config, engine, metrics=metrics)
-    print(f"livespeech: serving on {config.host}:{app.port}", flush=True)
+    http = f", WebSocket/HTTP on {config.host}:{app.http_port}" if app.http_port else ""
+    print(f"livespeech: serving on {config.host}:{app.port}{http}", flush=True)
     loop = asyncio.get_running_loop()
     signals = 0
 

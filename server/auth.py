@@ -63,6 +63,11 @@ def current_tenant() -> str:
     return _tenant.get()
 
 
+def set_tenant(tenant: str) -> None:
+    """Name the authenticated caller of the current task (server/web.py's handlers)."""
+    _tenant.set(tenant)
+
+
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 

@@ -32,6 +32,10 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051  # 0 = any free port
     metrics_port: int = 9090  # Prometheus exporter; 0 = disabled, -1 = any free port
+    # WebSocket and OpenAI-compatible HTTP endpoints (server/web.py); 0 = disabled (the
+    # default: a deployment opens only the ports it names), -1 = any free port. Same
+    # host, TLS and tokens as gRPC
+    http_port: int = 0
     model_path: Optional[Path] = None  # None = the embedded default model
     device: str = "cpu"  # cpu | cuda | cuda:N
     # replay the decode step from a CUDA graph (models/step_graph.py); CUDA devices only
@@ -102,6 +106,7 @@ class ServerConfig:
         need(bool(self.host), "host must not be empty")
         need(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
         need(-1 <= self.metrics_port <= 65535, f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
+        need(-1 <= self.http_port <= 65535, f"http_port must be in [-1, 65535], got {self.http_port}")
         need(
             self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:"),
             f"device must be cpu, cuda or cuda:N, got {self.device!r}",
@@ -141,6 +146,13 @@ class ServerConfig:
         queued streams per slot (clients racing for capacity get the engine's "at
         capacity" refusal)."""
         return self.max_synthesize_streams or 8 * self.max_sessions + 64
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest request message taken: enrollment audio (PCM16 at 48 kHz, or a WAV
+        of up to 32-bit stereo at 48 kHz) for max_enrollment_seconds, plus headroom; at
+        least 4 MiB. In JSON (server/web.py) the audio is base64: 4/3 of this."""
+        return max(int(self.max_enrollment_seconds * 48_000 * 8) + (1 << 20), 4 << 20)
 
     def replace(self, **kw: Any) -> "ServerConfig":
         return dataclasses.replace(self, **kw)

@@ -1,4 +1,10 @@
-"""The LiveSpeech gRPC servicer (grpc.aio).
+"""The LiveSpeech gRPC servicer (grpc.aio), and the session side every transport shares.
+
+`SessionStream` is a synthesis stream without its transport: the engine's events queued
+for the client, the idle and wall-clock timeouts, the slow-reader rules; with
+`LiveSpeechService.admit` / `open_session` / `discharge` (admission, voice, tenant quota,
+capacity, drain). gRPC's `_Stream` and the WebSocket/HTTP endpoints (server/web.py) are
+transports over it.
 
 One `Synthesize` stream = one `_Stream`: the handler reads the config, opens an engine
 session, then runs a reader task (client messages -> `SessionHandle`) and a writer task
@@ -204,30 +210,31 @@ class ReadClock:
         return max(self.balance_s + self.grace_s, 0.0) + 1e-3
 
 
-class _Stream:
-    """State of one Synthesize stream (event-loop side)."""
+class SessionStream:
+    """The transport-neutral side of one synthesis stream (event loop): the engine's
+    events queued for the client, the session's idle and wall-clock timeouts, and the
+    slow-reader rules (`ReadClock`, `max_buffered_packets`). gRPC's `_Stream` and the
+    WebSocket/HTTP adapters (server/web.py) are transports over it: they open the session
+    with `LiveSpeechService.open_session`, forward client messages to `handle`, take
+    events with `next_event` and write each under `timed_write`. The service's drain and
+    tenant quota see every transport's streams (`LiveSpeechService.admit`)."""
 
-    def __init__(self, service: "LiveSpeechService", context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, service: "LiveSpeechService") -> None:
         self.service = service
         self.config = service.config
-        self.context = context
         self.loop = asyncio.get_running_loop()
         self.handle: Optional[SessionHandle] = None
         self.events: asyncio.Queue[SessionEvent] = asyncio.Queue()
         # resolved once: None (the session ended with its summary) or the RpcError to end it with
         self.outcome: asyncio.Future = self.loop.create_future()
         self.last_activity = time.monotonic()
-        self.tasks: list[asyncio.Task] = []
         self.closed = False
         self.released = False  # the engine handle was closed
         self.capacity_rejected = False
-        self.requests_broken = False
-        self.ending = False  # shutdown began: the reader drains, forwards nothing
-        self.request_seen = asyncio.Event()  # set by the reader at each client message
         self.tenant = current_tenant()
         self.opened_at = time.monotonic()
         self.read_clock = ReadClock(self.config.slow_reader_grace_s)
-        self.writing = False  # the writer waits for gRPC to take a message
+        self.writing = False  # the writer waits for the transport to take a message
         self._read_check: Optional[asyncio.TimerHandle] = None
 
     # ------------------------------------------------------------ engine side
@@ -270,17 +277,11 @@ class _Stream:
         if not self.outcome.done():
             self.outcome.set_result(outcome)
 
-    def close(self) -> None:
-        """Every exit path: free the engine slot now, stop the helper tasks."""
-        self.release()
-        if self._read_check is not None:
-            self._read_check.cancel()
-        for t in self.tasks:
-            t.cancel()
-
     def release(self) -> None:
         """Free the engine slot (idempotent); nothing more is delivered."""
         self.closed = True
+        if self._read_check is not None:
+            self._read_check.cancel()
         if self.handle is not None and not self.released:
             self.released = True
             # the service ending a session with an error is a failure, not a disconnect
@@ -290,6 +291,64 @@ class _Stream:
                 self.handle.close("failed" if failed else "disconnected")
             except Exception:  # pragma: no cover - the engine must not make us leak
                 log.exception("handle.close() failed")
+
+    # ------------------------------------------------------------ engine -> client
+
+    async def next_event(self) -> SessionEvent:
+        """The next engine event; RpcError DEADLINE_EXCEEDED past the idle timeout or the
+        session's wall-clock cap."""
+        idle, wall = self.config.idle_timeout_s, self.config.max_session_wall_s
+        while True:
+            now = time.monotonic()
+            wall_left = self.opened_at + wall - now
+            if wall_left <= 0:  # checked first: a session that is generating has events ready
+                raise RpcError(Code.DEADLINE_EXCEEDED, f"session open for {wall:g} s (max_session_wall_s)")
+            if not self.events.empty():
+                return self.events.get_nowait()
+            remaining = self.last_activity + idle - now
+            if remaining <= 0:
+                raise RpcError(
+                    Code.DEADLINE_EXCEEDED, f"session idle for {idle:g} s (no message and nothing to generate)"
+                )
+            try:
+                async with asyncio.timeout(min(remaining, wall_left)):
+                    return await self.events.get()
+            except asyncio.TimeoutError:
+                continue
+
+    async def timed_write(self, write: Awaitable[Any], audio_s: float = 0.0, last: bool = False) -> None:
+        """Await the transport's write of one event, with the time it waits (flow
+        control) on the read clock; `audio_s`: the audio it carries; `last`: the summary
+        (a client that took it read everything)."""
+        if audio_s:
+            self.read_clock.start(self.loop.time())
+        self.writing = True
+        self._backlog_changed()
+        try:
+            await write
+        finally:
+            self.writing = False
+        if not last:
+            self.read_clock.took(audio_s)
+            self._backlog_changed()
+
+
+class _Stream(SessionStream):
+    """State of one Synthesize stream (event-loop side)."""
+
+    def __init__(self, service: "LiveSpeechService", context: grpc.aio.ServicerContext) -> None:
+        super().__init__(service)
+        self.context = context
+        self.tasks: list[asyncio.Task] = []
+        self.requests_broken = False
+        self.ending = False  # shutdown began: the reader drains, forwards nothing
+        self.request_seen = asyncio.Event()  # set by the reader at each client message
+
+    def close(self) -> None:
+        """Every exit path: free the engine slot now, stop the helper tasks."""
+        self.release()
+        for t in self.tasks:
+            t.cancel()
 
     async def discard_requests(self, it: AsyncIterator) -> None:
         """`drain_requests` before a stream ends early, unless a timed-out read already
@@ -333,22 +392,7 @@ class _Stream:
             cfg, enrollment = config_from_proto(first.config)
         except ConfigError as e:
             raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
-        voice_id, voice = await self.service.resolve_voice(cfg, enrollment)
-        if self.service.draining:
-            raise RpcError(Code.UNAVAILABLE, "server is draining")
-        effective = cfg.replace(voice_id=voice_id)
-        self.service.check_tenant_quota(self.tenant)
-        try:
-            self.handle = self.service.engine.open_session(effective, voice, self.sink)
-        except CapacityError as e:
-            self.capacity_rejected = True  # the engine counted it as a rejected session
-            raise RpcError(
-                Code.RESOURCE_EXHAUSTED,
-                f"server is at capacity ({e or 'no free session slot'}); retry later or elsewhere",
-                (("retry-after-ms", str(self.config.retry_after_ms)),),
-            ) from None
-        except ConfigError as e:
-            raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
+        effective = await self.service.open_session(self, cfg, enrollment)
         await self.context.write(
             pb.SynthesizeResponse(
                 started=pb.Started(session_id=self.handle.session_id, config=config_to_proto(effective))
@@ -410,7 +454,7 @@ class _Stream:
             return
         await confirm_half_close()
         if not self.ending:  # half-close = end of input
-            with _handle_errors():
+            with handle_errors():
                 self.handle.end_input()
 
     def _forward(self, msg: Any) -> str:
@@ -421,10 +465,10 @@ class _Stream:
         # limits, timestamps and ordering are validated by the handle (one place)
         if kind == "text":
             ts: Optional[float] = msg.text.timestamp_s if msg.text.HasField("timestamp_s") else None
-            with _handle_errors():
+            with handle_errors():
                 handle.push_text(msg.text.text, ts, msg.text.flush)
         elif kind == "end_of_input":
-            with _handle_errors():
+            with handle_errors():
                 handle.end_input()
         elif kind == "cancel":
             handle.cancel()
@@ -436,61 +480,33 @@ class _Stream:
 
     # ------------------------------------------------------------ engine -> client
 
-    async def _next_event(self) -> SessionEvent:
-        idle, wall = self.config.idle_timeout_s, self.config.max_session_wall_s
-        while True:
-            now = time.monotonic()
-            wall_left = self.opened_at + wall - now
-            if wall_left <= 0:  # checked first: a session that is generating has events ready
-                raise RpcError(Code.DEADLINE_EXCEEDED, f"session open for {wall:g} s (max_session_wall_s)")
-            if not self.events.empty():
-                return self.events.get_nowait()
-            remaining = self.last_activity + idle - now
-            if remaining <= 0:
-                raise RpcError(
-                    Code.DEADLINE_EXCEEDED, f"session idle for {idle:g} s (no message and nothing to generate)"
-                )
-            try:
-                async with asyncio.timeout(min(remaining, wall_left)):
-                    return await self.events.get()
-            except asyncio.TimeoutError:
-                continue
-
     async def _write(self) -> None:
         while True:
-            ev = await self._next_event()
+            ev = await self.next_event()
             if isinstance(ev, AudioPacket):
-                self.read_clock.start(self.loop.time())
-                await self._timed_write(
-                    pb.SynthesizeResponse(
-                        audio=pb.AudioPacket(seq=ev.seq, data=ev.data, start_s=ev.start_s, duration_s=ev.duration_s)
-                    )
-                )
-                self.read_clock.took(ev.duration_s)
-                self._backlog_changed()
+                msg = pb.SynthesizeResponse(
+                    audio=pb.AudioPacket(seq=ev.seq, data=ev.data, start_s=ev.start_s, duration_s=ev.duration_s))
+                await self.timed_write(self.context.write(msg), ev.duration_s)
             elif isinstance(ev, WordTiming):
-                await self._timed_write(pb.SynthesizeResponse(word=pb.WordTiming(word=ev.word, start_s=ev.start_s, end_s=ev.end_s)))
-                self._backlog_changed()
+                msg = pb.SynthesizeResponse(word=pb.WordTiming(word=ev.word, start_s=ev.start_s, end_s=ev.end_s))
+                await self.timed_write(self.context.write(msg))
             elif isinstance(ev, Finished):
-                await self._timed_write(pb.SynthesizeResponse(summary=summary_to_proto(ev.summary)))
+                await self.timed_write(self.context.write(pb.SynthesizeResponse(summary=summary_to_proto(ev.summary))),
+                                       last=True)
                 self.finish(None)
                 return
             elif isinstance(ev, Failed):
-                code = Code.__members__.get(ev.code, Code.INTERNAL)
-                raise RpcError(Code.INTERNAL if code is Code.OK else code, ev.message, from_engine=True)
+                raise failed_error(ev)
 
-    async def _timed_write(self, msg: "pb.SynthesizeResponse") -> None:
-        """`context.write`, with the time it waits for gRPC (flow control) on the read clock."""
-        self.writing = True
-        self._backlog_changed()
-        try:
-            await self.context.write(msg)
-        finally:
-            self.writing = False
+
+def failed_error(ev: Failed) -> RpcError:
+    """An engine `Failed` as the status that ends the stream."""
+    code = Code.__members__.get(ev.code, Code.INTERNAL)
+    return RpcError(Code.INTERNAL if code is Code.OK else code, ev.message, from_engine=True)
 
 
 @contextlib.contextmanager
-def _handle_errors() -> Iterator[None]:
+def handle_errors() -> Iterator[None]:
     """A `SessionHandle` call's errors as statuses."""
     try:
         yield
@@ -511,7 +527,7 @@ class LiveSpeechService:
         self.voices = voices
         self.metrics = metrics
         self.draining = False
-        self._streams: set[_Stream] = set()
+        self._streams: set[SessionStream] = set()
         self._open_streams = 0  # admitted under synthesize_stream_limit (not those being refused)
         self._changed = asyncio.Event()
 
@@ -533,6 +549,52 @@ class LiveSpeechService:
                 (("retry-after-ms", str(self.config.retry_after_ms)),),
             )
 
+    # ------------------------------------------------------------ streams of every transport
+
+    def admit(self, stream: SessionStream) -> None:
+        """Count a synthesis stream (of any transport) under `synthesize_stream_limit`;
+        refused with RpcError while draining or at the limit. `discharge` when it ends."""
+        self._streams.add(stream)  # the drain waits for it, refused or not
+        if self.draining:
+            raise RpcError(Code.UNAVAILABLE, "server is draining")
+        limit = self.config.synthesize_stream_limit
+        if self._open_streams >= limit:
+            raise RpcError(
+                Code.RESOURCE_EXHAUSTED,
+                f"server has {limit} Synthesize streams open (max_synthesize_streams); retry later or elsewhere",
+                (("retry-after-ms", str(self.config.retry_after_ms)),),
+            )
+        self._open_streams += 1
+
+    def discharge(self, stream: SessionStream, admitted: bool) -> None:
+        """`stream` ended: free its slot, stop counting it (`admitted`: it passed `admit`)."""
+        if admitted:
+            self._open_streams -= 1
+        stream.release()
+        self._streams.discard(stream)
+        self._changed.set()
+
+    async def open_session(self, stream: SessionStream, cfg: SessionConfig, enrollment: Optional[Enrollment]) -> SessionConfig:
+        """Resolve the voice and open the engine session of `stream` (its `handle`), under
+        the drain, the tenant quota and the engine's capacity; returns the effective config."""
+        voice_id, voice = await self.resolve_voice(cfg, enrollment)
+        if self.draining:
+            raise RpcError(Code.UNAVAILABLE, "server is draining")
+        effective = cfg.replace(voice_id=voice_id)
+        self.check_tenant_quota(stream.tenant)
+        try:
+            stream.handle = self.engine.open_session(effective, voice, stream.sink)
+        except CapacityError as e:
+            stream.capacity_rejected = True  # the engine counted it as a rejected session
+            raise RpcError(
+                Code.RESOURCE_EXHAUSTED,
+                f"server is at capacity ({e or 'no free session slot'}); retry later or elsewhere",
+                (("retry-after-ms", str(self.config.retry_after_ms)),),
+            ) from None
+        except ConfigError as e:
+            raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
+        return effective
+
     # ------------------------------------------------------------ Synthesize
 
     async def Synthesize(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
@@ -542,16 +604,7 @@ class LiveSpeechService:
         requests = request_iterator.__aiter__()
         admitted = False
         try:
-            if self.draining:
-                raise RpcError(Code.UNAVAILABLE, "server is draining")
-            limit = self.config.synthesize_stream_limit
-            if self._open_streams >= limit:
-                raise RpcError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"server has {limit} Synthesize streams open (max_synthesize_streams); retry later or elsewhere",
-                    (("retry-after-ms", str(self.config.retry_after_ms)),),
-                )
-            self._open_streams += 1
+            self.admit(stream)
             admitted = True
             await stream.run(requests)
         except RpcError as e:
@@ -565,15 +618,12 @@ class LiveSpeechService:
             log.exception("Synthesize failed")
             await self._abort(context, RpcError(Code.INTERNAL, "internal error"))
         finally:
-            if admitted:
-                self._open_streams -= 1
             stream.close()
             # the engine counts the sessions it admitted or refused for capacity; the
             # streams that never got that far are counted here
             if stream.handle is None and not stream.capacity_rejected:
                 self.metrics.sessions_total.labels(outcome=outcome).inc()
-            self._streams.discard(stream)
-            self._changed.set()
+            self.discharge(stream, admitted)
 
     async def resolve_voice(self, cfg: SessionConfig, enrollment: Optional[Enrollment]) -> tuple[str, Voice]:
         try:
