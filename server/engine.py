@@ -522,12 +522,14 @@ class Engine:
         # one call per frame count, with packets off the clock (the ramp, a text that ran
         # dry) apart from the tick's: joined to it, a ramp packet waited for all of it
         # (16 sessions: 15-19 ms of the ~20 its listener held, "Nineteenth session")
-        groups: dict[tuple[int, bool], list[tuple[EngineSession, bool]]] = collections.defaultdict(list)
+        # and first packets apart from all others: joined to another session's packet, a
+        # first packet waited for any codec-thread call holding that session's slot
+        groups: dict[tuple[int, bool, bool], list[tuple[EngineSession, bool]]] = collections.defaultdict(list)
         for s, plan in due:
-            groups[plan.frames, plan.clocked].append((s, plan.short))
+            groups[plan.frames, plan.clocked, s.frames_done == 0].append((s, plan.short))
         calls = []  # (threaded, urgency, n, planned): the engine thread's calls first, then the least audio in hand
         now = time.monotonic()
-        for (n, clocked), planned in groups.items():
+        for (n, clocked, _), planned in groups.items():
             in_hand = min(s.audio_ahead_s(now) for s, _ in planned)
             calls.append((not self._decode_here(planned, clocked, in_hand), in_hand, n, planned))
         for threaded, _, n, planned in sorted(calls, key=lambda c: c[:2]):
