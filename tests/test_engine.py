@@ -724,8 +724,11 @@ def test_start_policy_speaks_the_first_chunk_without_waiting_for_lookahead(engin
     got = {}
     for start in (0, 2):
         c = Collector()
-        h = engine.open_session(SessionConfig(**HARD, n_future_chunks=2, start_future_chunks=start), voice, c)
-        h.push_text("Hello there ", flush=True)  # one chunk, the text goes on
+        # no flush (it waives the lookahead) and no buffer delay: the chunker's timer
+        # releases the one chunk, and only the start policy decides when it is spoken
+        h = engine.open_session(SessionConfig(**HARD, n_future_chunks=2, start_future_chunks=start,
+                                              max_buffer_delay_ms=0), voice, c)
+        h.push_text("Hello there ")  # one chunk, the text goes on
         deadline = time.monotonic() + 3.0
         while not c.of(AudioPacket) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -782,8 +785,9 @@ def test_a_waiting_session_starts_on_min_words_of_lookahead(engine, voice):
     for on in (True, False):
         c = Collector()
         chunking = ChunkingConfig(min_words=2, max_words=4, timer_ms=10_000, release_when_waiting=on)
-        h = engine.open_session(SessionConfig(**HARD, n_future_chunks=2, start_future_chunks=1, chunking=chunking),
-                                voice, c)
+        # no buffer delay: it would start the session whatever the chunker does
+        h = engine.open_session(SessionConfig(**HARD, n_future_chunks=2, start_future_chunks=1, chunking=chunking,
+                                              max_buffer_delay_ms=0), voice, c)
         h.push_text("Hello there my friend ")  # chunk 0: two words; two more pending
         deadline = time.monotonic() + (5.0 if on else 3.0)  # both well before the timer
         while not c.of(AudioPacket) and time.monotonic() < deadline:
