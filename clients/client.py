@@ -592,11 +592,16 @@ class SynthesisSession:
             self.abort()
 
     async def collect(self) -> SynthesisResult:
-        result = SynthesisResult()
-        async for event in self:
-            result.add(event)
-        result.client_ttfa_s = self.client_ttfa_s
-        return result
+        return await _collect(self)
+
+
+async def _collect(events: "SynthesisSession | SynthesisStream") -> SynthesisResult:
+    """Every event of a session or stream, gathered; its client-side TTFA."""
+    result = SynthesisResult()
+    async for event in events:
+        result.add(event)
+    result.client_ttfa_s = events.client_ttfa_s
+    return result
 
 
 class SynthesisStream:
@@ -655,11 +660,7 @@ class SynthesisStream:
         self.session.abort()
 
     async def collect(self) -> SynthesisResult:
-        result = SynthesisResult()
-        async for event in self:
-            result.add(event)
-        result.client_ttfa_s = self.client_ttfa_s
-        return result
+        return await _collect(self)
 
 
 class AsyncLiveSpeechClient:
