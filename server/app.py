@@ -103,6 +103,7 @@ class App:
         await self.server.stop(grace=1.0)
         if self.web is not None:
             await self.web.stop()
+        await self.voices.close()
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
         self.metrics.stop_http_server()
         log.info("stopped")
@@ -165,7 +166,8 @@ async def build_server(
     try:
         if voices is None:
             voices = VoiceStore(
-                config.voices_dir, engine, max_voices=config.max_voices, max_voices_per_tenant=config.max_voices_per_tenant
+                config.voices_dir, engine, max_voices=config.max_voices, max_voices_per_tenant=config.max_voices_per_tenant,
+                rescan_s=config.voices_rescan_s,
             )
         await voices.load()
         service = LiveSpeechService(config, engine, voices, metrics)

@@ -52,6 +52,11 @@ class ServerConfig:
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
     voices_dir: Optional[Path] = None  # None = voices kept in memory only
+    # replicas may share voices_dir (a ReadWriteMany volume): a lookup re-reads its own
+    # voice's file and ListVoices its tenant's directory at once; this re-reads the whole
+    # directory every this many seconds, so voices others registered are enrolled before
+    # their first session and deleted ones leave memory (server/voices.py); 0 = never
+    voices_rescan_s: float = 30.0
     # limits
     max_text_piece_chars: int = 2_000
     max_session_text_chars: int = 100_000
@@ -123,6 +128,7 @@ class ServerConfig:
         )
         need(0 < self.max_enrollment_seconds <= 600, "max_enrollment_seconds must be in (0, 600]")
         need(self.max_voices >= 0, "max_voices must be >= 0")
+        need(self.voices_rescan_s >= 0, f"voices_rescan_s must be >= 0 (0 = never), got {self.voices_rescan_s}")
         need(self.config_timeout_s > 0, "config_timeout_s must be > 0")
         need(self.idle_timeout_s > 0, "idle_timeout_s must be > 0")
         need(self.max_session_wall_s > 0, "max_session_wall_s must be > 0")

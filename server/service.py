@@ -641,8 +641,8 @@ class LiveSpeechService:
                 # the id's shape first: a malformed id is the client's mistake, and the
                 # NOT_FOUND message would otherwise echo an arbitrarily long string
                 check_voice_id(cfg.voice_id)
-                return cfg.voice_id, self.voices.get(cfg.voice_id, current_tenant())
-            return self.voices.default(current_tenant())
+                return cfg.voice_id, await self.voices.get(cfg.voice_id, current_tenant())
+            return await self.voices.default(current_tenant())
         except ConfigError as e:
             raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
         except VoiceStoreError as e:
@@ -720,7 +720,7 @@ class LiveSpeechService:
     async def ListVoices(self, request: "pb.ListVoicesRequest", context: grpc.aio.ServicerContext) -> Any:
         async def go() -> "pb.ListVoicesResponse":
             decoded(request)
-            return pb.ListVoicesResponse(voices=[voice_info_to_proto(v) for v in self.voices.list(current_tenant())])
+            return pb.ListVoicesResponse(voices=[voice_info_to_proto(v) for v in await self.voices.list(current_tenant())])
 
         return await self._unary(context, go())
 

@@ -2,9 +2,18 @@
 
 A registered voice is stored as `<voices_dir>/<voice_id>.wav` (the reference speech,
 24 kHz mono PCM16) plus `<voice_id>.json` (metadata), both written atomically; the JSON
-is written last and removed first, so it marks a complete voice. At startup every stored
-voice is re-enrolled with the current model (`engine.make_voice`, in an executor), so
-voices survive restarts and model upgrades. `voices_dir=None` keeps voices in memory.
+is written last and removed first, so it marks a complete voice. `voices_dir=None` keeps
+voices in memory.
+
+The directory is the truth and memory a cache of enrolled voices (`engine.make_voice`,
+in an executor), so replicas that share the directory (a ReadWriteMany volume) share
+their voices: a lookup re-opens its voice's JSON and re-reads the voice if the file
+changed, appeared or went; ListVoices and a default lookup re-scan the tenant's
+directory; `rescan()` (at startup, and every `rescan_s`) the whole directory. A voice
+registered or deleted on one replica is therefore seen by the next call on any other.
+Writers (register, delete) hold the directory's lock (`_directory_lock`), so "already
+exists" and the voice limits hold across replicas. Voices survive restarts and model
+upgrades: a stored voice is re-enrolled with the model that reads it.
 
 Tenants (server/auth.py): each tenant has its own namespace of registered voices,
 stored under `<voices_dir>/<tenant>/`; the anonymous tenant "" (authentication off)
@@ -16,15 +25,22 @@ lookalikes) and is checked to lie in its tenant's directory before anything is w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Windows: writers are then excluded within one process only
+    fcntl = None  # type: ignore[assignment]
 
 import numpy as np
 
@@ -41,6 +57,14 @@ VOICE_ID_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MIN_REFERENCE_S = 0.1
 REFERENCE_RATES = (8_000, 192_000)  # accepted input sample-rate range
 DEFAULT_VOICE_ID = "default"
+
+# a stored voice's identity: its JSON's inode, mtime and size (a rewrite is a new inode)
+Stamp = tuple[int, int, int]
+_PROCESS_LOCK = threading.Lock()
+
+
+def _stamp(st: os.stat_result) -> Stamp:
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 class VoiceStoreError(Exception):
@@ -117,15 +141,27 @@ def builtin_reference_audio(engine: EngineAPI) -> Mapping[str, np.ndarray]:
 
 class VoiceStore:
     def __init__(
-        self, directory: Optional[Path], engine: EngineAPI, *, max_voices: int = 1000, max_voices_per_tenant: Optional[int] = None
+        self,
+        directory: Optional[Path],
+        engine: EngineAPI,
+        *,
+        max_voices: int = 1000,
+        max_voices_per_tenant: Optional[int] = None,
+        rescan_s: float = 0.0,
     ) -> None:
         self.dir = Path(directory) if directory is not None else None
         self.engine = engine
         self.max_voices = max_voices
         self.max_voices_per_tenant = max_voices if max_voices_per_tenant is None else max_voices_per_tenant
+        self.rescan_s = rescan_s  # > 0: `rescan()` every this many seconds (started by `load`)
         self._builtin: dict[str, Voice] = {}
         self._voices: dict[tuple[str, str], tuple[Voice, VoiceInfo]] = {}  # (tenant, voice_id)
+        # the JSON file each cached voice was read from (also for a file that failed to
+        # load: it is not read again until it changes)
+        self._stamps: dict[tuple[str, str], Stamp] = {}
+        self._reading: dict[tuple[str, str], asyncio.Future] = {}  # one read per voice at a time
         self._lock = asyncio.Lock()
+        self._rescanner: Optional[asyncio.Task] = None
 
     # ---------------------------------------------------------------- startup
 
@@ -138,39 +174,61 @@ class VoiceStore:
             )
         if self.dir is None:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tenants = [""] + sorted(p.name for p in self.dir.iterdir() if p.is_dir() and VOICE_ID_RE.fullmatch(p.name))
-        for tenant in tenants:
-            for meta_path in sorted(self._tenant_dir(tenant).glob("*.json")):
-                try:
-                    meta = json.loads(meta_path.read_text())
-                    voice_id = check_voice_id(meta["voice_id"])
-                    if meta_path.stem != voice_id:
-                        raise ValueError("file name does not match voice_id")
-                    samples, rate = decode_wav(self._path(tenant, voice_id, ".wav").read_bytes())
-                    voice = await loop.run_in_executor(None, self.engine.make_voice, voice_id, samples, rate)
-                except Exception as e:  # one bad file must not keep the server down
-                    log.error("skipping stored voice %s: %s", meta_path, e)
-                    continue
-                info = VoiceInfo(voice_id, False, float(meta.get("reference_s", 0.0)), int(meta.get("created_unix_ms", 0)))
-                self._voices[(tenant, voice_id)] = (voice, info)
+        await asyncio.to_thread(self.dir.mkdir, parents=True, exist_ok=True)
+        await self.rescan()
         log.info("voices: %d built-in, %d registered", len(self._builtin), len(self._voices))
+        if self.rescan_s > 0:
+            self._rescanner = asyncio.ensure_future(self._rescan_every(self.rescan_s))
+
+    async def close(self) -> None:
+        if self._rescanner is not None:
+            self._rescanner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._rescanner
+            self._rescanner = None
+
+    async def _rescan_every(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await self.rescan()
+            except Exception as e:  # e.g. the volume briefly unavailable: the next pass retries
+                log.warning("voices: rescan of %s failed: %s", self.dir, e)
+
+    async def rescan(self, tenant: Optional[str] = None) -> None:
+        """Bring the cache in line with the directory (one tenant's voices, or all): voices
+        written since are enrolled, changed ones re-enrolled, removed ones dropped."""
+        if self.dir is None:
+            return
+        tenants = [tenant] if tenant is not None else await asyncio.to_thread(self._tenants)
+        for t in tenants:
+            on_disk = await asyncio.to_thread(self._scan, t)
+            for key in [k for k in self._stamps if k[0] == t and k[1] not in on_disk]:
+                self._forget(key)
+            for voice_id, stamp in sorted(on_disk.items()):
+                if self._stamps.get((t, voice_id)) != stamp:
+                    await self._refresh((t, voice_id))
 
     # ---------------------------------------------------------------- lookups
 
-    def get(self, voice_id: str, tenant: str = "") -> Voice:
+    async def get(self, voice_id: str, tenant: str = "") -> Voice:
         if voice_id in self._builtin:
             return self._builtin[voice_id]
-        if (tenant, voice_id) in self._voices:
-            return self._voices[(tenant, voice_id)][0]
+        key = (tenant, voice_id)
+        if self.dir is not None:
+            await self._refresh(key)
+        if key in self._voices:
+            return self._voices[key][0]
         raise VoiceStoreError("NOT_FOUND", f"voice_id {voice_id!r} not found")
 
     def _registered(self, tenant: str) -> dict[str, tuple[Voice, VoiceInfo]]:
         return {v: entry for (t, v), entry in self._voices.items() if t == tenant}
 
-    def default(self, tenant: str = "") -> tuple[str, Voice]:
+    async def default(self, tenant: str = "") -> tuple[str, Voice]:
         """The voice for a config that names none: built-in 'default', else the first
         built-in, else the tenant's first registered voice."""
+        if not self._builtin:
+            await self.rescan(tenant)
         for table in (self._builtin, {k: v for k, (v, _) in self._registered(tenant).items()}):
             if DEFAULT_VOICE_ID in table:
                 return DEFAULT_VOICE_ID, table[DEFAULT_VOICE_ID]
@@ -179,7 +237,8 @@ class VoiceStore:
                 return voice_id, table[voice_id]
         raise VoiceStoreError("FAILED_PRECONDITION", "no default voice: set voice_id or enrollment")
 
-    def list(self, tenant: str = "") -> list[VoiceInfo]:
+    async def list(self, tenant: str = "") -> list[VoiceInfo]:
+        await self.rescan(tenant)
         out = [VoiceInfo(v, True) for v in sorted(self._builtin)]
         return out + [info for _, (_, info) in sorted(self._registered(tenant).items())]
 
@@ -194,37 +253,159 @@ class VoiceStore:
         async with self._lock:
             if voice_id in self._builtin:
                 raise VoiceStoreError("FAILED_PRECONDITION", f"voice {voice_id!r} is built in and read-only")
-            if key in self._voices and not overwrite:
-                raise VoiceStoreError("ALREADY_EXISTS", f"voice {voice_id!r} already exists (set overwrite)")
-            if key not in self._voices:
-                # the anonymous tenant (no authentication) is the whole server: max_voices
-                if tenant and len(self._registered(tenant)) >= self.max_voices_per_tenant:
-                    raise VoiceStoreError("RESOURCE_EXHAUSTED", f"voice limit per tenant reached ({self.max_voices_per_tenant})")
-                if len(self._voices) >= self.max_voices:
-                    raise VoiceStoreError("RESOURCE_EXHAUSTED", f"voice limit reached ({self.max_voices})")
+            if self.dir is None:
+                self._admit(voice_id, tenant, overwrite, key in self._voices, len(self._registered(tenant)), len(self._voices))
             loop = asyncio.get_running_loop()
             voice = await loop.run_in_executor(
                 None, self.engine.make_voice, voice_id, reference_24k, MODEL_SAMPLE_RATE
             )
             info = VoiceInfo(voice_id, False, len(reference_24k) / MODEL_SAMPLE_RATE, int(time.time() * 1000))
             if self.dir is not None:
-                await loop.run_in_executor(None, self._write, tenant, info, reference_24k)
+                # the directory is the truth other replicas share: its checks and the write
+                # happen under its lock
+                self._stamps[key] = await asyncio.to_thread(self._store, tenant, info, reference_24k, overwrite)
             self._voices[key] = (voice, info)
             return info
 
     async def delete(self, voice_id: str, tenant: str = "") -> None:
         check_voice_id(voice_id)
+        key = (tenant, voice_id)
         async with self._lock:
             if voice_id in self._builtin:
                 raise VoiceStoreError("FAILED_PRECONDITION", f"voice {voice_id!r} is built in and read-only")
-            if (tenant, voice_id) not in self._voices:
-                raise VoiceStoreError("NOT_FOUND", f"voice_id {voice_id!r} not found")
             if self.dir is not None:
-                for suffix in (".json", ".wav"):  # JSON first: it marks a complete voice
-                    self._path(tenant, voice_id, suffix).unlink(missing_ok=True)
-            del self._voices[(tenant, voice_id)]
+                try:
+                    await asyncio.to_thread(self._remove, tenant, voice_id)
+                except VoiceStoreError:
+                    self._forget(key)  # cached here, deleted by another replica
+                    raise
+            elif key not in self._voices:
+                raise VoiceStoreError("NOT_FOUND", f"voice_id {voice_id!r} not found")
+            self._forget(key)
 
-    # ---------------------------------------------------------------- files
+    def _admit(self, voice_id: str, tenant: str, overwrite: bool, exists: bool, tenant_count: int, total: int) -> None:
+        if exists and not overwrite:
+            raise VoiceStoreError("ALREADY_EXISTS", f"voice {voice_id!r} already exists (set overwrite)")
+        if not exists:
+            # the anonymous tenant (no authentication) is the whole server: max_voices
+            if tenant and tenant_count >= self.max_voices_per_tenant:
+                raise VoiceStoreError("RESOURCE_EXHAUSTED", f"voice limit per tenant reached ({self.max_voices_per_tenant})")
+            if total >= self.max_voices:
+                raise VoiceStoreError("RESOURCE_EXHAUSTED", f"voice limit reached ({self.max_voices})")
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        self._voices.pop(key, None)
+        self._stamps.pop(key, None)
+
+    # ---------------------------------------------------------------- the directory
+
+    async def _refresh(self, key: tuple[str, str]) -> None:
+        """Re-read one voice if its file changed (or appeared, or went) since it was cached."""
+        reading = self._reading.get(key)
+        if reading is None:
+            reading = self._reading[key] = asyncio.ensure_future(self._reread(key))
+            reading.add_done_callback(lambda _: self._reading.pop(key, None))
+        await asyncio.shield(reading)
+
+    async def _reread(self, key: tuple[str, str]) -> None:
+        tenant, voice_id = key
+        stamp: Optional[Stamp] = None
+        try:
+            found = await asyncio.to_thread(self._read, tenant, voice_id, self._stamps.get(key))
+            if found is None:
+                self._forget(key)
+                return
+            stamp, loaded = found
+            if loaded is None:  # unchanged
+                return
+            if isinstance(loaded, Exception):
+                raise loaded
+            samples, rate, info = loaded
+            voice = await asyncio.get_running_loop().run_in_executor(None, self.engine.make_voice, voice_id, samples, rate)
+        except Exception as e:  # one bad file must not fail the others (nor keep a server down)
+            log.error("skipping stored voice %s of tenant %r: %s", voice_id, tenant, e)
+            self._forget(key)
+            if stamp is not None:
+                self._stamps[key] = stamp  # not read again until the file changes
+            return
+        self._voices[key] = (voice, info)
+        self._stamps[key] = stamp
+
+    def _read(self, tenant: str, voice_id: str, known: Optional[Stamp]) -> Optional[tuple[Stamp, Any]]:
+        """None: no such voice; (stamp, None): unchanged since `known`; (stamp, error): a
+        file that does not load; else (stamp, (samples, rate, info))."""
+        try:
+            # opened, not stat()ed: NFS revalidates a file's attributes on open
+            # (close-to-open consistency), a bare stat may answer from its cache
+            with open(self._path(tenant, voice_id, ".json"), "rb") as f:
+                stamp = _stamp(os.fstat(f.fileno()))
+                if stamp == known:
+                    return stamp, None
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            meta = json.loads(raw)
+            if check_voice_id(meta["voice_id"]) != voice_id:
+                raise ValueError("file name does not match voice_id")
+            samples, rate = decode_wav(self._path(tenant, voice_id, ".wav").read_bytes())
+            info = VoiceInfo(voice_id, False, float(meta.get("reference_s", 0.0)), int(meta.get("created_unix_ms", 0)))
+        except FileNotFoundError:
+            return None  # deleted between the two reads
+        except Exception as e:
+            return stamp, e
+        return stamp, (samples, rate, info)
+
+    def _tenants(self) -> list[str]:
+        assert self.dir is not None
+        return [""] + sorted(p.name for p in self.dir.iterdir() if p.is_dir() and VOICE_ID_RE.fullmatch(p.name))
+
+    def _scan(self, tenant: str) -> dict[str, Stamp]:
+        """voice_id -> stamp of every complete voice (its JSON) in the tenant's directory."""
+        out: dict[str, Stamp] = {}
+        try:
+            entries = os.scandir(self._tenant_dir(tenant))
+        except FileNotFoundError:
+            return out
+        with entries:
+            for e in entries:
+                voice_id = e.name[:-5]
+                if e.name.endswith(".json") and VOICE_ID_RE.fullmatch(voice_id):
+                    with contextlib.suppress(FileNotFoundError):
+                        out[voice_id] = _stamp(e.stat())
+        return out
+
+    @contextlib.contextmanager
+    def _directory_lock(self) -> Iterator[None]:
+        """Writers of the directory, in this process and in every replica, one at a time:
+        the checks before a write (exists, limits) see every earlier write. An fcntl lock
+        on `.lock` (NFSv4, CephFS, EFS and Azure Files NFS hold it across clients); the
+        process lock, because fcntl locks do not exclude threads of one process."""
+        assert self.dir is not None
+        with _PROCESS_LOCK:
+            fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if fcntl is not None:
+                    fcntl.lockf(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the fcntl lock
+
+    def _store(self, tenant: str, info: VoiceInfo, reference_24k: np.ndarray, overwrite: bool) -> Stamp:
+        with self._directory_lock():
+            json_path = self._path(tenant, info.voice_id, ".json")
+            total = sum(len(self._scan(t)) for t in self._tenants())
+            self._admit(info.voice_id, tenant, overwrite, json_path.exists(), len(self._scan(tenant)), total)
+            self._write(tenant, info, reference_24k)
+            return _stamp(json_path.stat())
+
+    def _remove(self, tenant: str, voice_id: str) -> None:
+        with self._directory_lock():
+            json_path = self._path(tenant, voice_id, ".json")
+            if not json_path.exists():
+                raise VoiceStoreError("NOT_FOUND", f"voice_id {voice_id!r} not found")
+            for suffix in (".json", ".wav"):  # JSON first: it marks a complete voice
+                self._path(tenant, voice_id, suffix).unlink(missing_ok=True)
 
     def _tenant_dir(self, tenant: str) -> Path:
         assert self.dir is not None

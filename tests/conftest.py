@@ -84,7 +84,7 @@ class Harness:
         self.engine = make_engine(config, self.metrics, fake)
         self.app: App = self.run(build_server(config, self.engine, metrics=self.metrics))
         try:
-            self.app.voices.default()
+            self.run(self.app.voices.default())
         except VoiceStoreError:  # a random-init bundle has no built-in voices
             noise = (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32)
             self.run(self.app.voices.register("default", noise))

@@ -416,6 +416,22 @@ def test_deployment_drain_and_probes(overlay: str) -> None:
     assert 0 < sessions_target < int(env["LIVESPEECH_MAX_SESSIONS"]), "scale out before replicas are full"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_voices_are_on_a_volume_every_replica_shares(overlay: str) -> None:
+    """A voice registered on one replica must be usable on all (server/voices.py): the
+    voices directory is a ReadWriteMany claim, not per-pod storage."""
+    docs = rendered(f"overlays/{overlay}")
+    pod = by_kind(docs, "Deployment", "livespeech")["spec"]["template"]["spec"]
+    c = server_container(docs)
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == env_of(c)["LIVESPEECH_VOICES_DIR"])
+    assert not mount.get("readOnly") and "subPath" not in mount
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert set(volume) == {"name", "persistentVolumeClaim"}, volume
+    claim = by_kind(docs, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert float(env_of(c)["LIVESPEECH_VOICES_RESCAN_S"]) > 0
+
+
 def _envoy(docs) -> dict:
     import yaml as _y
 

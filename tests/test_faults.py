@@ -383,7 +383,7 @@ def test_stream_cap_refuses_excess_streams_before_any_work(server_factory, clien
 
 
 def test_engine_error_ends_only_that_session(srv, client, baseline) -> None:
-    good = srv.app.voices.get("default")
+    good = srv.run(srv.app.voices.get("default"))
     bad = Voice("nan", good.enrollment, torch.full_like(good.kv, float("nan")))
     srv.app.voices._voices[("", "nan")] = (bad, VoiceInfo("nan", False))  # no RPC registers a broken voice
     try:

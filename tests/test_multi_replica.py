@@ -13,6 +13,10 @@ Checks (docs/deploy.md, "Drain"):
   (grpc_next_upstream error): the client sees no refusal at all;
 - no session fails.
 
+Voices shared across replicas (`test_voices_are_shared_behind_nginx`): 2 replicas on one
+voices directory behind nginx; a voice registered through the balancer is used, listed
+and deleted through the replica that did not register it, tenants kept apart.
+
 127.0.0.1 only; bounded (~1-2 min on 2 busy cores); skipped when nginx (Debian `nginx`)
 is missing. Deselect with `-m "not slow"`.
 """
@@ -129,10 +133,11 @@ class Replica:
         return self.metrics()["livespeech_active_sessions"]
 
 
-def start_replica(tmp: Path, i: int) -> Replica:
+def start_replica(tmp: Path, i: int, *extra: str, env: Optional[dict[str, str]] = None) -> Replica:
+    """`extra` flags come last (argparse: the last of a repeated flag wins)."""
     port = _free_port()
     log = tmp / f"replica{i}.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [
         sys.executable, "-m", "clients.cli", "serve",
         "--host", "127.0.0.1", "--port", str(port),
@@ -142,10 +147,28 @@ def start_replica(tmp: Path, i: int) -> Replica:
         "--torch-threads", "1",
         "--drain-grace-s", str(DRAIN_GRACE_S),
         "--voices-dir", "",  # in memory
+        *extra,
     ]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     return Replica(port, log, proc)
+
+
+def start_nginx(nginx_bin: str, tmp: Path, port: int, replicas: list[Replica]) -> subprocess.Popen:
+    conf = tmp / "nginx.conf"
+    conf.write_text(render_nginx_conf(tmp, f"127.0.0.1:{port}", [r.address for r in replicas]))
+    check = subprocess.run(
+        [nginx_bin, "-t", "-p", str(tmp), "-e", str(tmp / "error.log"), "-c", str(conf)],
+        capture_output=True, text=True,
+    )
+    if check.returncode != 0:
+        if "grpc_pass" in check.stderr or "http2" in check.stderr:
+            pytest.skip(f"this nginx lacks gRPC/HTTP2 support: {check.stderr.strip()}")
+        pytest.fail(f"nginx -t failed:\n{check.stderr}")
+    return subprocess.Popen(
+        [nginx_bin, "-g", "daemon off;", "-p", str(tmp), "-e", str(tmp / "error.log"), "-c", str(conf)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
 
 
 def wait_ready(replicas: list[Replica], deadline: float) -> None:
@@ -159,7 +182,7 @@ def wait_ready(replicas: list[Replica], deadline: float) -> None:
         for r in list(pending):
             if r.proc.poll() is not None:
                 pytest.fail(f"replica on {r.port} exited ({r.proc.returncode}):\n{r.log.read_text()[-3000:]}")
-            m = re.search(r"listening on \S+ \(metrics: (\d+)\)", r.log.read_text())
+            m = re.search(r"listening on \S+ \(metrics: (\d+)[,)]", r.log.read_text())
             if not m:
                 continue
             r.metrics_port = int(m.group(1))
@@ -318,21 +341,7 @@ def test_drain_behind_nginx(tmp_path: Path, nginx_bin: str) -> None:
         procs += [r.proc for r in replicas]
 
         nginx_port = _free_port()
-        conf = tmp_path / "nginx.conf"
-        conf.write_text(render_nginx_conf(tmp_path, f"127.0.0.1:{nginx_port}", [r.address for r in replicas]))
-        check = subprocess.run(
-            [nginx_bin, "-t", "-p", str(tmp_path), "-e", str(tmp_path / "error.log"), "-c", str(conf)],
-            capture_output=True, text=True,
-        )
-        if check.returncode != 0:
-            if "grpc_pass" in check.stderr or "http2" in check.stderr:
-                pytest.skip(f"this nginx lacks gRPC/HTTP2 support: {check.stderr.strip()}")
-            pytest.fail(f"nginx -t failed:\n{check.stderr}")
-        nginx = subprocess.Popen(
-            [nginx_bin, "-g", "daemon off;", "-p", str(tmp_path), "-e", str(tmp_path / "error.log"), "-c", str(conf)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        procs.append(nginx)
+        procs.append(start_nginx(nginx_bin, tmp_path, nginx_port, replicas))
 
         wait_ready(replicas, t0 + 90)
         report: dict = {}
@@ -364,6 +373,99 @@ def test_drain_behind_nginx(tmp_path: Path, nginx_bin: str) -> None:
         # with the drained replica gone nginx routes around its closed port itself
         assert all(not r for r in report["phase3_refusals"]), report["phase3_refusals"]
         assert time.monotonic() - t0 < TEST_BUDGET_S + 100
+    finally:
+        for p in procs:
+            _stop(p)
+
+
+# ------------------------------------------------------------------ shared voices
+
+TOKENS = {"acme": "acme-token-0123456789", "globex": "globex-token-0123456789"}
+
+
+def served_by(tmp: Path, method: str) -> list[str]:
+    """The replica address (host:port) of each `method` call in nginx's access log, in
+    order; after a retried connect, the one that answered."""
+    log = tmp / "access.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [
+        re.search(r"upstream=(.*?) grpc_status=", line).group(1).split(", ")[-1]
+        for line in lines
+        if f"/livespeech.v1.LiveSpeech/{method} " in line
+    ]
+
+
+async def _shared_voices_scenario(tmp: Path, target: str, replicas: list[Replica]) -> None:
+    from clients.client import AsyncLiveSpeechClient
+
+    hard = dict(guidance_lambda=math.inf, seed=1)  # an untrained model speaks all of the text, then ends
+    pcm, rate = _enrollment()
+
+    def names(voices) -> set[str]:
+        return {v.voice_id for v in voices if not v.builtin}
+
+    async def code(call) -> grpc.StatusCode:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call
+        return e.value.code()
+
+    async with AsyncLiveSpeechClient(target, token=TOKENS["acme"]) as balanced:
+        await balanced.register_voice("alice", pcm16=pcm, sample_rate=rate)
+        for _ in range(50):  # nginx writes the line when the call has ended
+            if served_by(tmp, "RegisterVoice"):
+                break
+            await asyncio.sleep(0.1)
+        (home_address,) = served_by(tmp, "RegisterVoice")
+        home = next(r for r in replicas if r.address == home_address)
+        other = next(r for r in replicas if r is not home)
+
+        # every ListVoices through the balancer lists it, on whichever replica it lands
+        for _ in range(4):
+            assert names(await balanced.list_voices()) == {"alice"}
+        assert set(served_by(tmp, "ListVoices")) == {r.address for r in replicas}, "round robin reached both"
+
+    async with AsyncLiveSpeechClient(other.address, token=TOKENS["acme"]) as acme_other, \
+            AsyncLiveSpeechClient(home.address, token=TOKENS["acme"]) as acme_home, \
+            AsyncLiveSpeechClient(other.address, token=TOKENS["globex"]) as globex_other:
+        # the replica that did not register it synthesises and lists it
+        assert names(await acme_other.list_voices()) == {"alice"}
+        r = await acme_other.synthesize_to_result("Hello from the other replica.", voice_id="alice", **hard)
+        assert r.summary is not None and not r.summary.cancelled and r.audio
+        assert r.started.config.voice_id == "alice"
+        # another tenant does not see it there either
+        assert names(await globex_other.list_voices()) == set()
+        assert await code(globex_other.synthesize_to_result("Hi.", voice_id="alice", **hard)) == grpc.StatusCode.NOT_FOUND
+        assert await code(globex_other.delete_voice("alice")) == grpc.StatusCode.NOT_FOUND
+        # the same id is taken on every replica: registering it again without overwrite
+        assert await code(acme_other.register_voice("alice", pcm16=pcm, sample_rate=rate)) == grpc.StatusCode.ALREADY_EXISTS
+
+        # deleted through the other replica: gone on the one that registered it
+        await acme_other.delete_voice("alice")
+        assert names(await acme_home.list_voices()) == set()
+        assert await code(acme_home.synthesize_to_result("Hi.", voice_id="alice", **hard)) == grpc.StatusCode.NOT_FOUND
+        assert await code(acme_home.delete_voice("alice")) == grpc.StatusCode.NOT_FOUND
+
+
+def test_voices_are_shared_behind_nginx(tmp_path: Path, nginx_bin: str) -> None:
+    """2 replicas on one voices directory (a ReadWriteMany volume in Kubernetes), with
+    bearer-token tenants, behind nginx: a voice registered through the balancer is listed
+    and synthesised by the replica that did not handle the registration, deleted there,
+    and then gone on the first; another tenant never sees it. The periodic rescan is off,
+    so each replica picks the change up on the call itself."""
+    t0 = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    voices = tmp_path / "voices"
+    tokens = {"LIVESPEECH_AUTH_TOKENS": ",".join(f"{t}:{k}" for t, k in TOKENS.items())}
+    try:
+        replicas = [
+            start_replica(tmp_path, i, "--voices-dir", str(voices), "--voices-rescan-s", "0", env=tokens) for i in range(2)
+        ]
+        procs += [r.proc for r in replicas]
+        nginx_port = _free_port()
+        procs.append(start_nginx(nginx_bin, tmp_path, nginx_port, replicas))
+        wait_ready(replicas, t0 + 90)
+        asyncio.run(asyncio.wait_for(_shared_voices_scenario(tmp_path, f"127.0.0.1:{nginx_port}", replicas), 120))
+        assert not (voices / "acme" / "alice.json").exists()
     finally:
         for p in procs:
             _stop(p)

@@ -323,9 +323,11 @@ def test_tenants_have_their_own_voices(auth_srv, client, voices_root) -> None:
 
     client.run(go())
     voices = voices_root / "voices"
-    # the anonymous tenant's (the harness's) voice at the top, each tenant's in its folder
+    # the anonymous tenant's (the harness's) voice at the top, each tenant's in its folder;
+    # `.lock` is the writers' lock (server/voices.py)
     assert sorted(p.relative_to(voices).as_posix() for p in voices.rglob("*") if p.is_file()) == [
-        "alice/default.json", "alice/default.wav", "bob/default.json", "bob/default.wav", "default.json", "default.wav"]
+        ".lock", "alice/default.json", "alice/default.wav", "bob/default.json", "bob/default.wav", "default.json",
+        "default.wav"]
 
 
 BAD_IDS = ["../x", "..", ".", "a/b", "/tmp/abs", "x\x00y", "abc\n", "\nabc", "ｘ", "dеfault", "a b", "a.b", "..\\x",

@@ -113,7 +113,7 @@ def test_voices_register_list_use_persist_delete(srv, voices_dir) -> None:
             # survives a restart: a fresh store on the same directory loads it
             store = VoiceStore(voices_dir, srv.engine)
             await store.load()
-            assert store.get("alice") is not None
+            assert await store.get("alice") is not None
             await client.delete_voice("alice")
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await client.delete_voice("alice")
