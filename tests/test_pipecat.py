@@ -31,7 +31,7 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessor  #
 from pipecat.workers.runner import WorkerRunner  # noqa: E402
 
 from clients.client import Summary, split_pieces  # noqa: E402
-from clients.pipecat_tts import LiveSpeechTTSService  # noqa: E402
+from clients.pipecat_tts import LiveSpeechTTSService, TextAggregationMode  # noqa: E402
 from conftest import HARD  # noqa: E402
 
 TEXT = "Hello there, this is a streaming test."
@@ -197,4 +197,26 @@ def test_barge_in_mid_sentence_cancels_the_stream_and_the_next_turn_is_spoken(fa
     assert kinds(second_turn, (TTSStartedFrame, TTSStoppedFrame, LLMFullResponseEndFrame)) == [
         TTSStartedFrame, TTSStoppedFrame, LLMFullResponseEndFrame]
     assert [f.text for f in second_turn if isinstance(f, TTSTextFrame)] == ["Still", "here."]
+    assert fake_srv.wait_idle()
+
+
+def test_sentence_aggregation_sends_each_sentence_with_its_space_on_one_stream(fake_srv) -> None:
+    text = "First one here. Second one there."
+
+    async def go():
+        tts = LiveSpeechTTSService(address=fake_srv.address, text_aggregation_mode=TextAggregationMode.SENTENCE,
+                                   session_options=dict(n_future_chunks=1))
+        summaries, queue = summaries_of(tts)
+
+        async def script(worker, recorder):
+            await llm_turn(worker, text)
+            await queue.get()
+            await recorder.turn_ended.wait()
+
+        return await run_pipeline(tts, script), summaries
+
+    recorder, summaries = asyncio.run(go())
+    (summary,) = summaries  # one stream for the turn's two sentences
+    assert summary.spoken_text == text and not summary.cancelled
+    assert [f.text for f in recorder.frames if isinstance(f, TTSTextFrame)] == text.split()
     assert fake_srv.wait_idle()
