@@ -26,6 +26,12 @@ holds). A client that closes without "end" has hung up: its session is freed.
 Errors before the audio are OpenAI's error JSON with the HTTP status; one after it
 started cuts the response off (no terminating chunk), so it never reads as complete.
 
+`GET /v1/voices`: the caller's voices, as gRPC's ListVoices answers them, in protobuf's
+JSON mapping: {"voices": [{"voice_id", "builtin", "reference_s", "created_unix_ms"}]}.
+
+`GET /` (and `/demo`): the demo page (server/static/demo.html, one self-contained file:
+it uses the routes above from the browser, so it needs nothing but this server).
+
 Tokens: `Authorization: Bearer <token>`; a browser, which cannot set headers on a
 WebSocket, offers the subprotocols "bearer" and the token (tokens of HTTP token
 characters only: no "/" or "=").
@@ -38,17 +44,19 @@ import logging
 import ssl
 import struct
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import grpc
 from aiohttp import WSMsgType, web
 from google.protobuf import json_format
 
-from .auth import AuthInterceptor, bearer_token, set_tenant
+from .auth import AuthInterceptor, bearer_token, current_tenant, set_tenant
 from .config import ServerConfig
 from .protocol import Enrollment, config_from_proto, config_to_proto, pb
-from .service import LiveSpeechService, RpcError, SessionStream, failed_error, handle_errors
+from .service import LiveSpeechService, RpcError, SessionStream, failed_error, handle_errors, voice_info_to_proto
 from .session_api import AudioPacket, ConfigError, Failed, Finished, SessionConfig, Summary, WordTiming
+from .voices import VoiceStoreError
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
@@ -72,6 +80,7 @@ MAX_CLOSE_REASON_BYTES = 123
 OPENAI_SAMPLE_RATE = 24000  # OpenAI's pcm: 24 kHz, 16-bit signed little-endian, mono
 RESPONSE_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
 WS_MESSAGE_TYPES = ("config", "text", "flush", "end", "cancel")
+DEMO_PAGE = Path(__file__).resolve().parent / "static" / "demo.html"
 
 
 def http_status(code: grpc.StatusCode) -> int:
@@ -179,6 +188,9 @@ class WebEndpoints:
         self.app = web.Application(client_max_size=self.max_json_bytes)
         self.app.router.add_get("/v1/synthesize", self.websocket)
         self.app.router.add_post("/v1/audio/speech", self.speech)
+        self.app.router.add_get("/v1/voices", self.list_voices)
+        self.app.router.add_get("/", self.demo_page)
+        self.app.router.add_get("/demo", self.demo_page)
         self.runner: Optional[web.AppRunner] = None
         self.port: Optional[int] = None
 
@@ -351,6 +363,31 @@ class WebEndpoints:
                 return
             elif isinstance(ev, Failed):
                 raise failed_error(ev)
+
+    # ------------------------------------------------------------ voices and the demo page
+
+    async def list_voices(self, request: web.Request) -> web.Response:
+        try:
+            self._authenticate(request)
+            try:
+                infos = await self.service.voices.list(current_tenant())
+            except VoiceStoreError as e:
+                raise RpcError(Code[e.code], str(e)) from None
+        except RpcError as e:
+            self._count_error(e)
+            return openai_error(e)
+        except Exception:
+            log.exception("listing voices failed")
+            return openai_error(RpcError(Code.INTERNAL, "internal error"))
+        listed = pb.ListVoicesResponse(voices=[voice_info_to_proto(v) for v in infos])
+        return web.json_response(json_format.MessageToDict(listed, preserving_proto_field_name=True,
+                                                           always_print_fields_with_no_presence=True))
+
+    async def demo_page(self, request: web.Request) -> web.FileResponse:
+        # public like any static file: the page holds no data, and every call it makes
+        # carries the token typed into it
+        return web.FileResponse(DEMO_PAGE, headers={"Content-Type": "text/html; charset=utf-8",
+                                                     "Cache-Control": "no-cache"})
 
     # ------------------------------------------------------------ OpenAI's /v1/audio/speech
 

@@ -230,3 +230,30 @@ def test_drain_ends_a_websocket_session_with_unavailable_and_refuses_new_ones(se
     assert refused["code"] == 4503 and of(refused["events"], "error")[0]["message"] == "server is draining"
     assert r["code"] == 4503 and of(r["events"], "error")[0]["message"] == "server is shutting down"
     assert r["frames"] >= 1
+
+
+async def get(h, path: str, headers=None) -> tuple[int, dict, bytes]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url(h, path), headers=headers) as resp:
+            return resp.status, dict(resp.headers), await resp.read()
+
+
+def test_voices_lists_the_callers_voices_as_list_voices_does(srv, secured) -> None:
+    status, _, body = srv.run(get(srv, "/v1/voices"))
+    assert status == 200
+    (voice,) = json.loads(body)["voices"]
+    created = voice.pop("created_unix_ms")  # an int64: a string in protobuf's JSON mapping
+    assert voice == {"voice_id": "default", "builtin": False, "reference_s": 1.0} and int(created) > 0
+    status, _, body = secured.run(get(secured, "/v1/voices"))
+    assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
+    status, _, body = secured.run(get(secured, "/v1/voices", {"Authorization": f"Bearer {TOKEN}"}))
+    assert status == 200 and [v["voice_id"] for v in json.loads(body)["voices"]] == ["default"]
+
+
+@pytest.mark.parametrize("path", ["/", "/demo"])
+def test_the_demo_page_is_served(srv, path) -> None:
+    status, headers, body = srv.run(get(srv, path))
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    page = body.decode()
+    assert "/v1/synthesize" in page and "/v1/voices" in page
+    assert "://" not in page  # nothing is fetched from another host
