@@ -166,15 +166,22 @@ class Malformed:
 
 
 def _lenient_decoder(cls: Any) -> Any:
+    from google.protobuf.empty_pb2 import Empty
     from google.protobuf.message import DecodeError
 
     def decode(data: bytes) -> Any:
         try:
             return cls.FromString(data)
-        except DecodeError as e:
-            # "Error parsing message with type 'livespeech.v1.X': String field had bad UTF-8"
-            reason = str(e).rpartition("': ")[2] or "undecodable bytes"
-            return Malformed(cls.DESCRIPTOR.name, reason[:1].lower() + reason[1:])
+        except DecodeError:
+            # protobuf's own message names the cause in some versions only: tell the two
+            # apart here. Empty keeps every field as an unknown one, unchecked, so bytes it
+            # takes are sound wire format whose fields are not (a string that is not UTF-8)
+            try:
+                Empty.FromString(data)
+                reason = "a string field is not valid UTF-8"
+            except DecodeError:
+                reason = "corrupt wire format"
+            return Malformed(cls.DESCRIPTOR.name, reason)
 
     return decode
 
