@@ -228,14 +228,12 @@ class Engine:
 
     def _release_held_text(self, s: EngineSession, now: float) -> None:
         """The chunker's timed releases; and while the speech waits for text that has not
-        come for the session's buffer delay, all the text held, spoken without lookahead
-        and to the end of its audio (`EngineSession.run_out`)."""
+        come for the session's buffer delay, all the text held, spoken without lookahead."""
         waiting = s.waiting_for_text()
         deadline = s.buffer_deadline() if waiting else None
         if deadline is not None and now >= deadline:
             self._release_chunks(s, s.chunker.flush(now))
             s.waive_lookahead()
-            s.run_out()
         else:
             self._release_chunks(s, s.chunker.poll(now, waiting=waiting))
 
@@ -430,8 +428,6 @@ class Engine:
             return None  # a reflect-padded codec reads that far ahead at a stream's start
         if s.done_decoding:
             return PacketPlan(n, False)
-        if waiting and s.ran_out():  # the audio of all the text so far goes out
-            return PacketPlan(n, True)
         shortest = self._frames(s.config.min_packet_ms)
         if handoff:  # all pending frames now, so the next tick, `full` steps on, finds a full packet
             return PacketPlan(n, True) if n >= shortest else None
