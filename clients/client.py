@@ -903,3 +903,34 @@ class LiveSpeechClient:
 
     def delete_voice(self, voice_id: str) -> None:
         self._run(self._client.delete_voice(voice_id))
+
+
+class ServerConnection:
+    """What a framework adapter (clients/pipecat_tts.py, clients/livekit_tts.py) holds of
+    the server: the client it was given, or one it makes on first use and closes with
+    itself; and the session config and options every stream it opens starts from."""
+
+    def __init__(self, address: str, client: Optional[AsyncLiveSpeechClient], token: Optional[str],
+                 tls_ca: Optional[Pem], session_config: Optional[SessionConfig],
+                 session_options: Optional[dict[str, Any]]) -> None:
+        self._address = address
+        self._client = client
+        self._own_client = client is None
+        self._security = {"token": token, "tls_ca": tls_ca}
+        self.session_config = session_config
+        self.options = dict(session_options or {})
+
+    def client(self) -> AsyncLiveSpeechClient:
+        if self._client is None:
+            self._client = AsyncLiveSpeechClient(self._address, **self._security)
+        return self._client
+
+    def session(self, sample_rate: int, **options: Any) -> SynthesisSession:
+        """A push session; `options` over the adapter's own."""
+        return self.client().session(self.session_config, sample_rate=sample_rate, **{**self.options, **options})
+
+    async def close(self) -> None:
+        """Close the client if this connection made it."""
+        if self._own_client and self._client is not None:
+            await self._client.close()
+            self._client = None

@@ -44,7 +44,8 @@ import grpc
 
 from server.session_api import SAMPLE_RATES, SessionConfig
 
-from .client import DEFAULT_TARGET, AsyncLiveSpeechClient, AudioPacket, SynthesisSession, Summary, WordTiming
+from .client import (DEFAULT_TARGET, AsyncLiveSpeechClient, AudioPacket, ServerConnection, SynthesisSession, Summary,
+                     WordTiming)
 
 # how long a cancelled call may take to answer with its summary before it is hung up
 CANCEL_REPORT_TIMEOUT_S = 10.0
@@ -95,14 +96,9 @@ class TTS(tts.TTS):
             sample_rate=sample_rate,
             num_channels=1,
         )
-        self._address = address
-        self._client = client
-        self._own_client = client is None
-        self._security = {"token": token, "tls_ca": tls_ca}
-        self._session_config = session_config
-        self._session_options = dict(session_options or {})
+        self._server = ServerConnection(address, client, token, tls_ca, session_config, session_options)
         if voice_id:
-            self._session_options["voice_id"] = voice_id
+            self._server.options["voice_id"] = voice_id
         self._tasks: set[asyncio.Task] = set()  # readers and cancels, outliving a closed stream
 
     @property
@@ -116,7 +112,7 @@ class TTS(tts.TTS):
     def update_options(self, *, voice_id: Optional[str] = None) -> None:
         """Change the voice from the next stream on."""
         if voice_id:
-            self._session_options["voice_id"] = voice_id
+            self._server.options["voice_id"] = voice_id
 
     def synthesize(self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS) -> "ChunkedStream":
         return ChunkedStream(tts=self, input_text=text, conn_options=conn_options)
@@ -129,9 +125,7 @@ class TTS(tts.TTS):
             await asyncio.wait(set(self._tasks), timeout=CANCEL_REPORT_TIMEOUT_S)
         for task in list(self._tasks):
             task.cancel()
-        if self._own_client and self._client is not None:
-            await self._client.close()
-            self._client = None
+        await self._server.close()
 
     # -------------------------------------------------------------- sessions
 
@@ -144,9 +138,7 @@ class TTS(tts.TTS):
         """A session and the queue its reader fills (events, a gRPC error, then None). The reader is this object's task,
         not the stream's: grpc cancels a call whose read is cancelled, and a stream
         closed at barge-in must leave the call open for the cancel and its summary."""
-        if self._client is None:
-            self._client = AsyncLiveSpeechClient(self._address, **self._security)
-        session = self._client.session(self._session_config, sample_rate=self.sample_rate, **self._session_options)
+        session = self._server.session(self.sample_rate)
         events: asyncio.Queue = asyncio.Queue()
         self._spawn(self._read(session, events))
         return session, events

@@ -41,7 +41,8 @@ import grpc
 
 from server.session_api import SAMPLE_RATES, SessionConfig
 
-from .client import DEFAULT_TARGET, AsyncLiveSpeechClient, AudioPacket, SynthesisSession, Summary, WordTiming
+from .client import (DEFAULT_TARGET, AsyncLiveSpeechClient, AudioPacket, ServerConnection, SynthesisSession, Summary,
+                     WordTiming)
 
 # asked of the server when the pipeline's output rate is not one it makes; resampled here
 FALLBACK_RATE = 24000
@@ -88,12 +89,7 @@ class LiveSpeechTTSService(TTSService):
             settings=store,
             **kwargs,
         )
-        self._address = address
-        self._client = client
-        self._own_client = client is None
-        self._security = {"token": token, "tls_ca": tls_ca}
-        self._session_config = session_config
-        self._session_options = dict(session_options or {})
+        self._server = ServerConnection(address, client, token, tls_ca, session_config, session_options)
         self._sessions: dict[str, SynthesisSession] = {}  # context id -> its open stream
         self._readers: set[asyncio.Task] = set()
         self._register_event_handler("on_synthesis_summary")
@@ -114,8 +110,7 @@ class LiveSpeechTTSService(TTSService):
 
     async def start(self, frame: StartFrame) -> None:
         await super().start(frame)
-        if self._client is None:
-            self._client = AsyncLiveSpeechClient(self._address, **self._security)
+        self._server.client()
 
     async def stop(self, frame: EndFrame) -> None:
         await super().stop(frame)  # plays out the contexts still queued
@@ -135,9 +130,7 @@ class LiveSpeechTTSService(TTSService):
         self._sessions.clear()
         for task in list(self._readers):
             await self.cancel_task(task)
-        if self._own_client and self._client is not None:
-            await self._client.close()
-            self._client = None
+        await self._server.close()
 
     # -------------------------------------------------------------- text in
 
@@ -154,11 +147,8 @@ class LiveSpeechTTSService(TTSService):
         yield None  # the audio comes from the reader task
 
     def _open(self, context_id: str) -> SynthesisSession:
-        assert self._client is not None, "the service has not started"
-        options = dict(self._session_options)
-        if self._settings.voice:
-            options["voice_id"] = self._settings.voice
-        session = self._client.session(self._session_config, sample_rate=self.server_sample_rate, **options)
+        options = {"voice_id": self._settings.voice} if self._settings.voice else {}
+        session = self._server.session(self.server_sample_rate, **options)
         self._sessions[context_id] = session
         task = self.create_task(self._read(context_id, session), name=f"livespeech-{context_id}")
         self._readers.add(task)
