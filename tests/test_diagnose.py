@@ -57,6 +57,14 @@ def test_oracle_modes_emit_the_forced_codes_in_their_frames(setup):
     tf = diagnose.teacher_forced(bundle.model, p, 4, 2)
     assert tf["full"]["n"][0] == T + 1 and tf["full"]["n"][1] == T  # grapheme EOS frame is a target
     assert all(np.isfinite(tf[k]["ce"]).all() for k in ("full", "window"))
+    # the true history is teacher forcing's own forward; every history scores the same frames
+    hist = diagnose.history_reliance(bundle.model, p, table, rec, seed=0)
+    assert [h for h, _ in diagnose.HISTORIES] == list(hist)
+    assert hist["true"]["cb1_hits"] / hist["true"]["cb1_n"] == pytest.approx(tf["full"]["acc"][1], abs=1e-6)
+    for h in hist.values():
+        assert h["cb1_n"] == T and h["phone_n"] == own["cb1_phone_frames"]
+    rows_, tf_sum = diagnose.summarize([], [{"teacher_forced": tf, "history": hist}])
+    assert tf_sum["history"]["none"]["cb1_acc"] == hist["none"]["cb1_hits"] / T
 
 
 def test_free_mode_steps_like_the_server_runner(setup):

@@ -518,3 +518,46 @@ def test_the_phone_head_learns_the_phone_of_the_frame_codebook_1_predicts(tmp_pa
         assert (b.phones[i, :d1] == IGNORE).all()
         # codebook 1's target at those steps is the same frame's code
         assert b.targets[i, 1, d1:d1 + len(want)].tolist() == e.codes[1, :len(want)].tolist()
+
+
+def test_history_noise_replaces_only_acoustic_history_at_the_chosen_steps(pipeline):
+    """corrupt_history: at about a share p of the steps every acoustic input code becomes a
+    random code; graphemes, "none" ids and the targets stay; p 0 changes nothing; and a
+    resumed run with --history-noise trains what a straight one does (noise seeded by step)."""
+    root, corpus, _, codes = pipeline
+    from models.config import preset
+    from models.livespeech import LiveSpeech2
+
+    cfg = preset("tiny", **train.parse_overrides(SMALL))
+    model = LiveSpeech2(cfg)
+    data = DecoderData(corpus, codes, cfg, "train")
+    batch = collate([data.example(i, random.Random(i)) for i in range(2)], model)
+    none = torch.tensor(model.none_ids()).view(1, -1, 1)
+    assert train.corrupt_history(batch.inputs, 0.0, model.none_ids(), cfg.codebook_size,
+                                 torch.Generator().manual_seed(0)) is batch.inputs
+    out = train.corrupt_history(batch.inputs, 0.5, model.none_ids(), cfg.codebook_size,
+                                torch.Generator().manual_seed(0))
+    assert torch.equal(out[:, 0], batch.inputs[:, 0])
+    is_none = batch.inputs == none
+    assert torch.equal(out[is_none], batch.inputs[is_none])
+    changed = (out != batch.inputs)[:, 1:].any(1)  # [B, S] steps whose history was replaced
+    real = ~is_none[:, 1:].all(1)
+    share = changed[real].float().mean()
+    assert 0.3 < share < 0.7, share
+    # a replaced step has every real acoustic code random: almost all differ from the truth
+    hit_codes = (out != batch.inputs)[:, 1:][changed.unsqueeze(1).expand(-1, cfg.n_acoustic_codebooks, -1)
+                                             & ~is_none[:, 1:]]
+    assert hit_codes.float().mean() > 0.9
+
+    straight, split = str(root / "noise_straight"), str(root / "noise_split")
+    assert train.main(_decoder_args(corpus, codes, straight, "--steps", "4", "--history-noise", "0.5")) == 0
+    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--stop-at", "2", "--history-noise", "0.5")) == 0
+    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--resume", "--history-noise", "0.5")) == 0
+    a = torch.load(os.path.join(straight, "last.pt"), weights_only=False)["model"]
+    b = torch.load(os.path.join(split, "last.pt"), weights_only=False)["model"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    clean_dir = str(root / "noise_off")
+    assert train.main(_decoder_args(corpus, codes, clean_dir, "--steps", "4")) == 0
+    clean = torch.load(os.path.join(clean_dir, "last.pt"), weights_only=False)["model"]
+    assert any(not torch.allclose(a[k], clean[k]) for k in a)  # the same run without noise ends elsewhere

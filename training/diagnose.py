@@ -26,7 +26,12 @@ per-utterance seed), each laid out exactly as training lays it out
    Every step draws its samples in the same order whatever is forced, so the modes
    share their random numbers. Each result is decoded with the bundle's codec and
    scored with training.evaluate's Whisper scorer, next to the ground truth and its
-   codec resynthesis.
+   codec resynthesis;
+3. how much codebook 1 leans on the acoustic codes read back (teacher forcing, text fully
+   visible, true letters): its argmax's accuracy and how often it names the ground-truth
+   phone with that history true, with 30 % of its steps random (training.train
+   `corrupt_history`) and with none at all. A decoder that names the phone only from a
+   true history drifts once it reads back its own samples.
 
 Writes a markdown report and, next to it, a JSON with every utterance's numbers.
 """
@@ -147,6 +152,37 @@ def teacher_forced(model, prep: Prepared, n_past: int, n_future: int) -> dict:
     return out
 
 
+HISTORIES = (("true", None), ("30 % random", 0.3), ("none", 1.0))
+
+
+@torch.no_grad()
+def history_reliance(model, prep: Prepared, phones: Optional[PhoneTable], rec: dict, seed: int) -> dict:
+    """Per history of HISTORIES: codebook-1 argmax hits / scored positions, and (with a
+    phone table) frames whose argmax code names the ground-truth phone / labelled frames."""
+    from training.train import corrupt_history
+
+    batch = collate([prep.example], model).to(next(model.parameters()).device)
+    enroll = model.encode_enrollment(batch.enroll_codes, batch.enroll_len)
+    none = model.none_ids()
+    d1, T = model.cfg.delays[1], prep.n_frames
+    out = {}
+    for name, p in HISTORIES:
+        inputs = batch.inputs
+        if p == 1.0:
+            inputs = inputs.clone()
+            inputs[:, 1:] = torch.tensor(none[1:], device=inputs.device).view(1, -1, 1)
+        elif p:
+            inputs = corrupt_history(inputs.cpu(), p, none, model.cfg.codebook_size,
+                                     torch.Generator().manual_seed(seed)).to(inputs.device)
+        pred = model(inputs, enroll, batch.text_ids, batch.text_pos, batch.text_valid)[1][0].argmax(-1)
+        tgt, valid = batch.targets[0, 1], batch.valid[0, 1]
+        r = {"cb1_hits": int(((pred == tgt) & valid).sum()), "cb1_n": int(valid.sum())}
+        if phones is not None and rec.get("phones"):
+            r["phone_hits"], r["phone_n"] = phones.hits(rec, pred[d1:d1 + T].cpu().numpy())
+        out[name] = r
+    return out
+
+
 # --- 2. synthesis with forcing -------------------------------------------------------------------
 @dataclasses.dataclass
 class Synth:
@@ -257,6 +293,16 @@ def summarize(records: list[dict], utterances: list[dict]) -> tuple[list[dict], 
         n = np.array([u["teacher_forced"][name]["n"] for u in utterances], float)
         if len(n):
             tf[name] = {"ce": ((ce * n).sum(0) / n.sum(0)).tolist(), "acc": ((acc * n).sum(0) / n.sum(0)).tolist()}
+    hist = {}
+    for name, _ in HISTORIES:
+        hs = [u["history"][name] for u in utterances if "history" in u]
+        if not hs:
+            continue
+        total = lambda key: sum(h.get(key, 0) for h in hs)  # noqa: E731
+        hist[name] = {"cb1_acc": total("cb1_hits") / max(1, total("cb1_n")),
+                      "cb1_phone": total("phone_hits") / total("phone_n") if total("phone_n") else None}
+    if hist:
+        tf["history"] = hist
     return rows, tf
 
 
@@ -310,6 +356,15 @@ def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
         "Per codebook, averaged over every scored position of the utterances.",
         "",
         report.markdown_table(heads, tf_rows),
+        "",
+        "## Codebook 1 and the acoustic history it reads back (teacher forcing, text fully visible)",
+        "",
+        "The acoustic codes of the previous frames as the input: true, 30 % of the steps random "
+        "(training.train `corrupt_history`), or none (every acoustic input the empty id).",
+        "",
+        report.markdown_table(["acoustic history", "codebook 1 accuracy %", "codebook 1 names the GT phone %"],
+                              [[name, pct(h["cb1_acc"]), pct(h["cb1_phone"])]
+                               for name, h in tf.get("history", {}).items()]),
         "",
     ])
 
@@ -378,15 +433,16 @@ def main(argv=None) -> int:
         t0 = time.time()
         u = p.utt
         tf = teacher_forced(model, p, a.n_past, a.n_future)
+        seed = (zlib.crc32(u.id.encode()) + a.seed) % (2**31)
         utt_out.append({"utt": u.id, "voice": u.voice, "heldout_voice": u.heldout, "enrollment": u.enroll_id,
-                        "text": u.text, "frames": p.n_frames, "teacher_forced": tf})
+                        "text": u.text, "frames": p.n_frames, "teacher_forced": tf,
+                        "history": history_reliance(model, p, phones, by_id[u.id], seed)})
         base = dict(utt=u.id, heldout_voice=u.heldout)
         gt = read_audio(u.audio)
         base["ref_duration_s"] = len(gt) / SR
         rec_u = by_id[u.id]
         audios = [(report.GT, gt, phone_hits(phones, rec_u, p.example.codes[1, :p.n_frames])),
                   (report.CODEC, codec_resynthesis(bundle, gt)[0], {})]
-        seed = (zlib.crc32(u.id.encode()) + a.seed) % (2**31)
         voice = runner.make_voice(u.enroll_id, read_audio(u.enroll_audio), SR)
         for m in modes:
             t1 = time.perf_counter()

@@ -110,6 +110,25 @@ def _tuplify(x):
     return tuple(_tuplify(i) for i in x) if isinstance(x, (list, tuple)) else x
 
 
+def corrupt_history(inputs: torch.Tensor, p: float, none_ids: list[int], codebook_size: int,
+                    gen: torch.Generator) -> torch.Tensor:
+    """`inputs` [B, K, S] with the acoustic codes read back at a share `p` of the steps (all
+    acoustic codebooks of the step) replaced by random codes; graphemes and "none" ids kept.
+    Teacher forcing feeds the true previous codes, from which codebook 1 is mostly a copy; in
+    decoding they are the model's own samples, so a model that leans on them drifts. Noisy
+    history makes it name the sound from its text and letters (training inputs only)."""
+    if p <= 0:
+        return inputs
+    b, k, s = inputs.shape
+    hit = (torch.rand(b, 1, s, generator=gen) < p).expand(b, k - 1, s)
+    rnd = torch.randint(0, codebook_size, (b, k - 1, s), generator=gen)
+    acoustic = inputs[:, 1:]
+    none = torch.tensor(none_ids[1:]).view(1, k - 1, 1)
+    out = inputs.clone()
+    out[:, 1:] = torch.where(hit & (acoustic != none), rnd, acoustic)
+    return out
+
+
 def text_mask_for(batch: Batch, stream: bool, gen: torch.Generator, r1: int, r2: int) -> torch.Tensor:
     if not stream:
         return batch.text_valid
@@ -318,6 +337,10 @@ def main(argv=None) -> int:
                    help="the Mamba blocks' selective scan: triton = models/mamba_triton.py's kernels (CUDA); auto = "
                         "those on CUDA when they import and match the PyTorch scan on the device "
                         "(check_against_torch), else the PyTorch scan (models/mamba.py)")
+    p.add_argument("--history-noise", type=float, default=0.0,
+                   help="share of training steps whose acoustic input codes (the previous frames read back) are "
+                        "replaced by random codes (corrupt_history): codebook 1 learnt from the text and letters "
+                        "rather than copied from the true history teacher forcing gives; 0: off")
     p.add_argument("--letters", choices=("even", "phones"), default="phones",
                    help="grapheme targets: a word's letters over its phones with pauses as SPACE, where the corpus "
                         "has phone timelines (phones), or the manifest's even split (even)")
@@ -475,6 +498,10 @@ def main(argv=None) -> int:
         r1, r2 = py_rng.randint(1, 3), py_rng.randint(1, 3)
         # drawn on the CPU from the CPU generator: the same masks on every device
         mask = text_mask_for(batch, stream, mask_gen, r1, r2).to(device)
+        if a.history_noise > 0:  # seeded by the step: a resumed run corrupts what a straight one does
+            noise_gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
+            batch.inputs = corrupt_history(batch.inputs, a.history_noise, model.none_ids(), model.cfg.codebook_size,
+                                           noise_gen)
         batch = batch.to(device)
         for g in opt.param_groups:
             g["lr"] = sched.lr(step, train_s)
