@@ -228,12 +228,14 @@ class Engine:
 
     def _release_held_text(self, s: EngineSession, now: float) -> None:
         """The chunker's timed releases; and while the speech waits for text that has not
-        come for the session's buffer delay, all the text held, spoken without lookahead."""
+        come for the session's buffer delay, all the text held, spoken without lookahead
+        and to the end of its audio (`EngineSession.run_out`)."""
         waiting = s.waiting_for_text()
         deadline = s.buffer_deadline() if waiting else None
         if deadline is not None and now >= deadline:
             self._release_chunks(s, s.chunker.flush(now))
             s.waive_lookahead()
+            s.run_out()
         else:
             self._release_chunks(s, s.chunker.poll(now, waiting=waiting))
 
@@ -377,8 +379,7 @@ class Engine:
     def _after_step(self, s: EngineSession, r, now: float) -> Optional[PacketPlan]:
         """Book one step's result for a session; returns the packet to decode now, if any."""
         s.guidance.observe(r.grapheme)
-        if s.guidance.progress != s.last_progress:
-            s.last_progress, s.progress_step = s.guidance.progress, s.step_count
+        s.note_progress()
         s.track_words(s.step_count)  # words are sent once their audio is (_emit_words)
         s.step_count += 1
         for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count):
@@ -428,6 +429,8 @@ class Engine:
             return None  # a reflect-padded codec reads that far ahead at a stream's start
         if s.done_decoding:
             return PacketPlan(n, False)
+        if waiting and s.ran_out():  # the audio of all the text so far goes out
+            return PacketPlan(n, True)
         shortest = self._frames(s.config.min_packet_ms)
         if handoff:  # all pending frames now, so the next tick, `full` steps on, finds a full packet
             return PacketPlan(n, True) if n >= shortest else None

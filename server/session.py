@@ -91,9 +91,16 @@ class EngineSession:
         # chunks up to this index are spoken without waiting for their lookahead (a flush,
         # or no text for max_buffer_delay_ms: `waive_lookahead`); later ones wait as usual
         self.lookahead_waived_through = -1
+        # the transcript length whose audio the speech finishes without more text (the
+        # buffer delay expired: `run_out`); -1: none
+        self.run_out_chars = -1
         self.eos_added = False
         self.last_progress = 0  # guidance progress, and the step it last changed at
         self.progress_step = 0
+        # the transcript length the grapheme stream last covered, and the step it did
+        # (`note_progress`); -1: none yet
+        self.covered_chars = -1
+        self.covered_step = 0
         self.step_count = 0
         self.audio_lag_frames = engine.bundle.model.cfg.max_delay  # graphemes lead the audio by this
         self.frames_done = 0
@@ -208,14 +215,17 @@ class EngineSession:
         run that far into a chunk whose lookahead is not in yet, and the audio of the
         chunk before it is all out while the speech waits. Counted at the graphemes, a
         wait held those 8 frames (107 ms) back from a listener that had just started:
-        its stalls at 16 sessions (docs/loadtest.md, "Sixteenth session")."""
+        its stalls at 16 sessions (docs/loadtest.md, "Sixteenth session").
+
+        Past the text only to finish its audio once the buffer delay expired
+        (`running_out`)."""
         n = sum(1 for ch in self.chunks if ch.in_memory)
         if n == 0:
             return False
         if self.eos_added:
             return True
-        if self.guidance.progress >= self.n_chars:
-            return False
+        if self.covered_chars == self.n_chars:
+            return self.running_out()
         c = self.timeline.current_chunk(max(0, self.step_count - self.audio_lag_frames))
         if c <= self.lookahead_waived_through:
             return True
@@ -225,14 +235,51 @@ class EngineSession:
         """The chunks released so far are spoken without waiting for more text."""
         self.lookahead_waived_through = len(self.chunks) - 1
 
+    def note_progress(self) -> None:
+        """Book the guidance progress after a step (before `step_count` moves on): when it
+        last changed, and when the stream first covered all the text so far. Progress can
+        step back after errors; the speech stops at the text all the same (a run-out,
+        which steps past it, would otherwise go on while a babbling stream keeps moving
+        its progress)."""
+        p = self.guidance.progress
+        if p != self.last_progress:
+            self.last_progress, self.progress_step = p, self.step_count
+        if p >= self.n_chars and self.covered_chars != self.n_chars:
+            self.covered_chars, self.covered_step = self.n_chars, self.step_count
+
+    def run_out(self) -> None:
+        """The text so far is spoken to its end without more text: once the grapheme
+        stream has covered it, the speech steps on until the audio, which lags by the
+        codebook delays, has completed its frames (`running_out`)."""
+        self.run_out_chars = self.n_chars
+
+    def running_out(self) -> bool:
+        """Whether the speech, its stream at the end of the text, steps on to finish the
+        text's audio: the frames up to the one where the stream covered the text, plus
+        the shortest packet's frames and one, so neither the encoder's shortest packet
+        nor the resampler's look-ahead holds any of that audio back. These steps sample
+        what the model makes after the text: EOS stays barred (the input has not ended)
+        and guidance favours only the last grapheme (`GuidanceState.guiding_set`)."""
+        if self.run_out_chars != self.n_chars or self.covered_chars != self.n_chars or self.eos_added:
+            return False
+        tail = math.ceil(self.config.min_packet_ms * FRAME_RATE / 1000) + 1
+        return self.step_count < self.covered_step + 1 + self.audio_lag_frames + tail
+
+    def ran_out(self) -> bool:
+        """Whether the speech finished the audio of all the text so far (`run_out`)."""
+        return (self.run_out_chars == self.n_chars == self.covered_chars and not self.eos_added
+                and not self.running_out())
+
     def buffer_deadline(self) -> Optional[float]:
-        """When the text held goes out without its lookahead if no more text comes
+        """When the text held goes out without its lookahead, and the speech finishes the
+        audio of the text so far (`run_out`), if no more text comes
         (`SessionConfig.max_buffer_delay_ms` after the last piece); None: never (no
-        limit, no text yet, the text has ended, or nothing is held back)."""
+        limit, no text yet, the text has ended, or all that is done already)."""
         delay_ms = self.config.max_buffer_delay_ms
         if not delay_ms or self.last_text_at is None or self.input_ended:
             return None
-        if not self.chunker.held_words() and self.lookahead_waived_through >= len(self.chunks) - 1:
+        if (not self.chunker.held_words() and self.lookahead_waived_through >= len(self.chunks) - 1
+                and self.run_out_chars == self.n_chars):
             return None
         return self.last_text_at + delay_ms / 1000.0
 

@@ -800,6 +800,75 @@ def test_a_waiting_session_starts_on_min_words_of_lookahead(engine, voice):
     assert started == {True: True, False: False}
 
 
+@pytest.mark.parametrize("delay_ms, flush, runs_out", [
+    (300, False, True),  # the last word is still being written: the delay releases it
+    (300, True, True),  # a flush released it at once; the delay still finishes its audio
+    (0, True, False),  # no buffer delay: the audio waits at the text for more (or the end)
+])
+def test_after_the_buffer_delay_the_audio_finishes_the_text_so_far(engine, voice, delay_ms, flush, runs_out):
+    """"Hi there." with no end of input: once the buffer delay expired, the speech steps
+    past the text until the audio, which lags the graphemes by the codebook delays, has
+    completed every frame up to where the stream covered the last grapheme, and all of
+    it is sent. More text then goes on from there, and end of input completes it."""
+    c = Collector(engine)
+    h = engine.open_session(SessionConfig(**HARD, max_buffer_delay_ms=delay_ms), voice, c)
+    h.push_text("Hi there.", flush=flush)
+
+    def settled():  # waiting for text, the delay spent, all it decoded sent
+        last = h.words[-1] if len(h.words) == 2 else None
+        return (last is not None and last.covered_frame is not None and h.waiting_for_text()
+                and h.buffer_deadline() is None and h.frames_sent == h.frames_done
+                and not (runs_out and h.pending_frames))
+    deadline = time.monotonic() + 20
+    while not settled() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    end_frame, frames_sent = h.words[-1].covered_frame, h.frames_sent
+    audio_s = sum(p.duration_s for p in c.of(AudioPacket))
+    assert not c.of(Finished)
+    h.push_text(" And more.")
+    h.end_input()
+    assert c.done.wait(60)
+    assert end_frame is not None
+    if runs_out:
+        assert frames_sent > end_frame
+        assert audio_s >= (end_frame + 1) / 75
+    else:
+        assert frames_sent <= end_frame  # the codebook delays hold the text's last frames
+    summary = c.of(Finished)[0].summary
+    assert summary.frames > frames_sent
+    assert summary.all_words_spoken and summary.spoken_text == "Hi there. And more."
+    assert [w.word for w in c.of(WordTiming)] == ["Hi", "there.", "And", "more."]
+
+
+def test_a_run_out_ends_at_the_text_even_when_the_stream_babbles_past_it(engine, voice, monkeypatch):
+    """After the buffer delay the speech steps past the text to finish its audio. If the
+    stream then moves its guidance progress back below the end (errors after the text),
+    the speech still stops where the first coverage of the text says, and waits."""
+    orig = EngineSession.note_progress
+
+    def babbling(self):
+        orig(self)
+        if self.covered_chars == self.n_chars > 2:  # covered once: progress steps back from now on
+            self.guidance._progress = self.n_chars - 2
+    monkeypatch.setattr(EngineSession, "note_progress", babbling)
+    c = Collector(engine)
+    h = engine.open_session(SessionConfig(**HARD, max_buffer_delay_ms=100), voice, c)
+    h.push_text("Hi there.")
+    deadline, last = time.monotonic() + 20, (-1, 0.0)
+    while time.monotonic() < deadline:  # until the step count has not moved for 1 s
+        if h.step_count != last[0]:
+            last = (h.step_count, time.monotonic())
+        elif time.monotonic() - last[1] > 1.0:
+            break
+        time.sleep(0.05)
+    assert h.covered_chars == h.n_chars and h.waiting_for_text()
+    tail = math.ceil(h.config.min_packet_ms * 75 / 1000) + 1
+    assert h.step_count <= h.covered_step + 1 + h.audio_lag_frames + tail
+    assert h.frames_sent == h.frames_done  # its audio all sent
+    h.cancel()
+    assert c.done.wait(30)
+
+
 def text_graphemes(text: str) -> list[int]:
     """The collapsed transcript of `text`, as the session builds it word by word."""
     from models import graphemes
