@@ -1,4 +1,4 @@
-"""Token pieces -> whole words -> text chunks (DESIGN.md point 1).
+"""Token pieces -> whole words -> text chunks (docs/design.md, "Token pieces to chunks").
 
 An LLM sends sub-word pieces ("Hel", "lo", ","); BPE of a partial word differs from
 the word's, so only whole words leave the chunker. A word is whole once whitespace
@@ -17,6 +17,10 @@ from typing import Optional
 from .session_api import ChunkingConfig
 
 _PUNCT = (".", ",", "!", "?", ";", ":", "\u2014", "\u2026")
+
+
+def ends_with_punctuation(word: str) -> bool:
+    return word.endswith(_PUNCT)
 
 
 @dataclass
@@ -60,8 +64,15 @@ class Chunker:
             out += self.flush(now)
         return out
 
-    def flush(self, now: float) -> list[TextChunk]:
-        out = self._end_word(now)
+    @property
+    def partial_word(self) -> str:
+        """The word still being written (no whitespace after it yet); "" if none."""
+        return self._partial
+
+    def flush(self, now: float, partial: bool = True) -> list[TextChunk]:
+        """Release every pending word, and the word still being written unless `partial`
+        is False (it may be the first piece of a longer word)."""
+        out = self._end_word(now) if partial else []
         if self._words:
             out.append(self._release(now))
         return out
@@ -95,7 +106,7 @@ class Chunker:
         self._last_word_at = now
         limit = self.config.first_chunk_words if self._next_index == 0 else self.config.max_words
         if len(self._words) >= limit or (
-            self.config.flush_on_punctuation and word.endswith(_PUNCT)
+            self.config.flush_on_punctuation and ends_with_punctuation(word)
         ):
             return [self._release(now)]
         return []

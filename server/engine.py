@@ -228,12 +228,13 @@ class Engine:
 
     def _release_held_text(self, s: EngineSession, now: float) -> None:
         """The chunker's timed releases; and while the speech waits for text that has not
-        come for the session's buffer delay, all the text held, spoken without lookahead
-        and to the end of its audio (`EngineSession.run_out`)."""
+        come for the session's buffer delay, the text held (a word still being written
+        only as `EngineSession.buffer_releases_partial_word` says), spoken without
+        lookahead and to the end of its audio (`EngineSession.run_out`)."""
         waiting = s.waiting_for_text()
         deadline = s.buffer_deadline() if waiting else None
         if deadline is not None and now >= deadline:
-            self._release_chunks(s, s.chunker.flush(now))
+            self._release_chunks(s, s.chunker.flush(now, partial=s.buffer_releases_partial_word(now)))
             s.waive_lookahead()
             s.run_out()
         else:

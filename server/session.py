@@ -24,7 +24,7 @@ from models.config import FRAME_RATE
 from models.guidance import GuidanceState, Temperatures
 
 from .audio import AudioEncoder
-from .chunker import Chunker, TextChunk
+from .chunker import Chunker, TextChunk, ends_with_punctuation
 from .session_api import ConfigError, LimitError, SessionConfig, Sink, StateError
 from .timeline import SpeechTimeline
 
@@ -273,15 +273,30 @@ class EngineSession:
     def buffer_deadline(self) -> Optional[float]:
         """When the text held goes out without its lookahead, and the speech finishes the
         audio of the text so far (`run_out`), if no more text comes
-        (`SessionConfig.max_buffer_delay_ms` after the last piece); None: never (no
-        limit, no text yet, the text has ended, or all that is done already)."""
+        (`SessionConfig.max_buffer_delay_ms` after the last piece; a word still being
+        written and not ending in punctuation waits twice that, see
+        `buffer_releases_partial_word`); None: never (no limit, no text yet, the text
+        has ended, or all that is done already)."""
         delay_ms = self.config.max_buffer_delay_ms
         if not delay_ms or self.last_text_at is None or self.input_ended:
             return None
-        if (not self.chunker.held_words() and self.lookahead_waived_through >= len(self.chunks) - 1
-                and self.run_out_chars == self.n_chars):
+        first = self.last_text_at + delay_ms / 1000.0
+        if (self.chunker.pending_words or self.lookahead_waived_through < len(self.chunks) - 1
+                or self.run_out_chars != self.n_chars):
+            return first
+        partial = self.chunker.partial_word
+        if not partial:
             return None
-        return self.last_text_at + delay_ms / 1000.0
+        return first if ends_with_punctuation(partial) else first + delay_ms / 1000.0
+
+    def buffer_releases_partial_word(self, now: float) -> bool:
+        """Whether the buffer delay releases the word still being written as a whole word:
+        if it ends in punctuation, or no text has come for twice the delay. An LLM that
+        pauses mid-word ("every" ... "body") is not split at the first delay; a last
+        word that stays unpunctuated is still spoken, later."""
+        delay_s = self.config.max_buffer_delay_ms / 1000.0
+        return (ends_with_punctuation(self.chunker.partial_word)
+                or (self.last_text_at is not None and now >= self.last_text_at + 2 * delay_s))
 
     def waiting_for_text(self) -> bool:
         """Whether the speech is held up for want of text (not started, or the text ran dry)."""

@@ -840,6 +840,40 @@ def test_after_the_buffer_delay_the_audio_finishes_the_text_so_far(engine, voice
     assert [w.word for w in c.of(WordTiming)] == ["Hi", "there.", "And", "more."]
 
 
+def test_a_word_still_being_written_waits_twice_the_buffer_delay(engine, voice):
+    """The buffer delay releases the whole words held; a word still being written waits
+    for the rest of its pieces ("every" + "body." is one word) unless it ends in
+    punctuation, and is spoken after twice the delay if no more text comes."""
+    delay_s = 0.8
+    c = Collector(engine)
+    h = engine.open_session(SessionConfig(**HARD, max_buffer_delay_ms=int(delay_s * 1000)), voice, c)
+    spoken = lambda: [w.text for w in h.words]  # noqa: E731  (released words, in order)
+
+    def wait_for(words):
+        deadline = time.monotonic() + 20
+        while spoken() != words and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return spoken()
+
+    t0 = time.monotonic()
+    h.push_text("Hi there every")
+    assert wait_for(["Hi", "there"]) == ["Hi", "there"]
+    time.sleep(max(0.0, t0 + 1.3 * delay_s - time.monotonic()))
+    if time.monotonic() - t0 < 2 * delay_s - 0.1:  # a loaded machine may get here after the second delay
+        assert spoken() == ["Hi", "there"] and h.chunker.partial_word == "every"
+    h.push_text("body. Bye")
+    t1 = time.monotonic()
+    assert wait_for(["Hi", "there,", "everybody.", "Bye"])[-2:] == ["everybody.", "Bye"]
+    assert time.monotonic() - t1 >= 2 * delay_s - 0.05  # "Bye", unpunctuated, after twice the delay
+    h.push_text(" Go!")
+    t2 = time.monotonic()
+    assert wait_for(["Hi", "there,", "everybody.", "Bye", "Go!"])[-1] == "Go!"
+    assert delay_s - 0.05 <= time.monotonic() - t2  # punctuated: after one delay
+    h.end_input()
+    assert c.done.wait(60)
+    assert c.of(Finished)[0].summary.spoken_text == "Hi there everybody. Bye Go!"
+
+
 def test_a_run_out_ends_at_the_text_even_when_the_stream_babbles_past_it(engine, voice, monkeypatch):
     """After the buffer delay the speech steps past the text to finish its audio. If the
     stream then moves its guidance progress back below the end (errors after the text),
