@@ -23,7 +23,7 @@ Per session (pure Python, no tensors)
                                  while the stream follows the transcript (so it does not
                                  decrease); after errors it can step back. Record
                                  ``.transcript_length`` after each ``extend_transcript``
-                                 to map chunks onto it (DESIGN.md point 2).
+                                 to map chunks onto it (docs/design.md).
     ``.best_prefixes``, ``.distance``, ``.cer``, ``.stream_length``, ``.band_range``,
     ``.cells`` (DP cells computed so far, a cost counter), ``.retained`` (memory held).
 
@@ -380,7 +380,7 @@ def _sample_rows(scores: torch.Tensor, k: torch.Tensor, kmax: int, u: torch.Tens
     v = scores.shape[-1]
     # torch's CPU top-k partial-sorts rows of at least 64 * k entries and runs nth_element
     # on shorter ones, which took 1.6-1.8x as long at k = 20 over 1,024 codes
-    # (docs/loadtest.md, "Eighteenth session"): rows padded with -inf up to that length,
+    # (docs/loadtest.md, "Measured choices"): rows padded with -inf up to that length,
     # where it at most doubles them, take the fast path. A padded entry is never drawn
     # (probability 0) but by an all -inf row, whose token is clamped into the vocabulary.
     padded = not scores.is_cuda and v < 64 * kmax <= 2 * v

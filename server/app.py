@@ -259,7 +259,7 @@ def torch_threads(config: ServerConfig, cpus: int) -> int:
     thread (the CPU), each of the two stepping threads gets half the CPUs, since both
     run torch ops at once and each would otherwise start a team of `cpus` threads: on 2
     cores 2 threads starved listeners 1.4-3.8x longer than 1 at 2-4 sessions
-    (docs/loadtest.md, "Fourteenth session"). Else all of them."""
+    (docs/loadtest.md, "Measured choices"). Else all of them."""
     if config.torch_threads:
         return config.torch_threads
     if config.device == "cpu" and config.codec_thread:

@@ -137,7 +137,7 @@ class Engine:
         # frames of its session. Gaps under 0.5 s count, waits for text included: that
         # makes a first packet after such waits 3-4 frames, not 2, and dropping them
         # (first packet 15-20 ms sooner) starved listeners at the ramp's end through
-        # gRPC, even at one session (docs/loadtest.md, "Eleventh session")
+        # gRPC, even at one session (docs/loadtest.md, "Measured choices")
         self._step_period_s = 0.02
         self._last_step_at: Optional[float] = None
         self._steps = 0  # decode steps run: the packet clock (`_on_packet_clock`)
@@ -415,7 +415,7 @@ class Engine:
         ends as `_ramp_over` says, at a tick, with all pending frames: the first clocked
         packet then follows `full` steps later, where ending it between ticks left the
         listener up to 2 x full - 1 steps to wait (at 16-20 sessions the stalls 0.19 and
-        0.32 s into the audio, docs/loadtest.md "Seventeenth session"); and when the
+        0.32 s into the audio, docs/loadtest.md "Measured choices"); and when the
         text ran dry."""
         n = len(s.pending_frames)
         full = self._packet_frames(s)
@@ -456,7 +456,7 @@ class Engine:
         steps; at the hand-off it is `full` steps, but the step period measured in the
         ramp, while others sit out, is shorter than after it), or after four: a listener
         left with less at the ramp's end ran dry before its first clocked packet (the
-        N=1 stalls 0.16-0.19 s into the audio, docs/loadtest.md "Fifteenth session")."""
+        N=1 stalls 0.16-0.19 s into the audio, docs/loadtest.md "Measured choices")."""
         if s.frames_done < 2 * full:
             return False
         return s.frames_done >= 4 * full or s.audio_ahead_s(now) >= 2 * full * self._step_period_s
@@ -513,19 +513,18 @@ class Engine:
         packet that cannot wait for a busy codec thread): those are decoded and
         delivered now, beside whatever the codec thread runs. Ramp packets otherwise go
         to the thread: on the engine thread each cost the engine a codec call, and its
-        2-frame packets came about as fast as they played (docs/loadtest.md, "Fifteenth
-        session"). The thread's calls queue in order, the most urgent (least audio in its
+        2-frame packets came about as fast as they played (docs/loadtest.md, "Measured
+        choices"). The thread's calls queue in order, the most urgent (least audio in its
         listeners' hands) first; the engine waits only for calls holding a slot whose
         codec state it is about to use. Waiting for every call
         before the next cost a ramp packet queued behind a clocked call that whole call,
-        at 16 sessions up to 9 ms of its listener's 27 (docs/loadtest.md, "Sixteenth
-        session"); and waiting with nothing new to decode cost the step after each
-        threaded call the rest of that call (~3.5 ms of a 5.5 ms step at one session,
-        "Fourteenth session")."""
+        at 16 sessions up to 9 ms of its listener's 27 (docs/loadtest.md, "Measured
+        choices"); and waiting with nothing new to decode cost the step after each
+        threaded call the rest of that call (~3.5 ms of a 5.5 ms step at one session)."""
         self._deliver_done()
         # one call per frame count, with packets off the clock (the ramp, a text that ran
         # dry) apart from the tick's: joined to it, a ramp packet waited for all of it
-        # (16 sessions: 15-19 ms of the ~20 its listener held, "Nineteenth session")
+        # (16 sessions: 15-19 ms of the ~20 its listener held; docs/loadtest.md)
         # and first packets apart from all others: joined to another session's packet, a
         # first packet waited for any codec-thread call holding that session's slot
         groups: dict[tuple[int, bool, bool], list[tuple[EngineSession, bool]]] = collections.defaultdict(list)

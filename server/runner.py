@@ -26,7 +26,7 @@ from server.config import BF16_SETTINGS
 
 # On the CPU, the bf16 step graph (models/derived.py) runs from this batch size: against
 # float32 the default model's step measured 0.77x at batch 1, 1.11x at 2, 1.58x at 4 and
-# 1.39x at 16 (AMD EPYC with AVX512-BF16, one thread; docs/loadtest.md, "Eighteenth session")
+# 1.39x at 16 (AMD EPYC with AVX512-BF16, one thread; docs/loadtest.md, "Measured choices")
 BF16_FROM_BATCH = 2
 
 

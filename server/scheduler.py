@@ -1,7 +1,7 @@
 """Which sessions run in the next decode step.
 
 A session runs when it has text to speak and its lookahead is satisfied (the start
-policy of DESIGN.md point 3, `EngineSession.lookahead_ready`: chunk k has min(nf,
+policy of docs/design.md, `EngineSession.lookahead_ready`: chunk k has min(nf,
 start_future_chunks + k) chunks after it, or the text has ended; also used to restart
 after the text ran dry). Sessions far ahead of their playback yield the step to the
 others, so a newly started session gets its first packet quickly even under load; and
@@ -11,7 +11,7 @@ steps at a smaller batch, faster, until its listener holds a buffer. A ramp is b
 in frames (`Engine._ramp_over`), so the yield is too: a session whose listener runs
 short for other reasons (a client that stopped reading) never makes others sit out. At
 16-24 sessions on 2 cores it cut TTFA by a fifth to a third and the starved audio at 24
-sessions fourfold (docs/loadtest.md, "Sixteenth session").
+sessions fourfold (docs/loadtest.md, "Measured choices").
 """
 from __future__ import annotations
 

@@ -215,7 +215,7 @@ class EngineSession:
         run that far into a chunk whose lookahead is not in yet, and the audio of the
         chunk before it is all out while the speech waits. Counted at the graphemes, a
         wait held those 8 frames (107 ms) back from a listener that had just started:
-        its stalls at 16 sessions (docs/loadtest.md, "Sixteenth session").
+        its stalls at 16 sessions (docs/loadtest.md, "Measured choices").
 
         Past the text only to finish its audio once the buffer delay expired
         (`running_out`)."""

@@ -81,7 +81,7 @@ class SessionConfig:
     # first chunk. It once let a fast-speaking model catch up with the text and its
     # listener run dry at the start (tests/test_overload.py, when k counted at the
     # graphemes, 8 frames ahead of the audio); since k counts at the audio it did not, and
-    # it cut TTFA by ~40 % at the same underruns (docs/loadtest.md, "Sixteenth session")
+    # it cut TTFA by ~40 % at the same underruns (docs/loadtest.md, "Measured choices")
     start_future_chunks: int = 0
     # the longest the text waits for more text: once none came for this long while the
     # speech waits for text (its lookahead, or a word still being written), the text

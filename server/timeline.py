@@ -1,4 +1,4 @@
-"""Chunk positions on the speech timeline (DESIGN.md point 2).
+"""Chunk positions on the speech timeline (docs/design.md, "Chunks to speech time").
 
 The model was trained with tau_i = the frame where chunk i's speech starts. An LLM
 sends text much faster than it is spoken, so arrival times would cram the speech;

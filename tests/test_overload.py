@@ -6,7 +6,7 @@ before any engine work; every admitted session completes with its whole text; cl
 that honour `retry-after-ms` all get through. Underruns (packets sent after their
 playback time) of the admitted sessions are recorded, not asserted: on a shared 2-core
 CPU with an untrained model they depend on the machine's load. At the rated capacity
-(docs/loadtest.md: 2 sessions on the 2-core CI machine) run
+(2 slots: docs/reliability.md, "3. Overload") run
 `LIVESPEECH_OVERLOAD_SLOTS=2 pytest -q -s tests/test_overload.py` in a quiet window for
 the "admitted sessions keep zero underruns" figure (docs/reliability.md).
 """

@@ -1,4 +1,4 @@
-"""Chunk placement on the speech timeline (DESIGN.md point 2)."""
+"""Chunk placement on the speech timeline (docs/design.md, "Chunks to speech time")."""
 from server.timeline import SpeechTimeline
 
 
