@@ -181,6 +181,9 @@ def _say(args: argparse.Namespace) -> int:
                     print(f"  {event.start_s:7.3f} {event.end_s:7.3f}  {event.word}")
     except grpc.RpcError as e:
         print(f"livespeech say: {e.code().name}: {e.details()}", file=sys.stderr)
+        spoken = getattr(e, "summary", None)  # the server's summary before an early ending
+        if spoken is not None and spoken.all_words_spoken is False:
+            print(f"not spoken: {len(spoken.unspoken_words)} word(s): {' '.join(spoken.unspoken_words)}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as e:  # bad settings or an unreadable file, before any call
         print(f"livespeech say: {e}", file=sys.stderr)

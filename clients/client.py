@@ -28,7 +28,10 @@ Sync (a private event loop on a background thread):
 A call the server refuses before `Started` (UNAVAILABLE, RESOURCE_EXHAUSTED) is made again
 under the client's `RetryPolicy`, waiting at least the server's `retry-after-ms`; once the
 session started nothing is retried. Errors are `grpc.aio.AioRpcError` with the server's
-status code and message.
+status code and message. The server ends a started session over its text limit, idle or
+open too long with a `Summary` and then the error: the iteration yields the Summary, and
+the error raised after it carries it as `error.summary` (None when no summary came);
+`collect()` / `synthesize_to_result()` also attach what was received as `error.result`.
 
 A secured server (docs/reliability.md): `tls_ca=` (PEM path or bytes) verifies the
 server's certificate, `tls_cert=`/`tls_key=` add a client certificate (mutual TLS),
@@ -412,6 +415,7 @@ class SynthesisSession:
         self.refusals: list[Refusal] = []
         self.first_text_t: Optional[float] = None
         self.first_audio_t: Optional[float] = None
+        self.summary: Optional[Summary] = None  # the server's, once received
 
     @property
     def client_ttfa_s(self) -> Optional[float]:
@@ -567,6 +571,7 @@ class SynthesisSession:
                 self._close()
                 if self.started is None and self._cancelled.is_set():
                     raise StopAsyncIteration from None  # cancelled before anything was spoken
+                e.summary = self.summary  # an early ending's: which words were spoken
                 raise
             if msg is grpc.aio.EOF:
                 self._close()
@@ -579,6 +584,7 @@ class SynthesisSession:
                 if self.first_audio_t is None:
                     self.first_audio_t = time.monotonic()
             elif isinstance(event, Summary):
+                self.summary = event
                 self._outbox.put_nowait(_HALF_CLOSE)
             if event is not None:
                 return event
@@ -598,8 +604,13 @@ class SynthesisSession:
 async def _collect(events: "SynthesisSession | SynthesisStream") -> SynthesisResult:
     """Every event of a session or stream, gathered; its client-side TTFA."""
     result = SynthesisResult()
-    async for event in events:
-        result.add(event)
+    try:
+        async for event in events:
+            result.add(event)
+    except grpc.aio.AioRpcError as e:
+        result.client_ttfa_s = events.client_ttfa_s
+        e.result = result  # the audio and summary received before the error
+        raise
     result.client_ttfa_s = events.client_ttfa_s
     return result
 

@@ -188,7 +188,8 @@ class Engine:
 
     def submit(self, session: EngineSession, command: tuple) -> None:
         # opening, cancelling and closing go ahead of queued text: a client flooding text
-        # must not delay another session's admission (text and its end keep their order)
+        # must not delay another session's admission (text, its end and a stop keep their
+        # order: a stop's summary must account for the text sent before it)
         urgent = command[0] in ("open", "cancel", "close")
         (self._urgent if urgent else self._commands).append((session, command))
         self._wake.set()
@@ -274,6 +275,8 @@ class Engine:
                         self._finish(s, cancelled=False)
                 elif kind == "cancel":
                     self._finish(s, cancelled=True)
+                elif kind == "stop":
+                    self._stop_with_status(s, cmd[1], cmd[2])
                 elif kind == "close":
                     s.closed = True
                     self._end(s, cmd[1])
@@ -666,12 +669,35 @@ class Engine:
             return
         if not cancelled:
             self._emit_words(s, final=True)
+        summary = self._summary(s, cancelled)
+        if summary.unspoken_words and not cancelled:  # the runaway guard ended it: EOS is barred until the text is spoken
+            log.warning("session %s ended by the runaway guard with %d of %d words unspoken",
+                        s.session_id, len(summary.unspoken_words), len(s.words))
+        # the slot is free before the client hears of the end: a client that opens its next
+        # session on the summary must find the slot. "completed" only with every word spoken
+        self._end(s, "cancelled" if cancelled else "incomplete" if summary.unspoken_words else "completed")
+        s.sink(Finished(summary))
+
+    def _stop_with_status(self, s: EngineSession, code: str, message: str) -> None:
+        """The service ends the session with an error status (its text limit, a timeout):
+        like a cancel, nothing more is generated, and the client first hears what was
+        spoken (`Finished.error`). Counted failed, as the close it replaces; the service
+        counts the status."""
+        self._settle_for(s)  # audio decoded for it goes out first (and may end it)
+        if s.phase is Phase.ENDED:
+            return
+        summary = self._summary(s, cancelled=False)
+        self._end(s, "failed")
+        s.sink(Finished(summary, error=Failed(code, message)))
+
+    def _summary(self, s: EngineSession, cancelled: bool) -> Summary:
+        """What the session spoke, for its last event; books its audio."""
         audio_s = s.audio_sent_s
         unspoken = s.unspoken_words()
-        if unspoken and not cancelled:  # the runaway guard ended it: EOS is barred until the text is spoken
-            log.warning("session %s ended by the runaway guard with %d of %d words unspoken",
-                        s.session_id, len(unspoken), len(s.words))
-        summary = Summary(
+        if audio_s > 0:
+            self.metrics.rtf.observe(s.compute_s / audio_s)
+            self.metrics.audio_seconds_total.inc(audio_s)
+        return Summary(
             frames=s.frames_done,
             audio_s=audio_s,
             ttfa_s=None if s.first_packet_at is None or s.first_text_at is None else s.first_packet_at - s.first_text_at,
@@ -682,13 +708,6 @@ class Engine:
             all_words_spoken=not unspoken,
             unspoken_words=tuple(unspoken),
         )
-        if audio_s > 0:
-            self.metrics.rtf.observe(s.compute_s / audio_s)
-            self.metrics.audio_seconds_total.inc(audio_s)
-        # the slot is free before the client hears of the end: a client that opens its next
-        # session on the summary must find the slot. "completed" only with every word spoken
-        self._end(s, "cancelled" if cancelled else "incomplete" if unspoken else "completed")
-        s.sink(Finished(summary))
 
     def _settle_for(self, s: EngineSession) -> None:
         if s.slot is not None:

@@ -3,9 +3,9 @@
 Who records what (so nothing is counted twice):
 - the engine: `sessions_total{outcome}` for every session it admitted (completed: every
   word of its text spoken; incomplete: ended by the runaway guard with words unspoken;
-  cancelled, failed, disconnected; a session the service ends with an error status, e.g.
-  "client is not reading", a text limit or a timeout, reaches the engine as a close:
-  failed) and for
+  cancelled, failed, disconnected; a session the service ends with an error status
+  reaches the engine as a close, e.g. "client is not reading", or as a stop (its summary
+  first), its text limit or a timeout: failed) and for
   refusals at capacity (rejected); `errors_total{code}` for the failures it reports;
   and all latency, step, batch, underrun, RTF, audio, token and codec metrics;
 - the service: `sessions_total` for streams that never reached the engine (rejected:

@@ -24,7 +24,9 @@ Status choices (see also the .proto):
 - more than `synthesize_stream_limit` streams open: RESOURCE_EXHAUSTED with
   `retry-after-ms`, refused like any stream (its messages drained, see REFUSE_READ_S);
 - a session's total text over `max_session_text_chars`: RESOURCE_EXHAUSTED (a single
-  piece over `max_text_piece_chars` is INVALID_ARGUMENT);
+  piece over `max_text_piece_chars` is INVALID_ARGUMENT); it, the idle timeout and the
+  wall-clock cap end a started session after a summary of what was spoken
+  (`SessionStream.end_early`);
 - the client half-closes without `end_of_input`: treated as end of input, HALF_CLOSE_S
   later (see there);
 - messages after `cancel` are ignored (a text pump may race the cancel);
@@ -71,6 +73,9 @@ from .voices import VoiceInfo, VoiceStore, VoiceStoreError, check_voice_id, deco
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
 ABORT_WAIT_S = 2.0  # longest wait for a client to take an error status
+# the longest an early ending (`SessionStream.end_early`) waits for the engine's summary
+# and its write to the client; then the status goes out without it
+STOP_WAIT_S = 2.0
 # Ending a stream early (refused, failed, or done before the client half-closed): its
 # status must not overtake a client write in flight, or grpc's asyncio client reports
 # INTERNAL "Internal error from Core" instead (it overwrites the status it received when
@@ -130,14 +135,17 @@ async def drain_requests(it: AsyncIterator) -> None:
 
 class RpcError(Exception):
     """Ends an RPC with this status. `from_engine`: relays an engine `Failed` (the engine
-    counted it in `errors_total` already)."""
+    counted it in `errors_total` already). `summarized`: ends a started session after its
+    summary (`SessionStream.end_early`)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple = (), from_engine: bool = False) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple = (), from_engine: bool = False,
+                 summarized: bool = False) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.metadata = metadata
         self.from_engine = from_engine
+        self.summarized = summarized
 
 
 def decoded(request: Any) -> Any:
@@ -225,8 +233,12 @@ class SessionStream:
         self.loop = asyncio.get_running_loop()
         self.handle: Optional[SessionHandle] = None
         self.events: asyncio.Queue[SessionEvent] = asyncio.Queue()
-        # resolved once: None (the session ended with its summary) or the RpcError to end it with
+        # resolved once: None (the session ended with its summary) or the RpcError to end it
+        # with (after a summary when `stopping`)
         self.outcome: asyncio.Future = self.loop.create_future()
+        # the status of an early ending whose summary is awaited (`end_early`)
+        self.stopping: Optional[RpcError] = None
+        self._stop_timer: Optional[asyncio.TimerHandle] = None
         self.last_activity = time.monotonic()
         self.closed = False
         self.released = False  # the engine handle was closed
@@ -277,11 +289,40 @@ class SessionStream:
         if not self.outcome.done():
             self.outcome.set_result(outcome)
 
+    def end_early(self, error: RpcError) -> None:
+        """End the session with `error` (its text limit, a timeout), the summary of what
+        was spoken first: the engine stops it and answers with Finished(summary, error),
+        which the transport writes before the status. Waits STOP_WAIT_S at most for that
+        (an engine that does not answer, a client that does not take the write), then
+        ends with the status alone; a client error that is no early ending (`summarized`
+        unset) ends at once."""
+        if self.outcome.done() or self.stopping is not None:
+            return
+        stop = getattr(self.handle, "stop", None)
+        if not error.summarized or stop is None:
+            self.finish(error)
+            return
+        self.stopping = error
+        self._stop_timer = self.loop.call_later(STOP_WAIT_S, self.finish, error)
+        try:
+            stop(error.code.name, error.message)
+        except Exception:  # pragma: no cover - the engine must not keep the status from the client
+            log.exception("handle.stop() failed")
+            self.finish(error)
+
+    def ended(self, ev: Finished) -> Optional[RpcError]:
+        """The outcome after a summary was written: the early ending's status, if any."""
+        if self.stopping is not None:
+            return self.stopping
+        return None if ev.error is None else failed_error(ev.error)
+
     def release(self) -> None:
         """Free the engine slot (idempotent); nothing more is delivered."""
         self.closed = True
         if self._read_check is not None:
             self._read_check.cancel()
+        if self._stop_timer is not None:
+            self._stop_timer.cancel()
         if self.handle is not None and not self.released:
             self.released = True
             # the service ending a session with an error is a failure, not a disconnect
@@ -295,21 +336,27 @@ class SessionStream:
     # ------------------------------------------------------------ engine -> client
 
     async def next_event(self) -> SessionEvent:
-        """The next engine event; RpcError DEADLINE_EXCEEDED past the idle timeout or the
-        session's wall-clock cap."""
+        """The next engine event. Past the idle timeout or the session's wall-clock cap,
+        the session ends early (`end_early`: DEADLINE_EXCEEDED after its summary); its
+        last events still come from here."""
         idle, wall = self.config.idle_timeout_s, self.config.max_session_wall_s
         while True:
+            if self.stopping is not None or self.outcome.done():
+                return await self.events.get()
             now = time.monotonic()
             wall_left = self.opened_at + wall - now
             if wall_left <= 0:  # checked first: a session that is generating has events ready
-                raise RpcError(Code.DEADLINE_EXCEEDED, f"session open for {wall:g} s (max_session_wall_s)")
+                self.end_early(RpcError(Code.DEADLINE_EXCEEDED, f"session open for {wall:g} s (max_session_wall_s)",
+                                        summarized=True))
+                continue
             if not self.events.empty():
                 return self.events.get_nowait()
             remaining = self.last_activity + idle - now
             if remaining <= 0:
-                raise RpcError(
-                    Code.DEADLINE_EXCEEDED, f"session idle for {idle:g} s (no message and nothing to generate)"
-                )
+                self.end_early(RpcError(
+                    Code.DEADLINE_EXCEEDED, f"session idle for {idle:g} s (no message and nothing to generate)",
+                    summarized=True))
+                continue
             try:
                 async with asyncio.timeout(min(remaining, wall_left)):
                     return await self.events.get()
@@ -443,9 +490,10 @@ class _Stream(SessionStream):
             try:
                 kind = self._forward(msg)
             except RpcError as e:
-                # the client's fault ends the stream; keep reading (and dropping), so that
-                # shutdown() can take the client's writes in flight (see REFUSE_READ_S)
-                self.finish(e)
+                # the client's fault ends the stream (over its text limit, after the
+                # summary); keep reading (and dropping), so that shutdown() can take the
+                # client's writes in flight (see REFUSE_READ_S)
+                self.end_early(e)
                 self.ending = True
                 continue
             ended = ended or kind == "end_of_input"
@@ -493,7 +541,7 @@ class _Stream(SessionStream):
             elif isinstance(ev, Finished):
                 await self.timed_write(self.context.write(pb.SynthesizeResponse(summary=summary_to_proto(ev.summary))),
                                        last=True)
-                self.finish(None)
+                self.finish(self.ended(ev))
                 return
             elif isinstance(ev, Failed):
                 raise failed_error(ev)
@@ -512,8 +560,8 @@ def handle_errors() -> Iterator[None]:
         yield
     except StateError as e:
         raise RpcError(Code.FAILED_PRECONDITION, str(e)) from None
-    except LimitError as e:
-        raise RpcError(Code.RESOURCE_EXHAUSTED, str(e)) from None
+    except LimitError as e:  # the session's text limit: a started session ends after its summary
+        raise RpcError(Code.RESOURCE_EXHAUSTED, str(e), summarized=True) from None
     except ConfigError as e:
         raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
 

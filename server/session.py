@@ -6,7 +6,7 @@ Lifecycle (like a request in an LLM server):
     RUNNING  decoding frames
     ENDED    finished, cancelled, failed or disconnected; the slot is freed
 
-The handle methods (`push_text`, `end_input`, `cancel`, `close`) run on the service's
+The handle methods (`push_text`, `end_input`, `cancel`, `stop`, `close`) run on the service's
 event loop: they validate synchronously (so the service can answer with a status) and
 queue the work for the engine thread, which alone touches everything else here.
 """
@@ -154,6 +154,9 @@ class EngineSession:
 
     def cancel(self) -> None:
         self.engine.submit(self, ("cancel",))
+
+    def stop(self, code: str, message: str) -> None:
+        self.engine.submit(self, ("stop", code, message))
 
     def close(self, outcome: str = "disconnected") -> None:
         self.engine.submit(self, ("close", outcome))

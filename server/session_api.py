@@ -178,6 +178,9 @@ class Summary:
 @dataclass(frozen=True)
 class Finished:
     summary: Summary
+    # set when the service ended the session (`SessionHandle.stop`): the status that
+    # follows the summary
+    error: Optional[Failed] = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,11 @@ class SessionHandle(Protocol):
 
     def cancel(self) -> None:
         """Stop generating; the engine sends Finished(cancelled=True) with what was spoken."""
+
+    def stop(self, code: str, message: str) -> None:
+        """The service ends the session with this status (e.g. its text limit, a
+        timeout): generate nothing more; the engine sends Finished(summary of what was
+        spoken, error=Failed(code, message)) after the text pushed before it."""
 
     def close(self, outcome: str = "disconnected") -> None:
         """The stream is over (client gone, or ended by the service, outcome "failed"):

@@ -18,13 +18,17 @@ The server answers {"type": "started", "session_id", "config"}, then binary mess
 "start_s", "end_s"} as they are made, then {"type": "summary", ...} and close 1000. An
 error is {"type": "error", "code", "message"[, "retry_after_ms"]} then the close code
 (the close reason: the code name and the message, cut to the 123 bytes a close frame
-holds). A client that closes without "end" has hung up: its session is freed.
+holds); the session's text limit, the idle timeout and the wall-clock cap send the
+summary (what was spoken, `unspoken_words`) before the error. A client that closes
+without "end" has hung up: its session is freed.
 
 `POST /v1/audio/speech` (OpenAI's request): {"model", "input", "voice", "response_format":
 "wav" (default) | "pcm", "speed": 1.0 (only)}. The audio of the whole input (24 kHz
 16-bit mono; a WAV header with unknown sizes first for "wav") streams as it is made.
-Errors before the audio are OpenAI's error JSON with the HTTP status; one after it
-started cuts the response off (no terminating chunk), so it never reads as complete.
+Errors before the audio are OpenAI's error JSON with the HTTP status (the input over
+the session's text limit: 429, nothing spoken); one after it started, a timeout
+included, cuts the response off (no terminating chunk), so it never reads as complete
+(a response has no place for a summary after its audio: the unspoken words are logged).
 
 `GET /v1/voices`: the caller's voices, as gRPC's ListVoices answers them, in protobuf's
 JSON mapping: {"voices": [{"voice_id", "builtin", "reference_s", "created_unix_ms"}]}.
@@ -328,26 +332,37 @@ class WebEndpoints:
                 return
             stream.last_activity = time.monotonic()
             kind = msg["type"]
-            if cancelled:
-                continue  # a text pump may race the cancel
-            if kind == "text":
-                text, flush, ts = msg.get("text", ""), msg.get("flush", False), msg.get("timestamp_s")
-                if not isinstance(text, str) or not isinstance(flush, bool) or \
-                        (ts is not None and not isinstance(ts, (int, float))) or isinstance(ts, bool):
-                    raise RpcError(Code.INVALID_ARGUMENT, "text: expected text (string), flush (bool), timestamp_s (number)")
-                with handle_errors():
-                    handle.push_text(text, None if ts is None else float(ts), flush)
-            elif kind == "flush":
-                with handle_errors():
-                    handle.push_text("", None, True)
-            elif kind == "end":
-                with handle_errors():
-                    handle.end_input()
-            elif kind == "cancel":
-                handle.cancel()
-                cancelled = True
-            else:
-                raise RpcError(Code.FAILED_PRECONDITION, "config already received")
+            if cancelled or stream.stopping is not None:
+                continue  # a text pump may race the cancel, or the session's early end
+            try:
+                cancelled = self._ws_forward(handle, kind, msg)
+            except RpcError as e:
+                if not e.summarized:
+                    raise
+                stream.end_early(e)  # over its text limit: the summary, then the status
+
+    @staticmethod
+    def _ws_forward(handle: Any, kind: str, msg: dict) -> bool:
+        """One client message to the session handle; True for a cancel."""
+        if kind == "text":
+            text, flush, ts = msg.get("text", ""), msg.get("flush", False), msg.get("timestamp_s")
+            if not isinstance(text, str) or not isinstance(flush, bool) or \
+                    (ts is not None and not isinstance(ts, (int, float))) or isinstance(ts, bool):
+                raise RpcError(Code.INVALID_ARGUMENT, "text: expected text (string), flush (bool), timestamp_s (number)")
+            with handle_errors():
+                handle.push_text(text, None if ts is None else float(ts), flush)
+        elif kind == "flush":
+            with handle_errors():
+                handle.push_text("", None, True)
+        elif kind == "end":
+            with handle_errors():
+                handle.end_input()
+        elif kind == "cancel":
+            handle.cancel()
+            return True
+        else:
+            raise RpcError(Code.FAILED_PRECONDITION, "config already received")
+        return False
 
     async def _ws_write(self, ws: web.WebSocketResponse, stream: WebSessionStream) -> None:
         while True:
@@ -359,7 +374,7 @@ class WebEndpoints:
                                                        "end_s": ev.end_s}))
             elif isinstance(ev, Finished):
                 await stream.timed_write(ws.send_json(summary_json(ev.summary)), last=True)
-                stream.finish(None)
+                stream.finish(stream.ended(ev))
                 return
             elif isinstance(ev, Failed):
                 raise failed_error(ev)
@@ -471,7 +486,12 @@ class WebEndpoints:
             if isinstance(ev, AudioPacket):
                 await stream.timed_write(response.write(ev.data), ev.duration_s)
             elif isinstance(ev, Finished):
-                stream.finish(None)
+                # a response cannot carry the summary after its audio: an early ending
+                # (a timeout) is cut off like any error, its unspoken words logged
+                if ev.summary.unspoken_words:
+                    log.info("speech ended with %d words unspoken: %s", len(ev.summary.unspoken_words),
+                             " ".join(ev.summary.unspoken_words)[:200])
+                stream.finish(stream.ended(ev))
                 return
             elif isinstance(ev, Failed):
                 raise failed_error(ev)

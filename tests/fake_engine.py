@@ -4,8 +4,8 @@ It behaves like the real engine at the boundary: one background thread steps all
 sessions; each whole word becomes `frames_per_word` frames of a tone (24 kHz float32,
 encoded with the real `AudioEncoder`), followed by its `WordTiming`; generation of a word
 waits for `n_future_chunks` more words (or end of input); `cancel` ends with a summary of
-what was spoken; `close` frees the slot at the next step. The text "<fail>" makes the
-session fail with INTERNAL (to test isolation).
+what was spoken, `stop` with that summary and its status; `close` frees the slot at the
+next step. The text "<fail>" makes the session fail with INTERNAL (to test isolation).
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ class _Session:
     ended: bool = False
     cancel: bool = False
     closed: bool = False
+    stop: Optional[Failed] = None  # SessionHandle.stop: end with this status after the summary
     words_done: list = field(default_factory=list)
     frame_in_word: int = 0
     frames: int = 0
@@ -89,6 +90,10 @@ class FakeHandle:
     def cancel(self) -> None:
         with self._engine.lock:
             self._s.cancel = True
+
+    def stop(self, code: str, message: str) -> None:
+        with self._engine.lock:
+            self._s.stop = Failed(code, message)
 
     def close(self, outcome: str = "disconnected") -> None:
         with self._engine.lock:
@@ -194,7 +199,7 @@ class FakeEngine:
             s.sent_s = p.start_s + p.duration_s
 
     def _finish(self, s: _Session, cancelled: bool) -> str:
-        if not cancelled:
+        if not (cancelled or s.stop):
             self._emit_packets(s, s.encoder.flush())
         audio_s = s.frames * FRAME / 24000
         lookahead = None if s.ttfa is None or s.fpl is None else max(s.ttfa - s.fpl, 0.0)
@@ -206,8 +211,8 @@ class FakeEngine:
                 self.metrics.lookahead_wait_seconds.observe(lookahead)
         unspoken = tuple(s.text.split()[len(s.words_done):])
         s.sink(Finished(Summary(s.frames, audio_s, s.ttfa, lookahead, s.fpl, cancelled, " ".join(s.words_done),
-                                not unspoken, unspoken)))
-        return "cancelled" if cancelled else "completed"
+                                not unspoken, unspoken), error=s.stop))
+        return "failed" if s.stop else "cancelled" if cancelled else "completed"
 
     def _step(self, s: _Session) -> Optional[str]:
         """Advance one session; its outcome when it is over."""
@@ -216,8 +221,8 @@ class FakeEngine:
             if self.metrics is not None:
                 self.metrics.errors_total.labels(code="INTERNAL").inc()
             return "failed"
-        if s.cancel:
-            return self._finish(s, cancelled=True)
+        if s.cancel or s.stop:
+            return self._finish(s, cancelled=s.cancel)
         words = s.words()
         nf = s.config.n_future_chunks
         for _ in range(self.frames_per_step):

@@ -15,8 +15,9 @@ At the end: no session, stream, task or slot is left (the `active_sessions` gaug
 nothing was logged at ERROR or with a traceback; every status is one the .proto
 documents for what that client did, every refusal before `started` carries
 `retry-after-ms`; every session that ended OK and was not cancelled spoke every word it
-was sent, and every cancelled one lists the words it did not speak; the server still
-answers Health and speaks a fresh session whole.
+was sent, and every cancelled one lists the words it did not speak; a session ended over
+its text limit or idle got a summary of what it spoke before its status; the server
+still answers Health and speaks a fresh session whole.
 
 LIVESPEECH_CHAOS_S (default 60) sets the duration, LIVESPEECH_CHAOS_SEED (default 32)
 the mix; `pytest -s` prints the outcome counts (RELIABILITY chaos: ...).
@@ -96,6 +97,7 @@ class Result:
     hung_up: bool = False  # the client ended the call itself
     expect: Optional[grpc.StatusCode] = None  # the one status a hostile script must get
     needle: str = ""  # ... and what its details must say
+    summarized: bool = False  # ... after a summary of the text (a started session ended early)
 
 
 def note(r: Result, msg: Any) -> None:
@@ -302,8 +304,10 @@ class Chaos:
 
     async def over_limit(self, rng: random.Random) -> list[Result]:
         """More text than max_session_text_chars, in pieces of the largest size."""
-        r = Result("over_limit", expect=C.RESOURCE_EXHAUSTED, needle="max_session_text_chars")
         text = ("word " * (SESSION_CHARS // 5 + PIECE_CHARS))[: SESSION_CHARS + PIECE_CHARS]
+        # the summary accounts for the text the limit let in
+        r = Result("over_limit", text[:SESSION_CHARS], expect=C.RESOURCE_EXHAUSTED, needle="max_session_text_chars",
+                   summarized=True)
         call = self.stub.Synthesize(timeout=30)
         reader = asyncio.ensure_future(read_rest(call, r))
         await write(call, [session_config(rng), *(text_msg(text[i:i + PIECE_CHARS]) for i in range(0, len(text), PIECE_CHARS)), END])
@@ -312,7 +316,7 @@ class Chaos:
 
     async def idle(self, rng: random.Random) -> list[Result]:
         """Text without an end, then silence: ended by the idle timeout."""
-        r = Result("idle", rng.choice(TEXTS) + " ", expect=C.DEADLINE_EXCEEDED, needle="idle")
+        r = Result("idle", rng.choice(TEXTS) + " ", expect=C.DEADLINE_EXCEEDED, needle="idle", summarized=True)
         call = self.stub.Synthesize(timeout=30)
         reader = asyncio.ensure_future(read_rest(call, r))
         await write(call, [session_config(rng), text_msg(r.text)], half_close=False)
@@ -357,7 +361,15 @@ def problem(r: Result) -> Optional[str]:
         # refused for capacity (slots, streams): the client is told when to come back
         return None if r.retry_after and int(r.retry_after) == RETRY_AFTER_MS else f"refused without retry-after-ms: {r.details}"
     if r.expect is not None:
-        return None if code == r.expect and r.needle in r.details else f"expected {r.expect.name} ({r.needle})"
+        if not (code == r.expect and r.needle in r.details):
+            return f"expected {r.expect.name} ({r.needle})"
+        if not r.summarized:
+            return None
+        if responses.count("summary") != 1 or responses[-1] != "summary":
+            return "ended early without exactly one summary before its status"
+        if r.summary.cancelled:
+            return "an early ending's summary says cancelled"
+        return words_problem(r)
     if code == C.OK:
         if responses.count("summary") != 1 or responses[-1] != "summary":
             return "OK without exactly one summary at the end"
@@ -367,15 +379,22 @@ def problem(r: Result) -> Optional[str]:
             if not (s.all_words_spoken and not s.unspoken_words and spoken_words(r) == words):
                 return f"completed with words unspoken: {list(s.unspoken_words)}"
             return None
-        unspoken = list(s.unspoken_words)  # cancelled: the words not spoken, the text's last ones
-        if s.all_words_spoken is not (not unspoken) or unspoken != words[len(words) - len(unspoken):]:
-            return f"cancelled summary does not list the unspoken words: {unspoken}"
-        if len(spoken_words(r)) + len(unspoken) not in (len(words), len(words) + 1):  # a word cut mid-way is in both
-            return "cancelled summary: spoken and unspoken words do not make the text"
-        return None
+        return words_problem(r)
     if code == C.RESOURCE_EXHAUSTED and r.kind.startswith("slow_reader") and r.details == "client is not reading":
         return None
     return "undocumented status for this client"
+
+
+def words_problem(r: Result) -> Optional[str]:
+    """A summary of a session that did not complete (cancelled, ended early): its unspoken
+    words are the text's last ones and, with the spoken ones, make the text."""
+    s, words = r.summary, r.text.split()
+    unspoken = list(s.unspoken_words)
+    if s.all_words_spoken is not (not unspoken) or unspoken != words[len(words) - len(unspoken):]:
+        return f"summary does not list the unspoken words: {unspoken}"
+    if len(spoken_words(r)) + len(unspoken) not in (len(words), len(words) + 1):  # a word cut mid-way is in both
+        return "summary: spoken and unspoken words do not make the text"
+    return None
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import asyncio
 
-from clients.client import SynthesisStream
+import grpc
+import pytest
+
+from clients.client import SynthesisSession, SynthesisStream
 from server.protocol import pb
+from server.session_api import Summary
 
 
 class GrpcLikeCall:
@@ -67,3 +71,50 @@ def test_barge_in_during_a_text_write_does_not_cancel_the_call() -> None:
     call = asyncio.run(go())
     assert not call.call_cancelled  # the server gets its Cancel and answers with a summary
     assert call.writes == ["config", "text", "cancel"] and call.half_closed
+
+
+class ScriptedCall(GrpcLikeCall):
+    """Answers with `replies`, then ends with `error`."""
+
+    def __init__(self, replies: list, error: grpc.aio.AioRpcError) -> None:
+        super().__init__()
+        self.gate.set()
+        self.replies, self.error = list(replies), error
+
+    async def read(self):
+        if self.replies:
+            return self.replies.pop(0)
+        raise self.error
+
+
+def test_an_early_ending_carries_its_summary() -> None:
+    """A server that ends a session over its text limit (or a deadline) sends the summary,
+    then the status: the iteration yields the Summary, the error raised after it carries
+    it (`error.summary`), and collect() attaches what it received (`error.result`)."""
+    summary = pb.SessionSummary(frames=30, audio_s=0.4, spoken_text="one two", all_words_spoken=False,
+                                unspoken_words=["three", "four"])
+    error = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                 "text: session total is over max_session_text_chars=200")
+    replies = [pb.SynthesizeResponse(started=pb.Started(session_id="s1", config=pb.SynthesizeConfig())),
+               pb.SynthesizeResponse(audio=pb.AudioPacket(seq=0, data=b"\0\0" * 80, duration_s=0.00333)),
+               pb.SynthesizeResponse(summary=summary)]
+
+    async def go():
+        session = SynthesisSession(OneCallStub(ScriptedCall(replies, error)), pb.SynthesizeConfig())
+        events = []
+        with pytest.raises(grpc.aio.AioRpcError) as iterated:
+            async for ev in session:
+                events.append(ev)
+        stream = SynthesisStream(OneCallStub(ScriptedCall(replies, error)), pb.SynthesizeConfig(), ["one two three four"],
+                                 None)
+        with pytest.raises(grpc.aio.AioRpcError) as collected:
+            await stream.collect()
+        return events, iterated.value, collected.value
+
+    events, iterated, collected = asyncio.run(go())
+    assert isinstance(events[-1], Summary) and events[-1].unspoken_words == ("three", "four")
+    assert iterated.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_session_text_chars" in iterated.details()
+    assert iterated.summary == events[-1] and not iterated.summary.all_words_spoken
+    assert collected.summary.spoken_text == "one two" and collected.summary.unspoken_words == ("three", "four")
+    assert collected.result.summary == collected.summary and collected.result.audio == b"\0\0" * 80
+    assert collected.result.started is not None and collected.result.started.session_id == "s1"

@@ -193,3 +193,25 @@ def test_retry_wait_is_capped_backoff_and_never_shorter_than_retry_after() -> No
     assert 0.4 <= policy.delay_s(2, 0.05, rng) <= 0.48
     with pytest.raises(ValueError):
         RetryPolicy(attempts=0)
+
+
+def test_the_text_limit_error_carries_the_summary_of_what_was_spoken(server_factory) -> None:
+    """Over its text limit a session ends with a summary, then RESOURCE_EXHAUSTED: the sync
+    client raises the error with that summary (`error.summary`) and what it received
+    (`error.result`). The last word is still being written when the limit is reached,
+    and no buffer delay releases it: unspoken."""
+    h = server_factory(max_sessions=1, max_session_text_chars=40, max_text_piece_chars=40)
+    text = "one two three four five six seven eight nine ten eleven twelve"
+    accepted = text[:40].split()  # the pieces up to the limit: "one" ... "eight"
+    with LiveSpeechClient(h.address) as client:
+        with pytest.raises(grpc.RpcError) as e:
+            client.synthesize_to_result(split_pieces(text), max_buffer_delay_ms=0, **HARD)
+    error = e.value
+    assert error.code() == C.RESOURCE_EXHAUSTED and "max_session_text_chars" in error.details()
+    s = error.summary
+    assert s is not None and not s.cancelled and s.all_words_spoken is False and s.unspoken_words[-1] == "eight"
+    unspoken = list(s.unspoken_words)
+    assert unspoken == accepted[len(accepted) - len(unspoken):]
+    assert len(s.spoken_text.split()) + len(unspoken) in (len(accepted), len(accepted) + 1)
+    assert error.result.summary == s and error.result.started is not None
+    assert h.wait_idle()

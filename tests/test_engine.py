@@ -998,3 +998,28 @@ def test_a_cancelled_session_lists_the_words_it_did_not_speak(engine, voice):
     # a word cut off mid-way is in both; the rest of the text follows in order
     assert list(summary.unspoken_words) == text.split()[-len(summary.unspoken_words):]
     assert spoken + len(summary.unspoken_words) in (len(text.split()), len(text.split()) + 1)
+
+
+def test_a_stop_reports_the_text_sent_before_it_then_its_status(engine, voice):
+    """`SessionHandle.stop` (the service ending a session: text limit, timeout): the text
+    pushed before the stop is accounted (the stop keeps its order behind it), nothing more
+    is generated, and one Finished carries the summary and the status; counted failed, the
+    slot free when it is delivered."""
+    failed = engine.metrics.sessions_total.labels(outcome="failed")
+    before = failed._value.get()
+    c = Collector(engine)
+    h = engine.open_session(SessionConfig(**HARD), voice, c)
+    words = "alpha bravo charlie delta echo foxtrot".split()
+    h.push_text(" ".join(words) + " gol")  # a word still being written: held by the chunker
+    h.stop("DEADLINE_EXCEEDED", "session idle for 2 s")
+    assert c.done.wait(60), "the stop was not answered"
+    time.sleep(0.2)  # nothing may follow
+    end = c.events[-1]
+    assert isinstance(end, Finished) and end.error == Failed("DEADLINE_EXCEEDED", "session idle for 2 s")
+    assert not c.of(Failed) and len(c.of(Finished)) == 1
+    s = end.summary
+    assert not s.cancelled and s.all_words_spoken is False and s.unspoken_words[-1] == "gol"
+    unspoken = list(s.unspoken_words)
+    assert unspoken == (words + ["gol"])[len(words) + 1 - len(unspoken):]
+    assert len(s.spoken_text.split()) + len(unspoken) in (len(words) + 1, len(words) + 2)
+    assert c.active_at_end == 0 and failed._value.get() == before + 1

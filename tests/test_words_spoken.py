@@ -3,7 +3,7 @@ summary not cancelled, counted `completed`) only when every word it received was
 spoken. Every other ending says why: a cancel is a cancelled summary listing the words
 not spoken; the runaway guard's end is a summary with all_words_spoken false and the
 words, counted `incomplete`; the text limit, the idle timeout and the wall-clock cap
-are their own statuses, with no summary that could pass for a completed session.
+end with a summary of what was spoken and then their own status (gRPC and WebSocket).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from conftest import CANCEL, END, config_msg, raw_synthesize, text_msg
 from test_engine import model_that_wants_to_stop, text_graphemes
+from test_web import WS_HARD, of, ws_session
 
 C = grpc.StatusCode
 TEXT = "Every word of this sentence is spoken before the end."
@@ -22,7 +23,8 @@ OUTCOMES = ("completed", "cancelled", "incomplete", "failed", "disconnected", "r
 
 @pytest.fixture(scope="module")
 def srv(server_factory):
-    return server_factory(max_sessions=2, max_text_piece_chars=200, max_session_text_chars=200, idle_timeout_s=2.0)
+    return server_factory(max_sessions=2, max_text_piece_chars=200, max_session_text_chars=200, idle_timeout_s=2.0,
+                          http_port=-1)
 
 
 def outcomes(h) -> dict:
@@ -99,18 +101,66 @@ def test_the_runaway_guard_is_not_a_completed_session(srv, monkeypatch) -> None:
     assert counted == {"incomplete": 1}
 
 
-@pytest.mark.parametrize("case", ["text_limit", "idle", "wall_cap"])
-def test_other_endings_are_statuses_that_say_why(srv, monkeypatch, case) -> None:
-    """No summary: nothing that reads as a completed session; the status names the limit."""
-    if case == "text_limit":
-        requests, expect = [config_msg(), text_msg("word " * 30), text_msg("word " * 20), END], (
-            C.RESOURCE_EXHAUSTED, "max_session_text_chars")
-    elif case == "idle":  # text with no end, then nothing
-        requests, expect = [config_msg(), text_msg("Hello there ")], (C.DEADLINE_EXCEEDED, "idle")
-    else:
+# Early endings. The text ends in a word still being written, and no buffer delay releases
+# it: that word is never spoken, so every case has words unspoken.
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike".split()
+EARLY = {  # case: (text accepted, the status, what its message says)
+    "text_limit": (" ".join(WORDS) + " novemb", C.RESOURCE_EXHAUSTED, "max_session_text_chars"),
+    "idle": ("Hello there wor", C.DEADLINE_EXCEEDED, "session idle for 2 s"),
+    "wall_cap": ("Hello there wor", C.DEADLINE_EXCEEDED, "session open for 0.5 s (max_session_wall_s)"),
+}
+OVER = "x" * 150  # a piece the text limit refuses after the text accepted
+
+
+def early_ending(srv, monkeypatch, case: str) -> tuple:
+    """(the text accepted, the status, its message) of an early ending; the wall cap set."""
+    if case == "wall_cap":
         monkeypatch.setattr(srv.app.service, "config", srv.app.service.config.replace(max_session_wall_s=0.5))
-        requests, expect = [config_msg(), text_msg("Hello there ")], (C.DEADLINE_EXCEEDED, "max_session_wall_s")
+    return EARLY[case]
+
+
+def check_summary(s: dict, text: str) -> None:
+    """What an early ending's summary must say: not cancelled, words unspoken (the text's
+    last ones, the word still being written among them), with the spoken ones the text."""
+    words = text.split()
+    assert not s["cancelled"] and s["all_words_spoken"] is False, s
+    unspoken = list(s["unspoken_words"])
+    assert unspoken and unspoken[-1] == words[-1] and unspoken == words[len(words) - len(unspoken):], s
+    assert len(s["spoken_text"].split()) + len(unspoken) in (len(words), len(words) + 1), s  # a word cut mid-way is in both
+
+
+@pytest.mark.parametrize("case", list(EARLY))
+def test_early_endings_say_what_was_spoken_then_why(srv, monkeypatch, case) -> None:
+    """gRPC: the summary (which words were spoken), then the status naming the limit."""
+    text, code, says = early_ending(srv, monkeypatch, case)
+    requests = [config_msg(max_buffer_delay_ms=0), text_msg(text)]
+    if case == "text_limit":
+        requests += [text_msg(OVER), END]
     r, counted = run(srv, requests, half_close=case == "text_limit")
-    assert (r.code, expect[1] in r.details) == (expect[0], True), (r.code, r.details)
-    assert not summaries(r)
+    assert (r.code, says in r.details) == (code, True), (r.code, r.details)
+    assert len(summaries(r)) == 1 and r.kinds()[-1] == "summary", r.kinds()  # the status follows the summary
+    s = summaries(r)[0]
+    assert s.HasField("all_words_spoken")
+    check_summary(dict(cancelled=s.cancelled, all_words_spoken=s.all_words_spoken,
+                       unspoken_words=list(s.unspoken_words), spoken_text=s.spoken_text), text)
     assert counted == {"failed": 1}
+
+
+@pytest.mark.parametrize("case", list(EARLY))
+def test_early_endings_over_websocket_say_what_was_spoken_then_why(srv, monkeypatch, case) -> None:
+    """WebSocket: the summary event, then the error event and the close code."""
+    text, code, says = early_ending(srv, monkeypatch, case)
+    messages = [{"type": "config", "config": {"max_buffer_delay_ms": 0, **WS_HARD}}, {"type": "text", "text": text}]
+    if case == "text_limit":
+        messages += [{"type": "text", "text": OVER}, {"type": "end"}]
+    assert srv.wait_idle()
+    before = outcomes(srv)
+    r = srv.run(ws_session(srv, messages))
+    assert srv.wait_idle()
+    events = r["events"]
+    assert [e["type"] for e in events[-2:]] == ["summary", "error"] and len(of(events, "summary")) == 1, events
+    error = events[-1]
+    assert (error["code"], says in error["message"]) == (code.name, True), error
+    assert r["code"] == {C.RESOURCE_EXHAUSTED: 4429, C.DEADLINE_EXCEEDED: 4504}[code]
+    check_summary(events[-2], text)
+    assert outcomes(srv)["failed"] == before["failed"] + 1
