@@ -21,12 +21,14 @@
 # defaults) for what is left, continuing models/weights/next/decoder.pt when one is
 # committed, with the Piper voice's codes of models/weights/next/piper.tar.gz (made here:
 # its manifest.jsonl and codes/) in the training data, on training sentences the committed
-# decoder has not seen ($NEXT/TRAINED_BEFORE); export it. $OUT: decoder.pt.partNN (cat
-# them), log.jsonl, MODEL_CARD.md, TRAINED_BEFORE (commit it with the decoder). Two
-# candidates train side by side: the recipe, and the recipe with the auxiliary phone loss
-# (PHONE_WEIGHT, default 1; 0: the first alone); $OUT holds NAME.pt.partNN,
-# NAME_log.jsonl and NAME_MODEL_CARD.md for NAME = decoder, decoder_phone.
-# Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1),
+# decoder has not seen ($NEXT/TRAINED_BEFORE); export it. The CANDIDATES (candidate_args)
+# train side by side: by default the recipe with noisy acoustic history (train
+# --history-noise HISTORY_NOISE, 0.3) alone and with the auxiliary phone loss as well
+# (--phone-weight PHONE_WEIGHT, 1). $OUT holds, for each NAME in CANDIDATES,
+# NAME.pt.partNN (cat them), NAME_log.jsonl and NAME_MODEL_CARD.md, and TRAINED_BEFORE
+# (commit it with the decoder kept).
+# Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3),
+# CANDIDATES ("decoder_noise decoder_phone_noise"),
 # BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s, the decoder stage 90, kept for the
 # probe or export and the copy back).
 set -uo pipefail
@@ -40,6 +42,18 @@ OUT=${OUT:-$R/gpu_out}; mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$R/.dev/multilingual.tiktoken
 export LIVESPEECH_FLITE=$FL/usr/bin/flite LD_LIBRARY_PATH=$FL/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 STAGE=$(cat $NEXT/STAGE 2>/dev/null || echo codec)
+# the decoder stage's candidates: the recipe (training/train.py's defaults) and its variants
+CANDIDATES=${CANDIDATES:-decoder_noise decoder_phone_noise}
+candidate_args() {
+  case $1 in
+    decoder) ;;
+    decoder_phone) echo --phone-weight "${PHONE_WEIGHT:-1}" ;;
+    decoder_noise) echo --history-noise "${HISTORY_NOISE:-0.3}" ;;
+    decoder_phone_noise) echo --phone-weight "${PHONE_WEIGHT:-1}" --history-noise "${HISTORY_NOISE:-0.3}" ;;
+    *) echo "unknown candidate $1" >&2; return 2 ;;
+  esac
+}
+for v in $CANDIDATES; do candidate_args $v >/dev/null || exit 2; done
 stamp() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*"; }
 snap() { (cd $W && tar czf $OUT/logs.tgz --ignore-failed-read *.log codec_*/log.jsonl decoder*/log.jsonl corpus/summary.json 2>/dev/null); }
 trap snap EXIT
@@ -120,30 +134,27 @@ decoder)
   if [ -e $NEXT/piper.tar.gz ]; then
     mkdir -p $W/piper && tar xzf $NEXT/piper.tar.gz -C $W/piper && EXTRA=(--extra-corpus $W/piper:$W/piper/codes)
   fi
-  # two candidates side by side on the one GPU, the same data order: the recipe as it is
-  # ("decoder") and with the auxiliary phone loss (train --phone-weight: "decoder_phone");
-  # the better one by dev codebook-1 CE (then training.diagnose here) is committed
+  # CANDIDATES train side by side on the one GPU, the same data order; the better one by
+  # dev codebook-1 CE (then training.diagnose here) is committed
   MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-90}) / 60), 2))")
-  stamp "decoder: $MIN min ${INIT[*]:-from scratch}; candidates: decoder, decoder_phone (weight ${PHONE_WEIGHT:-1})"
+  stamp "decoder: $MIN min ${INIT[*]:-from scratch}; candidates: $CANDIDATES"
   pids=()
-  for v in decoder decoder_phone; do
-    AUX=(); [ $v = decoder_phone ] && AUX=(--phone-weight "${PHONE_WEIGHT:-1}")
-    [ $v = decoder_phone ] && [ "${PHONE_WEIGHT:-1}" = 0 ] && continue
+  for v in $CANDIDATES; do
     $PY -m training.train --corpus $W/corpus --codes $W/codes --out $W/$v --device $DEVICE --minutes "$MIN" \
       --steps 1000000 --batch-frames "${BATCH_FRAMES:-80000}" --max-batch 256 --lr 2e-3 --warmup 100 --rescan-every 50 \
-      --eval-every 200 --ckpt-minutes 2 --threads 4 --eos-jitter 0.3 "${INIT[@]}" "${EXTRA[@]}" "${AUX[@]}" \
+      --eval-every 200 --ckpt-minutes 2 --threads 4 --eos-jitter 0.3 "${INIT[@]}" "${EXTRA[@]}" $(candidate_args $v) \
       > $W/$v.log 2>&1 &
     pids+=($!)
   done
   ok=0; for p in "${pids[@]}"; do wait $p && ok=1; done
   wait  # the encoders
-  for v in decoder decoder_phone; do
+  for v in $CANDIDATES; do
     [ -e $W/$v.log ] || continue
     echo "== $v: $(grep '^scan\|autocast' $W/$v.log | head -n 1)"; grep '"eval"' $W/$v.log | tail -n 2 | cut -c1-900
   done
   [ $ok = 1 ] || { tail -n 20 $W/decoder*.log; exit 1; }
   stamp "export (fp16, brought back in 15 MB parts: cat NAME.pt.part* > NAME.pt)"
-  for v in decoder decoder_phone; do
+  for v in $CANDIDATES; do
     [ -e $W/$v/last.pt ] || continue
     ( $PY -m training.export --codec $CODEC --decoder $W/$v/last.pt --corpus $W/corpus --codes $W/codes \
         --out $W/export_$v > $W/export_$v.log 2>&1 \
