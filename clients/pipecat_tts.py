@@ -18,7 +18,9 @@ How pipecat's turn maps onto the server:
   `TTSTextFrame` per word as its audio plays (so the assistant context holds what was
   heard).
 - interruption: the turn's stream is cancelled; the server answers with a cancelled
-  summary of what it had spoken. Every summary (cancelled or not) is reported to the
+  summary of what it had spoken. So is a stream whose audio context pipecat already
+  closed because its audio went quiet (`stop_frame_timeout_s`: the LLM paused) while
+  the stream stayed open: pipecat no longer interrupts that context itself. Every summary (cancelled or not) is reported to the
   `on_synthesis_summary(service, context_id, summary)` event handler.
 """
 from __future__ import annotations
@@ -29,7 +31,9 @@ from typing import Any, Optional
 
 try:
     from loguru import logger
-    from pipecat.frames.frames import CancelFrame, EndFrame, Frame, StartFrame, TTSAudioRawFrame, TTSStoppedFrame
+    from pipecat.frames.frames import (CancelFrame, EndFrame, Frame, InterruptionFrame, StartFrame, TTSAudioRawFrame,
+                                       TTSStoppedFrame)
+    from pipecat.processors.frame_processor import FrameDirection
     from pipecat.services.settings import TTSSettings
     from pipecat.services.tts_service import TextAggregationMode, TTSService
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -91,6 +95,8 @@ class LiveSpeechTTSService(TTSService):
         )
         self._server = ServerConnection(address, client, token, tls_ca, session_config, session_options)
         self._sessions: dict[str, SynthesisSession] = {}  # context id -> its open stream
+        # contexts pipecat closed (quiet for stop_frame_timeout_s) whose stream is still open
+        self._quiet: set[str] = set()
         self._readers: set[asyncio.Task] = set()
         self._register_event_handler("on_synthesis_summary")
 
@@ -169,6 +175,19 @@ class LiveSpeechTTSService(TTSService):
             await session.cancel()
         await super().on_audio_context_interrupted(context_id)
 
+    async def on_audio_context_completed(self, context_id: str) -> None:
+        if context_id in self._sessions:
+            self._quiet.add(context_id)
+        await super().on_audio_context_completed(context_id)
+
+    async def _handle_interruption(self, frame: InterruptionFrame, direction: FrameDirection) -> None:
+        await super()._handle_interruption(frame, direction)  # the live contexts: on_audio_context_interrupted
+        for context_id in list(self._quiet):
+            session = self._sessions.get(context_id)
+            if session is not None:
+                await session.cancel()
+        self._quiet.clear()
+
     # -------------------------------------------------------------- audio out
 
     async def _read(self, context_id: str, session: SynthesisSession) -> None:
@@ -193,6 +212,7 @@ class LiveSpeechTTSService(TTSService):
         finally:
             if self._sessions.get(context_id) is session:
                 del self._sessions[context_id]
+                self._quiet.discard(context_id)
 
     async def _end_context(self, context_id: str) -> None:
         if self.audio_context_available(context_id):  # gone once interrupted

@@ -200,6 +200,36 @@ def test_barge_in_mid_sentence_cancels_the_stream_and_the_next_turn_is_spoken(fa
     assert fake_srv.wait_idle()
 
 
+def test_barge_in_after_the_turn_went_quiet_cancels_its_open_stream(fake_srv) -> None:
+    """The LLM pauses after "Hi there." without ending its turn: pipecat closes the audio
+    context once its audio has been quiet for stop_frame_timeout_s, while the stream stays
+    open for more text. A barge-in then still cancels that stream (pipecat no longer
+    interrupts the closed context): the server reports a cancelled summary at once
+    instead of holding the session until its idle timeout."""
+    async def go():
+        tts = LiveSpeechTTSService(address=fake_srv.address, stop_frame_timeout_s=0.5,
+                                   session_options=dict(n_future_chunks=0))
+        summaries, queue = summaries_of(tts)
+
+        async def script(worker, recorder):
+            await llm_turn(worker, "Hi there. ", end=False)
+            await recorder.audio.wait()
+            for _ in range(200):  # pipecat closes the quiet context
+                if not tts.get_audio_contexts():
+                    break
+                await asyncio.sleep(0.02)
+            assert not tts.get_audio_contexts() and len(tts._sessions) == 1
+            await worker.queue_frame(InterruptionFrame())
+            await asyncio.wait_for(queue.get(), 5)
+
+        return await run_pipeline(tts, script), summaries
+
+    _, summaries = asyncio.run(go())
+    assert len(summaries) == 1 and summaries[0].cancelled
+    assert summaries[0].spoken_text == "Hi there."
+    assert fake_srv.wait_idle()
+
+
 def test_sentence_aggregation_sends_each_sentence_with_its_space_on_one_stream(fake_srv) -> None:
     text = "First one here. Second one there."
 
