@@ -27,7 +27,9 @@ import numpy as np
 from models.config import FRAME_RATE
 from models.loading import ModelBundle
 
+from .audio import pcm16_to_float
 from .chunker import TextChunk
+from .config import ServerConfig
 from .metrics import Metrics
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
@@ -67,7 +69,9 @@ REPLACE_MIN_FRAMES = 3
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_sessions: int = 16
+    """The engine's settings; those the server also has default to the server's
+    (`ServerConfig`, their one home), which `server.app.engine_config` passes on."""
+    max_sessions: int = ServerConfig.max_sessions
     # a session this far ahead of its playback is skipped for a step (others go first)
     max_lead_s: float = 2.0
     # ... and this far ahead while another session is starting (first packet and packet
@@ -77,16 +81,16 @@ class EngineConfig:
     # expected end of its text, or this long without transcript progress
     max_overrun_s: float = 3.0
     max_session_s: float = 600.0
-    max_text_piece_chars: int = 4096
-    max_session_text_chars: int = 100_000
+    max_text_piece_chars: int = ServerConfig.max_text_piece_chars
+    max_session_text_chars: int = ServerConfig.max_session_text_chars
     idle_poll_s: float = 0.01
     # while a session's packets ramp up to packet_ms, a shorter one goes out as soon as
     # its listener has less than this many step periods of audio left
     low_water_steps: float = 3.0
     # the model step replayed from a CUDA graph over every slot (models/step_graph.py)
-    cuda_graphs: bool = False
+    cuda_graphs: bool = ServerConfig.cuda_graphs
     # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
-    frozen_step: bool = True
+    frozen_step: bool = ServerConfig.frozen_step
     # on the CPU, the step's widest matmuls in bfloat16 from 2 sessions (server/runner.py)
     bf16_matmuls: bool = False
     # on the CPU, packets after a session's first are decoded on a codec thread while the
@@ -95,7 +99,7 @@ class EngineConfig:
     # starved audio at four sessions four- to sevenfold (docs/loadtest.md); its memory
     # cost was within the soak's noise (docs/reliability.md, section 4). CUDA devices
     # keep the codec on the engine thread (unmeasured there).
-    codec_thread: bool = True
+    codec_thread: bool = ServerConfig.codec_thread
 
     def validate(self) -> "EngineConfig":
         if not 1 <= self.max_sessions <= 4096:
@@ -170,8 +174,7 @@ class Engine:
             self._codec_pool.shutdown(wait=True)
 
     def make_voice(self, voice_id: str, audio, sample_rate: int) -> Voice:
-        samples = np.frombuffer(audio, dtype="<i2").astype(np.float32) / 32768.0 if isinstance(audio, (bytes, bytearray)) \
-            else np.asarray(audio, dtype=np.float32)
+        samples = pcm16_to_float(audio) if isinstance(audio, (bytes, bytearray)) else np.asarray(audio, dtype=np.float32)
         return self.runner.make_voice(voice_id, samples, sample_rate)
 
     def open_session(self, config: SessionConfig, voice: Voice, sink: Sink) -> EngineSession:

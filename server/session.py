@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from models import graphemes
+from models.attention import window_chunk_range
 from models.config import FRAME_RATE
 from models.guidance import GuidanceState, Temperatures
 
@@ -203,9 +204,7 @@ class EngineSession:
         """(current chunk, first, last) chunk of the np/nf window at this step."""
         c = self.timeline.current_chunk(self.step_count)
         n_past = None if self.config.n_past_chunks < 0 else self.config.n_past_chunks
-        lo = 0 if n_past is None else max(0, c - n_past)
-        hi = min(n_memory_chunks - 1, c + self.config.n_future_chunks)
-        return c, lo, hi
+        return (c, *window_chunk_range(c, n_past, self.config.n_future_chunks, n_memory_chunks))
 
     def lookahead_ready(self) -> bool:
         """The start policy: current chunk c is spoken once min(nf, start_future_chunks + c)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from models.attention import current_chunk
 from models.config import FRAME_RATE
 
 DEFAULT_FRAMES_PER_CHAR = FRAME_RATE / 14.0  # ~14 characters/s of conversational speech
@@ -53,13 +54,7 @@ class SpeechTimeline:
         return tau
 
     def current_chunk(self, frame: int) -> int:
-        c = 0
-        for i, ch in enumerate(self.chunks):
-            if ch.tau <= frame:
-                c = i
-            else:
-                break
-        return c
+        return current_chunk(frame, [ch.tau for ch in self.chunks])
 
     def replace(self, spoken_chars: int, frame: int) -> list[tuple[int, int]]:
         """Re-place the chunks the speech has not reached, given that `spoken_chars`
