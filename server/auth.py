@@ -39,6 +39,7 @@ from typing import Any, Awaitable, Callable, Iterable, Optional
 import grpc
 
 from .config import ServerConfig
+from .grpc_drain import drain_requests
 from .metrics import Metrics
 from .protocol import BEARER_TOKEN_RE, rpc_method_handler
 from .session_api import ConfigError
@@ -246,10 +247,8 @@ def _refusal(
         if streaming_in:
             # as the service does before refusing a stream: a status that overtakes a
             # client write in flight turns into INTERNAL on grpc's asyncio client
-            # (service.REFUSE_READ_S); the messages are raw bytes, bounded by
+            # (grpc_drain.REFUSE_READ_S); the messages are raw bytes, bounded by
             # max_receive_message_length, and dropped
-            from .service import drain_requests  # service imports this module
-
             await drain_requests(request.__aiter__())
         await context.abort(code, reason)
 

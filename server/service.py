@@ -22,13 +22,13 @@ becomes a defined status (an `RpcError`, or INTERNAL for a bug, which is logged)
 Status choices (see also the .proto):
 - no config within `config_timeout_s`: DEADLINE_EXCEEDED;
 - more than `synthesize_stream_limit` streams open: RESOURCE_EXHAUSTED with
-  `retry-after-ms`, refused like any stream (its messages drained, see REFUSE_READ_S);
+  `retry-after-ms`, refused like any stream (its messages drained: server/grpc_drain.py);
 - a session's total text over `max_session_text_chars`: RESOURCE_EXHAUSTED (a single
   piece over `max_text_piece_chars` is INVALID_ARGUMENT); it, the idle timeout and the
   wall-clock cap end a started session after a summary of what was spoken
   (`SessionStream.end_early`);
 - the client half-closes without `end_of_input`: treated as end of input, HALF_CLOSE_S
-  later (see there);
+  later (server/grpc_drain.py);
 - messages after `cancel` are ignored (a text pump may race the cancel);
 - a message whose bytes do not decode (`protocol.Malformed`), in any method:
   INVALID_ARGUMENT "malformed <type>: <reason>", logged once per call (`decoded`).
@@ -43,13 +43,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Iterator, Optional
 
 import grpc
 
 from .audio import MODEL_SAMPLE_RATE
 from .auth import current_tenant
 from .config import ServerConfig
+from .grpc_drain import confirm_half_close, drain, drain_requests
 from .metrics import Metrics
 from .protocol import Enrollment, Malformed, config_from_proto, config_to_proto, pb
 from .session_api import (
@@ -76,63 +77,6 @@ ABORT_WAIT_S = 2.0  # longest wait for a client to take an error status
 # the longest an early ending (`SessionStream.end_early`) waits for the engine's summary
 # and its write to the client; then the status goes out without it
 STOP_WAIT_S = 2.0
-# Ending a stream early (refused, failed, or done before the client half-closed): its
-# status must not overtake a client write in flight, or grpc's asyncio client reports
-# INTERNAL "Internal error from Core" instead (it overwrites the status it received when
-# a later write fails: grpc/grpc#36066, fixed upstream by grpc/grpc#43486, unreleased).
-# So the server first reads on (`drain`): until the client half-closes; or, after
-# REFUSE_READ_S, right after a message that came at least MIN_GAP_S after the one before
-# (a paced client, e.g. an LLM token stream, is then a pacing gap away from its next
-# write); or once none came for QUIET_S (an idle client has no write in flight); and
-# never longer than REFUSE_MAX_S (a client writing flat out until it reads the status
-# can still meet the bug).
-REFUSE_READ_S = 0.25
-QUIET_S = 0.15
-MIN_GAP_S = 0.02
-REFUSE_MAX_S = 2.0
-# grpc's asyncio server ends the request iterator the same way for a half-close and for a
-# client's cancel (or a closed connection), and a cancel drops the messages not read yet:
-# taken at its word, a cancel right after "config, text" reads as "config, end of input"
-# and the session completes with nothing said. The cancel itself is delivered to the
-# handler in the same batch of completions, so a stream end is acted on only after this
-# pause; a cancel ends the stream first (`confirm_half_close`).
-HALF_CLOSE_S = 0.005
-
-
-async def confirm_half_close() -> None:
-    """Called when the request iterator ends without `end_of_input`: returns if that was
-    a half-close; raises CancelledError (the handler's cancel reaches this task through
-    `_Stream.close()`) if it was the client going away."""
-    await asyncio.sleep(HALF_CLOSE_S)
-
-
-async def drain(next_message: Callable[[], Awaitable[Any]], limit_s: float = REFUSE_READ_S) -> None:
-    """Take client messages until it is safe to send the status (see REFUSE_READ_S).
-    `next_message()` waits for the next one; it raises StopAsyncIteration at half-close."""
-    loop = asyncio.get_running_loop()
-    start = last = loop.time()
-    deadline = start + limit_s
-    try:
-        while True:
-            now = loop.time()
-            wait = min(max(deadline - now, 0.0) + QUIET_S, start + REFUSE_MAX_S - now)
-            if wait <= 0:
-                return
-            async with asyncio.timeout(wait):
-                await next_message()
-            now = loop.time()
-            gap, last = now - last, now
-            if now >= deadline and gap >= MIN_GAP_S:
-                return
-    except Exception:  # StopAsyncIteration (half-close), TimeoutError, or the client went away
-        return
-
-
-async def drain_requests(it: AsyncIterator) -> None:
-    """`drain`, reading and dropping the messages of `it` (left unusable on a timeout)."""
-    await drain(it.__anext__)
-
-
 class RpcError(Exception):
     """Ends an RPC with this status. `from_engine`: relays an engine `Failed` (the engine
     counted it in `errors_total` already). `summarized`: ends a started session after its
@@ -468,7 +412,7 @@ class _Stream(SessionStream):
         timeout = self.config.config_timeout_s
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancel that comes as the
-            # read ends, and a client's cancel comes exactly then (see HALF_CLOSE_S)
+            # read ends, and a client's cancel comes exactly then (grpc_drain.HALF_CLOSE_S)
             async with asyncio.timeout(timeout):
                 return await it.__anext__()
         except asyncio.TimeoutError:
@@ -492,7 +436,7 @@ class _Stream(SessionStream):
             except RpcError as e:
                 # the client's fault ends the stream (over its text limit, after the
                 # summary); keep reading (and dropping), so that shutdown() can take the
-                # client's writes in flight (see REFUSE_READ_S)
+                # client's writes in flight (grpc_drain.REFUSE_READ_S)
                 self.end_early(e)
                 self.ending = True
                 continue
