@@ -1,5 +1,6 @@
 """Deployment artefacts, checked offline: Dockerfile (hadolint + the install contract),
-.dockerignore, the container health probe against a live server, the kustomize overlays
+.dockerignore, the container health probe and nginx's WebSocket/HTTP block against a live
+server, the kustomize overlays
 (rendered, validated against Kubernetes' own schemas, CRDs checked structurally), the
 drain/probe/autoscaling contracts between manifests and server settings, and that every
 metric the dashboard, alerts and autoscaler use is one the server exports.
@@ -186,7 +187,8 @@ def test_dockerfile_contract() -> None:
         lines = by_name[runtime]["lines"]
         user = [ln for ln in lines if ln.startswith("USER")]
         assert user and re.fullmatch(r"USER\s+\d+(:\d+)?", user[-1]) and not user[-1].split()[1].startswith("0"), user
-        assert any(ln.startswith("EXPOSE") and "50051" in ln and "9090" in ln for ln in lines)
+        expose = [ln for ln in lines if ln.startswith("EXPOSE")]
+        assert len(expose) == 1 and set(expose[0].split()[1:]) == {"50051", "8080", "9090"}, expose
         hc = [ln for ln in lines if ln.startswith("HEALTHCHECK")]
         assert hc and "grpc_health_check.py" in hc[0]
         assert 'ENTRYPOINT ["livespeech", "serve"]' in lines
@@ -194,10 +196,15 @@ def test_dockerfile_contract() -> None:
         for var in re.findall(r"\b(LIVESPEECH_[A-Z_]+)=", env_line):
             assert var in env_names, f"{var} is not a ServerConfig setting"
         assert "LIVESPEECH_PORT=50051" in env_line and "LIVESPEECH_METRICS_PORT=9090" in env_line
+        # WebSocket + HTTP (server/web.py) is off unless a port is named: the image names it
+        assert "LIVESPEECH_HTTP_PORT=8080" in env_line
         # jemalloc is preloaded from the path the stage links it to (docs/reliability.md, soak)
         assert "LD_PRELOAD=/usr/local/lib/libjemalloc.so.2" in env_line
         assert any("libjemalloc2" in ln and "/usr/local/lib/libjemalloc.so.2" in ln
                    for ln in lines if ln.startswith("RUN")), runtime
+    # the header's `docker run` publishes every exposed port
+    run_line = next(ln for ln in text.splitlines() if ln.startswith("#") and "docker run" in ln)
+    assert set(re.findall(r"-p (\d+):(\d+)", run_line)) == {("50051", "50051"), ("8080", "8080"), ("9090", "9090")}
     # install.sh is what the Dockerfile runs: it must still honour the knobs it passes
     script = (ROOT / "scripts" / "install.sh").read_text()
     for knob in ("VENV", "EXTRAS", "EDITABLE", "TORCH_SPEC"):
@@ -257,6 +264,83 @@ def test_health_check_script(server_factory) -> None:
         h.run(h.app.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING))
     refused = subprocess.run(script + ["127.0.0.1:1", "--timeout", "1"], capture_output=True, text=True, timeout=30)
     assert refused.returncode == 1
+
+
+def test_nginx_template_proxies_websocket_and_http(server_factory, tmp_path: Path) -> None:
+    """deploy/nginx's HTTP block in front of a server's WebSocket/HTTP port: a browser's
+    WebSocket session (token as the subprotocols "bearer", <token>) and a speech request
+    (Authorization header) pass nginx; without a token the server refuses them as it
+    does directly (the token rules are the server's, nginx changes nothing)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import aiohttp
+    import numpy as np
+    from test_multi_replica import _find_nginx, _free_port, _stop, start_nginx
+
+    from server.voices import VoiceStoreError
+
+    nginx_bin = _find_nginx()
+    if nginx_bin is None:
+        pytest.skip("nginx not installed (Debian: apt-get install nginx)")
+    token = "deploytoken-0123456789abcdef"
+    h = server_factory(fake=True, http_port=-1, auth_tokens=f"acme:{token}")
+    try:
+        h.run(h.app.voices.default())
+    except VoiceStoreError:  # no built-in voice: the tenant registers one
+        noise = (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32)
+        h.run(h.app.voices.register("default", noise, tenant="acme"))
+    http_port = _free_port()
+    nginx = start_nginx(nginx_bin, tmp_path, _free_port(), [SimpleNamespace(address=h.address)],
+                        http_port=http_port, http_upstreams=(f"127.0.0.1:{h.app.http_port}",))
+    base = f"127.0.0.1:{http_port}"
+
+    async def ws(protocols: tuple) -> dict:
+        out = {"events": [], "audio": 0}
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"ws://{base}/v1/synthesize", protocols=protocols) as w:
+                out["protocol"] = w.protocol
+                for m in ({"type": "config", "config": {}}, {"type": "text", "text": "Hello there."},
+                          {"type": "end"}):
+                    await w.send_json(m)
+                async for msg in w:
+                    if msg.type == aiohttp.WSMsgType.BINARY:
+                        out["audio"] += len(msg.data)
+                    elif msg.type == aiohttp.WSMsgType.TEXT:
+                        out["events"].append(json.loads(msg.data)["type"])
+            out["code"] = w.close_code
+        return out
+
+    async def speech(headers: dict) -> tuple[int, bytes]:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://{base}/v1/audio/speech", headers=headers,
+                                    json={"model": "livespeech", "input": "Hello there.", "voice": "default"}) as r:
+                return r.status, await r.read()
+
+    async def scenario() -> None:
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:  # nginx binds its ports shortly after it starts
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", http_port)
+                writer.close()
+                break
+            except OSError:
+                assert asyncio.get_running_loop().time() < deadline, (tmp_path / "error.log").read_text()
+                await asyncio.sleep(0.05)
+        ok = await ws(("bearer", token))
+        assert ok["code"] == 1000 and ok["protocol"] == "bearer", ok
+        assert ok["events"][0] == "started" and ok["events"][-1] == "summary" and ok["audio"] > 0, ok
+        refused = await ws(())
+        assert refused["code"] == 4401 and refused["events"] == ["error"], refused
+        status, body = await speech({"Authorization": f"Bearer {token}"})
+        assert status == 200 and body[:4] == b"RIFF" and len(body) > 44, (status, body[:200])
+        status, _ = await speech({})
+        assert status == 401
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        _stop(nginx)
 
 
 # ------------------------------------------------------------------ kustomize + schemas
@@ -360,7 +444,8 @@ def test_deployment_drain_and_probes(overlay: str) -> None:
     assert set(env) <= config_env_names() | {"XDG_CACHE_HOME"}, set(env) - config_env_names()
     grpc_port = int(env["LIVESPEECH_PORT"])
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": grpc_port, "metrics": int(env["LIVESPEECH_METRICS_PORT"])}
+    assert ports == {"grpc": grpc_port, "http": int(env["LIVESPEECH_HTTP_PORT"]),
+                     "metrics": int(env["LIVESPEECH_METRICS_PORT"])}
 
     # native gRPC probes on the health service; startup tolerates model loading
     for probe in ("startupProbe", "readinessProbe"):
@@ -405,7 +490,7 @@ def test_deployment_drain_and_probes(overlay: str) -> None:
     headless = by_kind(docs, "Service", "livespeech-replicas")
     assert headless["spec"]["clusterIP"] == "None" and not headless["spec"].get("publishNotReadyAddresses")
     assert headless["spec"]["selector"].items() <= labels.items()
-    assert {p["targetPort"] for p in headless["spec"]["ports"]} == {"grpc", "metrics"}
+    assert {p["targetPort"] for p in headless["spec"]["ports"]} == {"grpc", "http", "metrics"}
     pdb = by_kind(docs, "PodDisruptionBudget", "livespeech")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     hpa = by_kind(docs, "HorizontalPodAutoscaler")
@@ -476,6 +561,47 @@ def test_balancer(overlay: str, yaml) -> None:
     front = by_kind(docs, "Service", "livespeech")
     assert front["spec"]["selector"].items() <= bal["spec"]["template"]["metadata"]["labels"].items()
     assert front["spec"]["ports"][0]["appProtocol"] == "kubernetes.io/h2c"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_http_port_is_exposed_end_to_end(overlay: str, yaml) -> None:
+    """The WebSocket/HTTP port (server/web.py) is on from the container to the front
+    Service: the env names it, the container, the headless Service, Envoy's `http`
+    listener and cluster and the front Service carry it. The probes stay on gRPC (the
+    health service); WebSocket upgrades pass Envoy, with no timeout on a session."""
+    docs = rendered(f"overlays/{overlay}")
+    c = server_container(docs)
+    env = env_of(c)
+    http_port = int(env["LIVESPEECH_HTTP_PORT"])
+    assert http_port > 0 and http_port not in (int(env["LIVESPEECH_PORT"]), int(env["LIVESPEECH_METRICS_PORT"]))
+    assert {"name": "http", "containerPort": http_port, "protocol": "TCP"} in c["ports"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == int(env["LIVESPEECH_PORT"]), probe
+    headless = by_kind(docs, "Service", "livespeech-replicas")
+    replica_http = next(p for p in headless["spec"]["ports"] if p["name"] == "http")
+    assert replica_http["port"] == http_port and replica_http["targetPort"] == "http"
+
+    envoy = _envoy(docs)
+    listener = next(ls for ls in envoy["static_resources"]["listeners"] if ls["name"] == "http")
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    assert {"upgrade_type": "websocket"} in hcm["upgrade_configs"]
+    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    assert route["cluster"] == "livespeech-http" and route["timeout"] == "0s"
+    assert route["retry_policy"]["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+    assert hcm["http_filters"][-1]["name"] == "envoy.filters.http.router"
+    cluster = next(cl for cl in envoy["static_resources"]["clusters"] if cl["name"] == "livespeech-http")
+    assert cluster["type"] == "STRICT_DNS" and cluster["lb_policy"] == "LEAST_REQUEST"
+    addr = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert addr == {"address": "livespeech-replicas", "port_value": http_port}
+    # aiohttp speaks HTTP/1.1 only; Envoy refuses a gRPC health check on such a cluster
+    assert "typed_extension_protocol_options" not in cluster and "health_checks" not in cluster
+
+    bal = by_kind(docs, "Deployment", "livespeech-balancer")
+    envoy_ports = {p["name"]: p["containerPort"] for p in bal["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert envoy_ports["http"] == listener["address"]["socket_address"]["port_value"] != envoy_ports["grpc"]
+    front = by_kind(docs, "Service", "livespeech")
+    front_http = next(p for p in front["spec"]["ports"] if p["name"] == "http")
+    assert front_http["port"] == http_port and front_http["targetPort"] == "http"
 
 
 # ------------------------------------------------------------------ metrics

@@ -88,11 +88,19 @@ def _enrollment() -> tuple[bytes, int]:
     return (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes(), rate
 
 
-def render_nginx_conf(prefix: Path, listen: str, upstreams: list[str]) -> str:
-    servers = "\n".join(f"        server {u} max_fails=1 fail_timeout=30s;" for u in upstreams)
+def _servers(upstreams: list[str]) -> str:
+    return "\n".join(f"        server {u} max_fails=1 fail_timeout=30s;" for u in upstreams)
+
+
+def render_nginx_conf(prefix: Path, listen: str, upstreams: list[str], http_listen: str,
+                      http_upstreams: list[str]) -> str:
+    """No `http_upstreams` (replicas without an HTTP port): one `down` server, so the
+    HTTP block still loads."""
+    http_servers = _servers(http_upstreams) if http_upstreams else "        server 127.0.0.1:1 down;"
     # as root, workers would switch to `nobody`, who cannot write into pytest's tmp dir
     user = "user root;" if hasattr(os, "geteuid") and os.geteuid() == 0 else ""
-    values = dict(LS_PREFIX=str(prefix), LS_LISTEN=listen, LS_UPSTREAM_SERVERS=servers, LS_USER=user)
+    values = dict(LS_PREFIX=str(prefix), LS_LISTEN=listen, LS_UPSTREAM_SERVERS=_servers(upstreams),
+                  LS_HTTP_LISTEN=http_listen, LS_HTTP_UPSTREAM_SERVERS=http_servers, LS_USER=user)
     # comments are left alone (they quote the placeholders); nginx's own $variables
     # are not ours and stay (safe_substitute)
     return "".join(
@@ -154,9 +162,13 @@ def start_replica(tmp: Path, i: int, *extra: str, env: Optional[dict[str, str]] 
     return Replica(port, log, proc)
 
 
-def start_nginx(nginx_bin: str, tmp: Path, port: int, replicas: list[Replica]) -> subprocess.Popen:
+def start_nginx(nginx_bin: str, tmp: Path, port: int, replicas: list[Replica],
+                http_port: Optional[int] = None, http_upstreams: tuple[str, ...] = ()) -> subprocess.Popen:
+    """nginx on `port` (gRPC) and `http_port` (WebSocket + HTTP; any free port if None)."""
     conf = tmp / "nginx.conf"
-    conf.write_text(render_nginx_conf(tmp, f"127.0.0.1:{port}", [r.address for r in replicas]))
+    http_listen = f"127.0.0.1:{http_port if http_port is not None else _free_port()}"
+    conf.write_text(render_nginx_conf(tmp, f"127.0.0.1:{port}", [r.address for r in replicas],
+                                      http_listen, list(http_upstreams)))
     check = subprocess.run(
         [nginx_bin, "-t", "-p", str(tmp), "-e", str(tmp / "error.log"), "-c", str(conf)],
         capture_output=True, text=True,
