@@ -277,6 +277,12 @@ class Engine:
                     if not s.chunks:  # nothing to say
                         self._finish(s, cancelled=False)
                 elif kind == "cancel":
+                    # the cancel went ahead of text sent before it: that text is counted
+                    # (unspoken) in the cancelled summary, not dropped
+                    for t, later in queued:
+                        if t is s and later[0] == "text":
+                            _, text, ts, flush, at = later
+                            self._release_chunks(s, s.on_text(text, ts, flush, at))
                     self._finish(s, cancelled=True)
                 elif kind == "stop":
                     self._stop_with_status(s, cmd[1], cmd[2])

@@ -903,6 +903,31 @@ def test_a_run_out_ends_at_the_text_even_when_the_stream_babbles_past_it(engine,
     assert c.done.wait(30)
 
 
+def test_a_cancel_counts_the_text_sent_before_it_as_unspoken(engine, voice, monkeypatch):
+    """A cancel goes ahead of queued text (admission and cancels must not wait behind a
+    flood); the text the client sent before it still appears in the cancelled summary's
+    unspoken words."""
+    gate = threading.Event()
+    gate.set()
+    apply = Engine._apply_commands
+    monkeypatch.setattr(Engine, "_apply_commands", lambda self: (gate.wait(), apply(self))[1])
+    c = Collector(engine)
+    h = engine.open_session(SessionConfig(**HARD), voice, c)
+    h.push_text("Hello there, friend. ")
+    deadline = time.monotonic() + 20
+    while not c.of(AudioPacket) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    gate.clear()
+    time.sleep(0.2)  # the engine loop now waits at its next batch of commands
+    h.push_text("and these last words")
+    h.cancel()  # both in one batch: the cancel first
+    gate.set()
+    assert c.done.wait(30)
+    summary = c.of(Finished)[0].summary
+    assert summary.cancelled and not summary.all_words_spoken
+    assert list(summary.unspoken_words[-4:]) == ["and", "these", "last", "words"]
+
+
 def text_graphemes(text: str) -> list[int]:
     """The collapsed transcript of `text`, as the session builds it word by word."""
     from models import graphemes
