@@ -55,7 +55,8 @@ from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterable, Iterat
 
 import grpc
 
-from server.protocol import BEARER_TOKEN_RE, Enrollment, Stub, config_from_proto, config_to_proto, pb
+from server.protocol import (BEARER_TOKEN_RE, Enrollment, Stub, config_from_proto, config_to_proto, pb,
+                             summary_from_proto)
 from server.session_api import AudioPacket, Encoding, SessionConfig, Summary, WordTiming
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -357,15 +358,7 @@ def _event(msg: "pb.SynthesizeResponse") -> Optional[Event]:
         cfg, _ = config_from_proto(msg.started.config)
         return Started(msg.started.session_id, cfg)
     if kind == "summary":
-        s = msg.summary
-
-        def opt(name: str) -> Any:
-            return getattr(s, name) if s.HasField(name) else None
-
-        return Summary(
-            s.frames, s.audio_s, opt("ttfa_s"), opt("lookahead_wait_s"), opt("compute_fpl_s"), s.cancelled,
-            s.spoken_text, opt("all_words_spoken"), tuple(s.unspoken_words),
-        )
+        return summary_from_proto(msg.summary)
     return None
 
 

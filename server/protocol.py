@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import grpc
 
-from .session_api import ChunkingConfig, ConfigError, Encoding, SessionConfig
+from .session_api import ChunkingConfig, ConfigError, Encoding, SessionConfig, Summary
 
 PROTO_REL = "livespeech/v1/livespeech.proto"
 # what may follow "Bearer " in the `authorization` metadata (RFC 6750 b64token); the
@@ -328,3 +328,24 @@ def config_to_proto(cfg: SessionConfig, enrollment: Optional[Enrollment] = None)
     elif cfg.voice_id:
         msg.voice_id = cfg.voice_id
     return msg
+
+
+_SUMMARY_OPTIONAL = ("ttfa_s", "lookahead_wait_s", "compute_fpl_s", "all_words_spoken")
+
+
+def summary_to_proto(s: Summary) -> "pb.SessionSummary":
+    """A session's `Summary` on the wire (None fields left unset); `summary_from_proto`
+    reads it back."""
+    msg = pb.SessionSummary(frames=s.frames, audio_s=s.audio_s, cancelled=s.cancelled, spoken_text=s.spoken_text,
+                            unspoken_words=s.unspoken_words)
+    for name in _SUMMARY_OPTIONAL:
+        value = getattr(s, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def summary_from_proto(msg: "pb.SessionSummary") -> Summary:
+    opt = {name: getattr(msg, name) if msg.HasField(name) else None for name in _SUMMARY_OPTIONAL}
+    return Summary(frames=msg.frames, audio_s=msg.audio_s, cancelled=msg.cancelled, spoken_text=msg.spoken_text,
+                   unspoken_words=tuple(msg.unspoken_words), **opt)

@@ -52,7 +52,7 @@ from .auth import current_tenant
 from .config import ServerConfig
 from .grpc_drain import confirm_half_close, drain, drain_requests
 from .metrics import Metrics
-from .protocol import Enrollment, Malformed, config_from_proto, config_to_proto, pb
+from .protocol import Enrollment, Malformed, config_from_proto, config_to_proto, pb, summary_to_proto
 from .session_api import (
     AudioPacket,
     CapacityError,
@@ -65,7 +65,6 @@ from .session_api import (
     SessionHandle,
     LimitError,
     StateError,
-    Summary,
     Voice,
     WordTiming,
 )
@@ -99,18 +98,6 @@ def decoded(request: Any) -> Any:
         log.info("refused a malformed request: %s", request.message)
         raise RpcError(Code.INVALID_ARGUMENT, request.message)
     return request
-
-
-def summary_to_proto(s: Summary) -> "pb.SessionSummary":
-    msg = pb.SessionSummary(frames=s.frames, audio_s=s.audio_s, cancelled=s.cancelled, spoken_text=s.spoken_text,
-                            unspoken_words=s.unspoken_words)
-    if s.all_words_spoken is not None:
-        msg.all_words_spoken = s.all_words_spoken
-    for name in ("ttfa_s", "lookahead_wait_s", "compute_fpl_s"):
-        value = getattr(s, name)
-        if value is not None:
-            setattr(msg, name, value)
-    return msg
 
 
 def voice_info_to_proto(info: VoiceInfo) -> "pb.VoiceInfo":

@@ -233,7 +233,7 @@ def test_sampling_settings_cross_the_wire() -> None:
 def test_the_summary_says_whether_every_word_was_spoken(srv) -> None:
     """Over the wire: all_words_spoken and the unspoken words (none here; the engine's
     tests drive sessions that leave words unspoken), and the mapping both ways."""
-    from server.service import summary_to_proto
+    from server.protocol import summary_from_proto, summary_to_proto
     from server.session_api import Summary
 
     async def go():
@@ -243,10 +243,14 @@ def test_the_summary_says_whether_every_word_was_spoken(srv) -> None:
     r = srv.run(go())
     assert r.summary is not None and r.summary.spoken_text == TEXT
     assert r.summary.all_words_spoken is True and r.summary.unspoken_words == ()
-    msg = summary_to_proto(Summary(9, 0.12, None, None, None, False, "Hello", False, ("there,", "you")))
+    partial = Summary(9, 0.12, None, 0.05, None, False, "Hello", False, ("there,", "you"))
+    msg = summary_to_proto(partial)
     assert msg.HasField("all_words_spoken") and not msg.all_words_spoken
     assert list(msg.unspoken_words) == ["there,", "you"]
+    assert not msg.HasField("ttfa_s") and msg.HasField("lookahead_wait_s")
     assert not summary_to_proto(Summary(0, 0.0, None, None, None, False, "")).HasField("all_words_spoken")
+    for s in (partial, r.summary, Summary(0, 0.0, None, None, None, True, "")):
+        assert summary_from_proto(summary_to_proto(s)) == s  # the client reads back what the server wrote
 
 
 # the words before the last are long enough for their timing to go out with the audio
