@@ -257,3 +257,34 @@ def test_the_demo_page_is_served(srv, path) -> None:
     page = body.decode()
     assert "/v1/synthesize" in page and "/v1/voices" in page
     assert "://" not in page  # nothing is fetched from another host
+
+
+def test_a_full_server_refuses_websocket_and_speech_with_a_retry_hint(server_factory) -> None:
+    """Every engine slot taken (here by one WebSocket session still waiting for text): a
+    new WebSocket session closes with 4429 and an error naming the capacity and a retry
+    hint, as gRPC's RESOURCE_EXHAUSTED; the speech endpoint answers 429 with Retry-After.
+    Once the holder ends, a new session is served."""
+    h = server_factory(http_port=-1, max_sessions=1)
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(url(h, "/v1/synthesize", "ws")) as holder:
+                await holder.send_json({"type": "config", "config": WS_HARD})
+                await holder.send_json({"type": "text", "text": "Hold "})
+                started = json.loads((await holder.receive()).data)
+                refused = await ws_session(h, [{"type": "config", "config": WS_HARD}])
+                speech = await post_speech(h, {"model": "livespeech", "input": "Hi.", "voice": "default"})
+                await holder.send_json({"type": "cancel"})
+                async for _ in holder:
+                    pass
+        after = await ws_session(h, [{"type": "config", "config": WS_HARD}, {"type": "text", "text": "Hi."},
+                                     {"type": "end"}])
+        return started, refused, speech, after
+
+    started, refused, (status, headers, body, _), after = h.run(go())
+    assert started["type"] == "started"
+    error = of(refused["events"], "error")[0]
+    assert refused["code"] == 4429 and error["code"] == "RESOURCE_EXHAUSTED" and error["retry_after_ms"] > 0
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    assert json.loads(body)["error"]["message"]
+    assert after["code"] == 1000 and of(after["events"], "summary")[0]["spoken_text"] == "Hi."
