@@ -24,9 +24,9 @@ Status choices (see also the .proto):
 - more than `synthesize_stream_limit` streams open: RESOURCE_EXHAUSTED with
   `retry-after-ms`, refused like any stream (its messages drained: server/grpc_drain.py);
 - a session's total text over `max_session_text_chars`: RESOURCE_EXHAUSTED (a single
-  piece over `max_text_piece_chars` is INVALID_ARGUMENT); it, the idle timeout and the
-  wall-clock cap end a started session after a summary of what was spoken
-  (`SessionStream.end_early`);
+  piece over `max_text_piece_chars` is INVALID_ARGUMENT); it, any other client error
+  after the start, the idle timeout and the wall-clock cap end a started session after
+  a summary of what was spoken (`SessionStream.end_early`);
 - the client half-closes without `end_of_input`: treated as end of input, HALF_CLOSE_S
   later (server/grpc_drain.py);
 - messages after `cancel` are ignored (a text pump may race the cancel);
@@ -89,6 +89,10 @@ class RpcError(Exception):
         self.metadata = metadata
         self.from_engine = from_engine
         self.summarized = summarized
+
+    def summarizing(self) -> "RpcError":
+        """This error, ending a started session after its summary (`end_early`)."""
+        return RpcError(self.code, self.message, self.metadata, self.from_engine, summarized=True)
 
 
 def decoded(request: Any) -> Any:
@@ -221,12 +225,11 @@ class SessionStream:
             self.outcome.set_result(outcome)
 
     def end_early(self, error: RpcError) -> None:
-        """End the session with `error` (its text limit, a timeout), the summary of what
-        was spoken first: the engine stops it and answers with Finished(summary, error),
+        """End the session with `error` (its text limit, a timeout, a client error), the
+        summary of what was spoken first: the engine stops it and answers with Finished(summary, error),
         which the transport writes before the status. Waits STOP_WAIT_S at most for that
         (an engine that does not answer, a client that does not take the write), then
-        ends with the status alone; a client error that is no early ending (`summarized`
-        unset) ends at once."""
+        ends with the status alone; an error not marked `summarized` ends at once."""
         if self.outcome.done() or self.stopping is not None:
             return
         stop = getattr(self.handle, "stop", None)
@@ -421,10 +424,10 @@ class _Stream(SessionStream):
             try:
                 kind = self._forward(msg)
             except RpcError as e:
-                # the client's fault ends the stream (over its text limit, after the
-                # summary); keep reading (and dropping), so that shutdown() can take the
+                # the client's fault ends the started session after the summary of what
+                # was spoken; keep reading (and dropping), so that shutdown() can take the
                 # client's writes in flight (grpc_drain.REFUSE_READ_S)
-                self.end_early(e)
+                self.end_early(e.summarizing())
                 self.ending = True
                 continue
             ended = ended or kind == "end_of_input"
@@ -491,8 +494,8 @@ def handle_errors() -> Iterator[None]:
         yield
     except StateError as e:
         raise RpcError(Code.FAILED_PRECONDITION, str(e)) from None
-    except LimitError as e:  # the session's text limit: a started session ends after its summary
-        raise RpcError(Code.RESOURCE_EXHAUSTED, str(e), summarized=True) from None
+    except LimitError as e:
+        raise RpcError(Code.RESOURCE_EXHAUSTED, str(e)) from None
     except ConfigError as e:
         raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
 

@@ -336,10 +336,8 @@ class WebEndpoints:
                 continue  # a text pump may race the cancel, or the session's early end
             try:
                 cancelled = self._ws_forward(handle, kind, msg)
-            except RpcError as e:
-                if not e.summarized:
-                    raise
-                stream.end_early(e)  # over its text limit: the summary, then the status
+            except RpcError as e:  # the client's fault: the summary of what was spoken, then the status
+                stream.end_early(e.summarizing())
 
     @staticmethod
     def _ws_forward(handle: Any, kind: str, msg: dict) -> bool:

@@ -108,8 +108,12 @@ EARLY = {  # case: (text accepted, the status, what its message says)
     "text_limit": (" ".join(WORDS) + " novemb", C.RESOURCE_EXHAUSTED, "max_session_text_chars"),
     "idle": ("Hello there wor", C.DEADLINE_EXCEEDED, "session idle for 2 s"),
     "wall_cap": ("Hello there wor", C.DEADLINE_EXCEEDED, "session open for 0.5 s (max_session_wall_s)"),
+    # any client error after the start: here a timestamp that goes back
+    "bad_timestamp": ("Hello there wor", C.INVALID_ARGUMENT, "must not decrease"),
 }
 OVER = "x" * 150  # a piece the text limit refuses after the text accepted
+FIRST_TS = {"bad_timestamp": 5.0}  # the accepted text's timestamp
+FOLLOW = {"text_limit": (OVER, None), "bad_timestamp": ("more ", 1.0)}  # the piece refused, its timestamp
 
 
 def early_ending(srv, monkeypatch, case: str) -> tuple:
@@ -133,10 +137,10 @@ def check_summary(s: dict, text: str) -> None:
 def test_early_endings_say_what_was_spoken_then_why(srv, monkeypatch, case) -> None:
     """gRPC: the summary (which words were spoken), then the status naming the limit."""
     text, code, says = early_ending(srv, monkeypatch, case)
-    requests = [config_msg(max_buffer_delay_ms=0), text_msg(text)]
-    if case == "text_limit":
-        requests += [text_msg(OVER), END]
-    r, counted = run(srv, requests, half_close=case == "text_limit")
+    requests = [config_msg(max_buffer_delay_ms=0), text_msg(text, FIRST_TS.get(case))]
+    if case in FOLLOW:
+        requests += [text_msg(*FOLLOW[case]), END]
+    r, counted = run(srv, requests, half_close=case in FOLLOW)
     assert (r.code, says in r.details) == (code, True), (r.code, r.details)
     assert len(summaries(r)) == 1 and r.kinds()[-1] == "summary", r.kinds()  # the status follows the summary
     s = summaries(r)[0]
@@ -150,9 +154,12 @@ def test_early_endings_say_what_was_spoken_then_why(srv, monkeypatch, case) -> N
 def test_early_endings_over_websocket_say_what_was_spoken_then_why(srv, monkeypatch, case) -> None:
     """WebSocket: the summary event, then the error event and the close code."""
     text, code, says = early_ending(srv, monkeypatch, case)
-    messages = [{"type": "config", "config": {"max_buffer_delay_ms": 0, **WS_HARD}}, {"type": "text", "text": text}]
-    if case == "text_limit":
-        messages += [{"type": "text", "text": OVER}, {"type": "end"}]
+    ts = lambda t: {} if t is None else {"timestamp_s": t}  # noqa: E731
+    messages = [{"type": "config", "config": {"max_buffer_delay_ms": 0, **WS_HARD}},
+                {"type": "text", "text": text, **ts(FIRST_TS.get(case))}]
+    if case in FOLLOW:
+        piece, t = FOLLOW[case]
+        messages += [{"type": "text", "text": piece, **ts(t)}, {"type": "end"}]
     assert srv.wait_idle()
     before = outcomes(srv)
     r = srv.run(ws_session(srv, messages))
@@ -161,6 +168,6 @@ def test_early_endings_over_websocket_say_what_was_spoken_then_why(srv, monkeypa
     assert [e["type"] for e in events[-2:]] == ["summary", "error"] and len(of(events, "summary")) == 1, events
     error = events[-1]
     assert (error["code"], says in error["message"]) == (code.name, True), error
-    assert r["code"] == {C.RESOURCE_EXHAUSTED: 4429, C.DEADLINE_EXCEEDED: 4504}[code]
+    assert r["code"] == {C.RESOURCE_EXHAUSTED: 4429, C.DEADLINE_EXCEEDED: 4504, C.INVALID_ARGUMENT: 4400}[code]
     check_summary(events[-2], text)
     assert outcomes(srv)["failed"] == before["failed"] + 1
