@@ -22,13 +22,12 @@
 # committed, with the Piper voice's codes of models/weights/next/piper.tar.gz (made here:
 # its manifest.jsonl and codes/) in the training data, on training sentences the committed
 # decoder has not seen ($NEXT/TRAINED_BEFORE); export it. The CANDIDATES (candidate_args)
-# train side by side: by default the recipe with noisy acoustic history (train
-# --history-noise HISTORY_NOISE, 0.3) alone and with the auxiliary phone loss as well
-# (--phone-weight PHONE_WEIGHT, 1). $OUT holds, for each NAME in CANDIDATES,
-# NAME.pt.partNN (cat them), NAME_log.jsonl and NAME_MODEL_CARD.md, and TRAINED_BEFORE
-# (commit it with the decoder kept).
+# train side by side: by default the recipe, and the recipe with the auxiliary phone loss
+# (--phone-weight PHONE_WEIGHT, 1); the _noise variants add --history-noise HISTORY_NOISE.
+# $OUT holds, for each NAME in CANDIDATES, NAME.pt.partNN (cat them), NAME_log.jsonl and
+# NAME_MODEL_CARD.md, and TRAINED_BEFORE (commit it with the decoder kept).
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3),
-# CANDIDATES ("decoder_noise decoder_phone_noise"),
+# CANDIDATES ("decoder decoder_phone"),
 # BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s, the decoder stage 90, kept for the
 # probe or export and the copy back).
 set -uo pipefail
@@ -43,7 +42,7 @@ export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$R/.dev/multilingual.tiktoken
 export LIVESPEECH_FLITE=$FL/usr/bin/flite LD_LIBRARY_PATH=$FL/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 STAGE=$(cat $NEXT/STAGE 2>/dev/null || echo codec)
 # the decoder stage's candidates: the recipe (training/train.py's defaults) and its variants
-CANDIDATES=${CANDIDATES:-decoder_noise decoder_phone_noise}
+CANDIDATES=${CANDIDATES:-decoder decoder_phone}
 candidate_args() {
   case $1 in
     decoder) ;;
