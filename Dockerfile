@@ -4,7 +4,7 @@
 #
 #   CPU (default target, python:3.11-slim):   docker build -t livespeech:cpu .
 #   GPU (CUDA torch + mamba-ssm kernels):     docker build --target gpu -t livespeech:gpu .
-#   run:  docker run --rm -p 50051:50051 -p 8080:8080 -p 9090:9090 --stop-timeout 45 livespeech:cpu
+#   run:  docker run --rm -p 50051:50051 -p 8080:8080 -p 9464:9464 --stop-timeout 45 livespeech:cpu
 #         (flags after the image are `livespeech serve` flags, e.g. --max-sessions 8)
 #
 # The install is scripts/install.sh, the same script the README and CI run
@@ -73,12 +73,12 @@ ENV PATH=/opt/livespeech/bin:${PATH} \
     LIVESPEECH_HOST=0.0.0.0 \
     LIVESPEECH_PORT=50051 \
     LIVESPEECH_HTTP_PORT=8080 \
-    LIVESPEECH_METRICS_PORT=9090 \
+    LIVESPEECH_METRICS_PORT=9464 \
     LIVESPEECH_VOICES_DIR=/var/lib/livespeech/voices \
     LIVESPEECH_DEVICE=cuda
 WORKDIR /var/lib/livespeech
 USER 10001:10001
-EXPOSE 50051 8080 9090
+EXPOSE 50051 8080 9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
   CMD ["/opt/livespeech/bin/python", "/usr/local/lib/livespeech/grpc_health_check.py"]
 STOPSIGNAL SIGTERM
@@ -119,12 +119,12 @@ ENV PATH=/opt/livespeech/bin:${PATH} \
     LIVESPEECH_HOST=0.0.0.0 \
     LIVESPEECH_PORT=50051 \
     LIVESPEECH_HTTP_PORT=8080 \
-    LIVESPEECH_METRICS_PORT=9090 \
+    LIVESPEECH_METRICS_PORT=9464 \
     LIVESPEECH_VOICES_DIR=/var/lib/livespeech/voices \
     LIVESPEECH_DEVICE=cpu
 WORKDIR /var/lib/livespeech
 USER 10001:10001
-EXPOSE 50051 8080 9090
+EXPOSE 50051 8080 9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
   CMD ["/opt/livespeech/bin/python", "/usr/local/lib/livespeech/grpc_health_check.py"]
 STOPSIGNAL SIGTERM

@@ -2,6 +2,7 @@
 
     livespeech serve [--port 50051 --model PATH --device cpu ...]   run the server
     livespeech say "Hello there." -o out.wav [--voice ID] [--llm-rate 40]
+    livespeech say "Hello there." -o - | aplay                       the WAV on stdout, the rest on stderr
     livespeech say --llm-rate 40 < file.txt                          simulate an LLM stream
     livespeech voices add ID ref.wav | list | rm ID
     livespeech corpus|train-codec|train|eval|loadtest ...            forwarded to their tools
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import os
 import sys
 from typing import Optional, Sequence
@@ -88,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
 
     say = sub.add_parser("say", help="synthesize text (stdin when no text) into a WAV")
     say.add_argument("text", nargs="?", help="text to speak; read from stdin when omitted")
-    say.add_argument("-o", "--output", default="out.wav", help="WAV file to write (default %(default)s)")
+    say.add_argument("-o", "--output", default="out.wav",
+                     help="WAV file to write; - for standard output, e.g. into a player (default %(default)s)")
     _server_arg(say)
     say.add_argument("--voice", help="voice id (default: the server's default voice)")
     say.add_argument("--enroll", metavar="WAV", help="inline reference speech instead of a voice id")
@@ -153,6 +156,9 @@ def _say(args: argparse.Namespace) -> int:
     from clients.client import LiveSpeechClient, SynthesisResult, paced, split_pieces
     from server.session_api import Summary, WordTiming
 
+    to_stdout = args.output == "-"
+    # with the WAV on stdout, everything printed goes to stderr so the pipe carries audio only
+    info = sys.stderr if to_stdout else sys.stdout
     text = args.text if args.text is not None else sys.stdin.read()
     if not text.strip():
         print("livespeech say: no text", file=sys.stderr)
@@ -178,7 +184,7 @@ def _say(args: argparse.Namespace) -> int:
             for event in stream:
                 result.add(event)
                 if isinstance(event, WordTiming) and not args.quiet:
-                    print(f"  {event.start_s:7.3f} {event.end_s:7.3f}  {event.word}")
+                    print(f"  {event.start_s:7.3f} {event.end_s:7.3f}  {event.word}", file=info)
     except grpc.RpcError as e:
         print(f"livespeech say: {e.code().name}: {e.details()}", file=sys.stderr)
         spoken = getattr(e, "summary", None)  # the server's summary before an early ending
@@ -188,17 +194,29 @@ def _say(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:  # bad settings or an unreadable file, before any call
         print(f"livespeech say: {e}", file=sys.stderr)
         return 2
-    result.write_wav(args.output)
+    if to_stdout:
+        wav = io.BytesIO()
+        result.write_wav(wav)
+        try:
+            sys.stdout.buffer.write(wav.getvalue())
+            sys.stdout.flush()
+        except BrokenPipeError:  # the player quit early; devnull, so the flush at exit does not raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+    else:
+        result.write_wav(args.output)
     s: Optional[Summary] = result.summary
     audio_s = len(result.pcm16()) / 2 / result.sample_rate
-    print(f"wrote {args.output}: {audio_s:.2f} s at {result.sample_rate} Hz, {len(result.packets)} packets")
+    where = "standard output" if to_stdout else args.output
+    print(f"wrote {where}: {audio_s:.2f} s at {result.sample_rate} Hz, {len(result.packets)} packets", file=info)
     if s is not None:
         def ms(v: Optional[float]) -> str:
             return "-" if v is None else f"{v * 1000:.0f} ms"
 
-        print(f"TTFA {ms(s.ttfa_s)} (lookahead wait {ms(s.lookahead_wait_s)}, compute FPL {ms(s.compute_fpl_s)})")
+        print(f"TTFA {ms(s.ttfa_s)} (lookahead wait {ms(s.lookahead_wait_s)}, compute FPL {ms(s.compute_fpl_s)})",
+              file=info)
         if s.all_words_spoken is False:
-            print(f"not spoken: {len(s.unspoken_words)} word(s): {' '.join(s.unspoken_words)}")
+            print(f"not spoken: {len(s.unspoken_words)} word(s): {' '.join(s.unspoken_words)}", file=info)
     return 0
 
 

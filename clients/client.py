@@ -51,7 +51,7 @@ import time
 import wave
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Optional, Union
+from typing import Any, AsyncIterable, AsyncIterator, BinaryIO, Callable, Iterable, Iterator, Optional, Union
 
 import grpc
 
@@ -266,8 +266,9 @@ class SynthesisResult:
             return mulaw_to_pcm16(bytes(self.audio)).astype("<i2").tobytes()
         return bytes(self.audio)
 
-    def write_wav(self, path: Union[str, Path]) -> None:
-        with wave.open(str(path), "wb") as w:
+    def write_wav(self, path: Union[str, Path, BinaryIO]) -> None:
+        """To a file name or a binary file object (e.g. standard output's buffer)."""
+        with wave.open(path if hasattr(path, "write") else str(path), "wb") as w:
             w.setnchannels(1)
             w.setsampwidth(2)
             w.setframerate(self.sample_rate)

@@ -151,7 +151,7 @@ def engine_summary(d: Snapshot, wall_s: float) -> dict:
         "step_seconds": hs("step_seconds"),
         "batch_size": hs("batch_size"),
         "codec_decode_seconds": hs("codec_decode_seconds"),
-        "rtf_per_session": hs("rtf"),
+        "rtf_per_session": hs("rtf_ratio"),
         "ttfa_seconds": hs("ttfa_seconds"),
         "lookahead_wait_seconds": hs("lookahead_wait_seconds"),
         "compute_fpl_seconds": hs("compute_fpl_seconds"),

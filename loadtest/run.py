@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--spawn: the server replays its decode step from a CUDA graph (CUDA devices)")
     g.add_argument("--server-eager-step", action="store_true",
                    help="--spawn: the server runs its CPU decode step eagerly, not as a frozen graph")
-    g.add_argument("--metrics-port", type=int, default=9090,
+    g.add_argument("--metrics-port", type=int, default=9464,
                    help="--target: the server's Prometheus port on the same host (0: do not scrape)")
     g.add_argument("--voice", default=None, help="voice id (default: 'default', else a noise voice registered for the run)")
 

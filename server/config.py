@@ -31,7 +31,9 @@ def default_voices_dir() -> Path:
 class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051  # 0 = any free port
-    metrics_port: int = 9090  # Prometheus exporter; 0 = disabled, -1 = any free port
+    # Prometheus exporter; 0 = disabled, -1 = any free port. Not 9090 (Prometheus's own):
+    # 9464 is the OpenTelemetry Prometheus exporter's, the convention for an application's /metrics
+    metrics_port: int = 9464
     # WebSocket and OpenAI-compatible HTTP endpoints (server/web.py); 0 = disabled (the
     # default: a deployment opens only the ports it names), -1 = any free port. Same
     # host, TLS and tokens as gRPC

@@ -15,9 +15,20 @@ Who records what (so nothing is counted twice):
 """
 from __future__ import annotations
 
+import platform
+import socket
+import threading
+from importlib import metadata
 from typing import Optional
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry, Counter, GCCollector, Gauge, Histogram, Info, PlatformCollector, ProcessCollector,
+    generate_latest, make_wsgi_app,
+)
+from prometheus_client.exposition import ThreadingWSGIServer
+
+METRICS_PATH = "/metrics"
 
 SESSION_OUTCOMES = ("completed", "incomplete", "cancelled", "failed", "disconnected", "rejected")
 
@@ -28,6 +39,36 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
 RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 CODEC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5)
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_labels() -> dict[str, str]:
+    """What `livespeech_build_info` carries; metadata, not imports (torch stays unloaded)."""
+    return {"version": _version("livespeech"), "torch": _version("torch"), "python": platform.python_version()}
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # one line per scrape would drown the server log
+        pass
+
+
+def metrics_only_app(registry: CollectorRegistry):
+    """The exposition app on /metrics; every other path is 404 (prometheus_client answers any path)."""
+    app = make_wsgi_app(registry)
+
+    def serve(environ, start_response):
+        if environ.get("PATH_INFO") != METRICS_PATH:
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"Not Found: metrics are on /metrics\n"]
+        return app(environ, start_response)
+
+    return serve
 
 
 class Metrics:
@@ -60,8 +101,9 @@ class Metrics:
         self.underruns_total = Counter(
             p + "underruns_total", "Packets sent after their playback deadline", registry=r
         )
+        # a ratio, so the _ratio suffix (Prometheus naming conventions)
         self.rtf = Histogram(
-            p + "rtf", "Real-time factor per session: compute time / audio duration",
+            p + "rtf_ratio", "Real-time factor per session: compute time / audio duration",
             buckets=RTF_BUCKETS, registry=r,
         )
         self.audio_seconds_total = Counter(p + "audio_seconds_total", "Audio generated", registry=r)
@@ -72,6 +114,12 @@ class Metrics:
         self.codec_decode_seconds = Histogram(
             p + "codec_decode_seconds", "Batched codec decode time", buckets=CODEC_BUCKETS, registry=r
         )
+        self.build_info = Info(p + "build", "Server build: package, torch and Python versions", registry=r)
+        self.build_info.info(build_labels())
+        # the standard runtime families (process_*, python_gc_*, python_info), on this registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         for outcome in SESSION_OUTCOMES:  # export zeros, so rate() works from the start
             self.sessions_total.labels(outcome=outcome)
         self._http = None
@@ -81,10 +129,13 @@ class Metrics:
         return generate_latest(self.registry)
 
     def start_http_server(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Serve /metrics on a daemon thread; returns the bound port (port 0: any)."""
-        from prometheus_client import start_http_server
+        """Serve /metrics (and nothing else) on a daemon thread; returns the bound port (port 0: any)."""
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
 
-        server, thread = start_http_server(port, addr=addr, registry=self.registry)
+        server = make_server(addr, port, metrics_only_app(self.registry), Server, handler_class=_QuietHandler)
+        thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+        thread.start()
         self._http = (server, thread)
         return server.server_port
 

@@ -1,6 +1,7 @@
 """The `livespeech` CLI, the client helpers and ServerConfig."""
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -43,6 +44,8 @@ def test_server_config_flags_env_defaults() -> None:
     assert cfg.port == 7000 and cfg.max_sessions == 3 and cfg.idle_timeout_s == 2.5
     assert cfg.model_path == Path("/m") and cfg.voices_dir == Path("/v")
     assert ServerConfig.from_args([], env={}) == ServerConfig()
+    # not Prometheus's own 9090: a server and a Prometheus on one host must not collide
+    assert ServerConfig().metrics_port == 9464 != 9090
     assert ServerConfig.from_args(["--model-path", "random:tiny", "--voices-dir", ""], env={}).voices_dir is None
     for argv, needle in ((["--port", "70000"], "port"), (["--device", "tpu"], "device"), (["--max-sessions", "0"], "max_sessions")):
         with pytest.raises(ConfigError, match=needle):
@@ -126,6 +129,26 @@ def test_say_from_stdin_at_llm_rate(srv, tmp_path) -> None:
     assert "TTFA" in proc.stdout and "streaming" in proc.stdout
     with wave.open(str(out)) as w:
         assert w.getframerate() == 16000 and w.getsampwidth() == 2 and w.getnframes() > 0
+
+
+def test_say_to_stdout_writes_only_the_wav(srv) -> None:
+    """`-o -`: the WAV alone on stdout (it pipes into a player), word timings and TTFA on stderr."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "say", "Hello there, streaming world.", "--server", srv.address,
+         "--sample-rate", "16000", "-o", "-"],
+        capture_output=True, env=env, timeout=120, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout
+    assert out[:4] == b"RIFF" and out[8:12] == b"WAVE"
+    assert int.from_bytes(out[4:8], "little") + 8 == len(out)  # the RIFF size covers all of stdout: nothing else
+    with wave.open(io.BytesIO(out)) as w:
+        assert w.getframerate() == 16000 and w.getsampwidth() == 2 and w.getnchannels() == 1
+        assert w.getnframes() > 0 and 44 + w.getnframes() * 2 == len(out)
+    err = proc.stderr.decode()
+    assert "TTFA" in err and "streaming" in err and "wrote standard output" in err
+    assert not (Path(ROOT) / "-").exists()
 
 
 def test_voices_commands_and_say_errors(srv, tmp_path, capsys) -> None:

@@ -188,14 +188,14 @@ def test_dockerfile_contract() -> None:
         user = [ln for ln in lines if ln.startswith("USER")]
         assert user and re.fullmatch(r"USER\s+\d+(:\d+)?", user[-1]) and not user[-1].split()[1].startswith("0"), user
         expose = [ln for ln in lines if ln.startswith("EXPOSE")]
-        assert len(expose) == 1 and set(expose[0].split()[1:]) == {"50051", "8080", "9090"}, expose
+        assert len(expose) == 1 and set(expose[0].split()[1:]) == {"50051", "8080", "9464"}, expose
         hc = [ln for ln in lines if ln.startswith("HEALTHCHECK")]
         assert hc and "grpc_health_check.py" in hc[0]
         assert 'ENTRYPOINT ["livespeech", "serve"]' in lines
         env_line = " ".join(ln for ln in lines if ln.startswith("ENV"))
         for var in re.findall(r"\b(LIVESPEECH_[A-Z_]+)=", env_line):
             assert var in env_names, f"{var} is not a ServerConfig setting"
-        assert "LIVESPEECH_PORT=50051" in env_line and "LIVESPEECH_METRICS_PORT=9090" in env_line
+        assert "LIVESPEECH_PORT=50051" in env_line and "LIVESPEECH_METRICS_PORT=9464" in env_line
         # WebSocket + HTTP (server/web.py) is off unless a port is named: the image names it
         assert "LIVESPEECH_HTTP_PORT=8080" in env_line
         # jemalloc is preloaded from the path the stage links it to (docs/reliability.md, soak)
@@ -204,7 +204,7 @@ def test_dockerfile_contract() -> None:
                    for ln in lines if ln.startswith("RUN")), runtime
     # the header's `docker run` publishes every exposed port
     run_line = next(ln for ln in text.splitlines() if ln.startswith("#") and "docker run" in ln)
-    assert set(re.findall(r"-p (\d+):(\d+)", run_line)) == {("50051", "50051"), ("8080", "8080"), ("9090", "9090")}
+    assert set(re.findall(r"-p (\d+):(\d+)", run_line)) == {("50051", "50051"), ("8080", "8080"), ("9464", "9464")}
     # install.sh is what the Dockerfile runs: it must still honour the knobs it passes
     script = (ROOT / "scripts" / "install.sh").read_text()
     for knob in ("VENV", "EXTRAS", "EDITABLE", "TORCH_SPEC"):
@@ -614,7 +614,7 @@ def exported_sample_names() -> tuple[set[str], dict[str, set[str]]]:
     names: set[str] = set()
     labels: dict[str, set[str]] = {}
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-                "gauge": ("",), "summary": ("_sum", "_count", "_created")}
+                "gauge": ("",), "summary": ("_sum", "_count", "_created"), "info": ("_info",)}
     m = Metrics()
     for family in m.registry.collect():
         for suffix in suffixes[family.type]:
@@ -649,14 +649,14 @@ def test_metric_names_exist(yaml) -> None:
     for where, exprs in queries(yaml).items():
         assert exprs, where
         for expr in exprs:
-            used = set(re.findall(r"\blivespeech_[a-z0-9_]+", expr))
+            used = set(re.findall(r"\b(?:livespeech|process|python)_[a-z0-9_]+", expr))
             records = set(re.findall(r"\blivespeech:[a-z0-9_:]+", expr))
             assert records <= recorded, f"{where}: unknown recording rule in {expr!r}"
             assert used or records or "<<.Series>>" in expr or expr.startswith(("up{", "kube_")), \
                 f"{where}: {expr!r} uses no LiveSpeech metric"
             unknown = used - names
             assert not unknown, f"{where}: {sorted(unknown)} not exported by server/metrics.py ({expr!r})"
-            for metric, selector in re.findall(r"\b(livespeech_[a-z0-9_]+)\{([^}]*)\}", expr):
+            for metric, selector in re.findall(r"\b((?:livespeech|process|python)_[a-z0-9_]+)\{([^}]*)\}", expr):
                 keys = set(re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*[=!]~?", selector))
                 keys -= {k for k in keys if k.startswith("__")}
                 assert keys <= labels[metric] | ok_labels, f"{where}: {metric} has no label {keys - labels[metric] - ok_labels}"
@@ -665,8 +665,9 @@ def test_metric_names_exist(yaml) -> None:
 def test_dashboard_covers_every_metric(yaml) -> None:
     from server.metrics import Metrics
 
-    families = {f.name for f in Metrics().registry.collect()}
-    used = {re.sub(r"_(bucket|sum|count|total|created)$", "", n)
+    # ours; the standard process_* and python_* families need no panel of their own each
+    families = {f.name for f in Metrics().registry.collect() if f.name.startswith("livespeech_")}
+    used = {re.sub(r"_(bucket|sum|count|total|created|info)$", "", n)
             for e in queries(yaml)["dashboard"] for n in re.findall(r"\blivespeech_[a-z0-9_]+", e)}
     assert families <= used, f"not on the dashboard: {sorted(families - used)}"
 

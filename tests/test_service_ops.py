@@ -3,8 +3,11 @@ fault isolation."""
 from __future__ import annotations
 
 import asyncio
+import platform
 import re
+import urllib.error
 import urllib.request
+from importlib import metadata
 
 import grpc
 import numpy as np
@@ -66,6 +69,30 @@ def scrape(srv) -> dict[str, float]:
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
+
+
+def test_metrics_endpoint_is_conventional(srv) -> None:
+    """Runtime collectors and build info on /metrics, on /metrics only; ratios carry _ratio."""
+    base = f"http://127.0.0.1:{srv.app.metrics_port}"
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    names = {m.group(1) for m in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)", text, re.M)}
+    assert {"process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds", "python_info"} <= names
+    assert any(n.startswith("python_gc_") for n in names), sorted(names)
+    m = re.search(r"^livespeech_build_info\{([^}]*)\} 1\.0$", text, re.M)
+    assert m, "no livespeech_build_info"
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+    assert labels["version"] == metadata.version("livespeech") and labels["python"] == platform.python_version()
+    assert labels["torch"] == metadata.version("torch")
+    # the real-time factor is a ratio: the suffix says so (histogram samples after it)
+    assert "livespeech_rtf_ratio_bucket" in text and "livespeech_rtf_ratio_count" in text
+    assert not re.search(r"^livespeech_rtf_(bucket|count|sum)", text, re.M)
+    for path in ("/", "/metric", "/metrics/", "/foo", "/favicon.ico"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + path, timeout=10)
+        assert e.value.code == 404, path
+    # a query string is still /metrics (Prometheus's name[] filter)
+    one = urllib.request.urlopen(base + "/metrics?name[]=livespeech_build_info", timeout=10).read().decode()
+    assert "livespeech_build_info{" in one and "process_cpu_seconds_total" not in one
 
 
 def test_metrics_move_when_sessions_run(srv) -> None:

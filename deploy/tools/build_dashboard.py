@@ -117,11 +117,20 @@ def build() -> dict:
     L.panel("Underruns / s",
             [q(f"sum by (pod) (rate(livespeech_underruns_total{{{SEL}}}[$__rate_interval]))", "{{pod}}")], "short",
             thresholds=[(1e-9, "red")], description="Packets sent after their playback deadline: must be zero at the rated load.")
-    L.panel("Real-time factor per session", quantiles("livespeech_rtf", (0.5, 0.95)), "short",
+    L.panel("Real-time factor per session", quantiles("livespeech_rtf_ratio", (0.5, 0.95)), "short",
             thresholds=[(1.0, "red")], description="Compute time / audio duration.")
     L.panel("Codec decode time", quantiles("livespeech_codec_decode_seconds"), "s")
     L.panel("Text tokens / s",
             [q(f"sum(rate(livespeech_text_tokens_total{{{SEL}}}[$__rate_interval]))", "tokens / s")], "short")
+    L.row("Process")
+    L.panel("Resident memory per pod", [q(f"process_resident_memory_bytes{{{SEL}}}", "{{pod}}")], "bytes",
+            description="A slow climb at steady load is a leak (docs/reliability.md).")
+    L.panel("CPU per pod", [q(f"rate(process_cpu_seconds_total{{{SEL}}}[$__rate_interval])", "{{pod}}")], "short",
+            description="CPU seconds per second (cores in use).")
+    L.panel("Build per pod",
+            [q(f"max by (pod, version, torch, python) (livespeech_build_info{{{SEL}}})",
+               "{{pod}}: {{version}}, torch {{torch}}, Python {{python}}")], "short",
+            description="livespeech_build_info: which release each pod runs, e.g. mid-rollout.")
     return {
         "title": "LiveSpeech",
         "uid": "livespeech",
