@@ -76,23 +76,18 @@ ABORT_WAIT_S = 2.0  # longest wait for a client to take an error status
 # the longest an early ending (`SessionStream.end_early`) waits for the engine's summary
 # and its write to the client; then the status goes out without it
 STOP_WAIT_S = 2.0
+
+
 class RpcError(Exception):
     """Ends an RPC with this status. `from_engine`: relays an engine `Failed` (the engine
-    counted it in `errors_total` already). `summarized`: ends a started session after its
-    summary (`SessionStream.end_early`)."""
+    counted it in `errors_total` already)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple = (), from_engine: bool = False,
-                 summarized: bool = False) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple = (), from_engine: bool = False) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.metadata = metadata
         self.from_engine = from_engine
-        self.summarized = summarized
-
-    def summarizing(self) -> "RpcError":
-        """This error, ending a started session after its summary (`end_early`)."""
-        return RpcError(self.code, self.message, self.metadata, self.from_engine, summarized=True)
 
 
 def decoded(request: Any) -> Any:
@@ -225,15 +220,15 @@ class SessionStream:
             self.outcome.set_result(outcome)
 
     def end_early(self, error: RpcError) -> None:
-        """End the session with `error` (its text limit, a timeout, a client error), the
-        summary of what was spoken first: the engine stops it and answers with Finished(summary, error),
-        which the transport writes before the status. Waits STOP_WAIT_S at most for that
-        (an engine that does not answer, a client that does not take the write), then
-        ends with the status alone; an error not marked `summarized` ends at once."""
+        """End the started session with `error` (its text limit, a timeout, a client
+        error), the summary of what was spoken first: the engine stops it and answers
+        with Finished(summary, error), which the transport writes before the status. Waits
+        STOP_WAIT_S at most for that (an engine that does not answer, a client that does
+        not take the write), then ends with the status alone."""
         if self.outcome.done() or self.stopping is not None:
             return
         stop = getattr(self.handle, "stop", None)
-        if not error.summarized or stop is None:
+        if stop is None:
             self.finish(error)
             return
         self.stopping = error
@@ -280,16 +275,14 @@ class SessionStream:
             now = time.monotonic()
             wall_left = self.opened_at + wall - now
             if wall_left <= 0:  # checked first: a session that is generating has events ready
-                self.end_early(RpcError(Code.DEADLINE_EXCEEDED, f"session open for {wall:g} s (max_session_wall_s)",
-                                        summarized=True))
+                self.end_early(RpcError(Code.DEADLINE_EXCEEDED, f"session open for {wall:g} s (max_session_wall_s)"))
                 continue
             if not self.events.empty():
                 return self.events.get_nowait()
             remaining = self.last_activity + idle - now
             if remaining <= 0:
                 self.end_early(RpcError(
-                    Code.DEADLINE_EXCEEDED, f"session idle for {idle:g} s (no message and nothing to generate)",
-                    summarized=True))
+                    Code.DEADLINE_EXCEEDED, f"session idle for {idle:g} s (no message and nothing to generate)"))
                 continue
             try:
                 async with asyncio.timeout(min(remaining, wall_left)):
@@ -427,7 +420,7 @@ class _Stream(SessionStream):
                 # the client's fault ends the started session after the summary of what
                 # was spoken; keep reading (and dropping), so that shutdown() can take the
                 # client's writes in flight (grpc_drain.REFUSE_READ_S)
-                self.end_early(e.summarizing())
+                self.end_early(e)
                 self.ending = True
                 continue
             ended = ended or kind == "end_of_input"

@@ -18,8 +18,8 @@ The server answers {"type": "started", "session_id", "config"}, then binary mess
 "start_s", "end_s"} as they are made, then {"type": "summary", ...} and close 1000. An
 error is {"type": "error", "code", "message"[, "retry_after_ms"]} then the close code
 (the close reason: the code name and the message, cut to the 123 bytes a close frame
-holds); the session's text limit, the idle timeout and the wall-clock cap send the
-summary (what was spoken, `unspoken_words`) before the error. A client that closes
+holds); an error that ends a started session (its text limit, a client error, the idle
+timeout, the wall-clock cap) comes after the summary (what was spoken, `unspoken_words`). A client that closes
 without "end" has hung up: its session is freed.
 
 `POST /v1/audio/speech` (OpenAI's request): {"model", "input", "voice", "response_format":
@@ -337,7 +337,7 @@ class WebEndpoints:
             try:
                 cancelled = self._ws_forward(handle, kind, msg)
             except RpcError as e:  # the client's fault: the summary of what was spoken, then the status
-                stream.end_early(e.summarizing())
+                stream.end_early(e)
 
     @staticmethod
     def _ws_forward(handle: Any, kind: str, msg: dict) -> bool:
