@@ -267,10 +267,7 @@ class Engine:
                 elif s.phase is Phase.ENDED or s.slot is None:
                     continue
                 elif kind == "text":
-                    _, text, ts, flush, at = cmd
-                    self._release_chunks(s, s.on_text(text, ts, flush, at))
-                    if flush:
-                        s.waive_lookahead()
+                    self._apply_text(s, cmd)
                 elif kind == "end":
                     self._release_chunks(s, s.on_end(cmd[1]))
                     self._maybe_add_eos(s)
@@ -281,8 +278,7 @@ class Engine:
                     # (unspoken) in the cancelled summary, not dropped
                     for t, later in queued:
                         if t is s and later[0] == "text":
-                            _, text, ts, flush, at = later
-                            self._release_chunks(s, s.on_text(text, ts, flush, at))
+                            self._apply_text(s, later)
                     self._finish(s, cancelled=True)
                 elif kind == "stop":
                     self._stop_with_status(s, cmd[1], cmd[2])
@@ -292,6 +288,14 @@ class Engine:
             except Exception as exc:
                 log.exception("session %s: command %s failed", s.session_id, kind)
                 self._fail(s, "INTERNAL", f"{type(exc).__name__} while handling {kind}")
+
+    def _apply_text(self, s: EngineSession, cmd: tuple) -> None:
+        """A ("text", text, client time, flush, arrival) command: the chunks it releases
+        go into the session's memory; a flush waives their lookahead."""
+        _, text, ts, flush, at = cmd
+        self._release_chunks(s, s.on_text(text, ts, flush, at))
+        if flush:
+            s.waive_lookahead()
 
     @contextlib.contextmanager
     def _isolated(self, s: EngineSession, what: str):
