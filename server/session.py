@@ -277,7 +277,7 @@ class EngineSession:
         audio of the text so far (`run_out`), if no more text comes
         (`SessionConfig.max_buffer_delay_ms` after the last piece; a word still being
         written and not ending in punctuation waits twice that, see
-        `buffer_releases_partial_word`); None: never (no limit, no text yet, the text
+        `_partial_word_deadline`); None: never (no limit, no text yet, the text
         has ended, or all that is done already)."""
         delay_ms = self.config.max_buffer_delay_ms
         if not delay_ms or self.last_text_at is None or self.input_ended:
@@ -286,19 +286,21 @@ class EngineSession:
         if (self.chunker.pending_words or self.lookahead_waived_through < len(self.chunks) - 1
                 or self.run_out_chars != self.n_chars):
             return first
-        partial = self.chunker.partial_word
-        if not partial:
-            return None
-        return first if ends_with_punctuation(partial) else first + delay_ms / 1000.0
+        return self._partial_word_deadline() if self.chunker.partial_word else None
 
-    def buffer_releases_partial_word(self, now: float) -> bool:
-        """Whether the buffer delay releases the word still being written as a whole word:
-        if it ends in punctuation, or no text has come for twice the delay. An LLM that
+    def _partial_word_deadline(self) -> float:
+        """When the buffer delay releases the word still being written as a whole word:
+        after the delay if it ends in punctuation, else after twice the delay. An LLM that
         pauses mid-word ("every" ... "body") is not split at the first delay; a last
         word that stays unpunctuated is still spoken, later."""
-        delay_s = self.config.max_buffer_delay_ms / 1000.0
-        return (ends_with_punctuation(self.chunker.partial_word)
-                or (self.last_text_at is not None and now >= self.last_text_at + 2 * delay_s))
+        assert self.last_text_at is not None
+        delays = 1 if ends_with_punctuation(self.chunker.partial_word) else 2
+        return self.last_text_at + delays * self.config.max_buffer_delay_ms / 1000.0
+
+    def buffer_releases_partial_word(self, now: float) -> bool:
+        """Whether a release by the buffer delay now includes the word still being written
+        (`_partial_word_deadline`)."""
+        return self.last_text_at is not None and now >= self._partial_word_deadline()
 
     def waiting_for_text(self) -> bool:
         """Whether the speech is held up for want of text (not started, or the text ran dry)."""
