@@ -49,7 +49,7 @@ RUN /opt/livespeech/bin/python -m pip install packaging==25.0 ninja==1.13.0 whee
  && /opt/livespeech/bin/python -m pip install --no-build-isolation "${CAUSAL_CONV1D_SPEC}" "${MAMBA_SSM_SPEC}" \
  && /opt/livespeech/bin/python -P -c "import mamba_ssm, torch; print('mamba_ssm', mamba_ssm.__version__, 'torch', torch.__version__, torch.version.cuda)"
 # compile the wire protocol module now: the runtime root filesystem is read-only
-RUN /opt/livespeech/bin/python -P -c "import server.protocol" \
+RUN /opt/livespeech/bin/python -P -c "import livespeech.api.protocol" \
  && /opt/livespeech/bin/livespeech serve --help > /dev/null
 
 # ------------------------------------------------------------------ GPU runtime
@@ -95,7 +95,7 @@ WORKDIR /src
 COPY . .
 RUN VENV=/opt/livespeech EDITABLE=0 EXTRAS="" TORCH_SPEC="${TORCH_SPEC}" bash scripts/install.sh
 # compile the wire protocol module now: the runtime root filesystem is read-only
-RUN /opt/livespeech/bin/python -P -c "import server.protocol" \
+RUN /opt/livespeech/bin/python -P -c "import livespeech.api.protocol" \
  && /opt/livespeech/bin/livespeech serve --help > /dev/null
 
 # ------------------------------------------------------------------ CPU runtime (default)

@@ -1,6 +1,7 @@
-"""LiveSpeech clients: `clients.client` (library) and `clients.cli` (the `livespeech` command).
+"""The LiveSpeech client (`livespeech.client`): `client` (the library) and `cli` (the
+`livespeech` command); the pipecat and LiveKit adapters beside them.
 
-`from clients import LiveSpeechClient, SynthesisSession, Started, AudioPacket, ...` works
+`from livespeech.client import LiveSpeechClient, SynthesisSession, Started, AudioPacket, ...` works
 (the client classes and the event types); the import is lazy so that the CLI's forwarding
 subcommands do not load gRPC.
 """

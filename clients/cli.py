@@ -23,11 +23,11 @@ import sys
 from typing import Optional, Sequence
 
 FORWARDED = {
-    "corpus": ("training.corpus.cli", "build the training corpus"),
-    "train-codec": ("training.codec_train", "train the audio codec"),
-    "train": ("training.train", "train the LiveSpeech model"),
-    "eval": ("training.evaluate", "evaluate a model"),
-    "loadtest": ("loadtest.run", "load-test a server"),
+    "corpus": ("livespeech.training.corpus.cli", "build the training corpus"),
+    "train-codec": ("livespeech.training.codec_train", "train the audio codec"),
+    "train": ("livespeech.training.train", "train the LiveSpeech model"),
+    "eval": ("livespeech.training.evaluate", "evaluate a model"),
+    "loadtest": ("livespeech.loadtest.run", "load-test a server"),
 }
 
 
@@ -66,7 +66,7 @@ def _server_arg(p: argparse.ArgumentParser) -> None:
 
 def _client_kw(args: argparse.Namespace) -> dict:
     """The client's security settings from the flags (see the module doc)."""
-    from clients.client import ClientSecurity
+    from livespeech.client.client import ClientSecurity
 
     token = args.token or os.environ.get("LIVESPEECH_TOKEN") or None
     if args.token_file:
@@ -77,16 +77,32 @@ def _client_kw(args: argparse.Namespace) -> dict:
     ))
 
 
-def _parser() -> argparse.ArgumentParser:
-    from server.config import ServerConfig
+def _server_config() -> Optional[type]:
+    """`ServerConfig`, or None where the server is not installed (livespeech-client)."""
+    try:
+        from livespeech.server.config import ServerConfig
+    except ModuleNotFoundError as e:
+        if e.name not in ("livespeech.server", "livespeech.server.config"):
+            raise
+        return None
+    return ServerConfig
 
+
+NO_SERVER = "not in this installation (livespeech-client is the client alone; the livespeech distribution serves)"
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="livespeech", description="LiveSpeech streaming TTS")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    # no prefix matching (as ServerConfig.from_args): "--auth-tokens X" is no flag of ours
-    serve = sub.add_parser("serve", help="run the gRPC server (the embedded default model unless --model-path)",
-                           allow_abbrev=False)
-    ServerConfig.add_arguments(serve)
+    server_config = _server_config()
+    if server_config is None:
+        sub.add_parser("serve", help=f"run the server: {NO_SERVER}", add_help=False)
+    else:
+        # no prefix matching (as ServerConfig.from_args): "--auth-tokens X" is no flag of ours
+        serve = sub.add_parser("serve", help="run the gRPC server (the embedded default model unless --model-path)",
+                               allow_abbrev=False)
+        server_config.add_arguments(serve)
 
     say = sub.add_parser("say", help="synthesize text (stdin when no text) into a WAV")
     say.add_argument("text", nargs="?", help="text to speak; read from stdin when omitted")
@@ -135,9 +151,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.app import serve
-    from server.config import ENV_PREFIX, ServerConfig, default_voices_dir
-    from server.session_api import ConfigError
+    from livespeech.server.app import serve
+    from livespeech.server.config import ENV_PREFIX, ServerConfig, default_voices_dir
+    from livespeech.api.session import ConfigError
 
     if args.voices_dir is None and ENV_PREFIX + "VOICES_DIR" not in os.environ:
         args.voices_dir = str(default_voices_dir())
@@ -153,8 +169,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _say(args: argparse.Namespace) -> int:
     import grpc
 
-    from clients.client import LiveSpeechClient, SynthesisResult, paced, split_pieces
-    from server.session_api import Summary, WordTiming
+    from livespeech.client.client import LiveSpeechClient, SynthesisResult, paced, split_pieces
+    from livespeech.api.session import Summary, WordTiming
 
     to_stdout = args.output == "-"
     # with the WAV on stdout, everything printed goes to stderr so the pipe carries audio only
@@ -173,7 +189,7 @@ def _say(args: argparse.Namespace) -> int:
     )
     enrollment = None
     if args.enroll:
-        from server.audio import decode_wav, float_to_pcm16
+        from livespeech.api.audio import decode_wav, float_to_pcm16
 
         x, rate = decode_wav(open(args.enroll, "rb").read())
         enrollment = (float_to_pcm16(x).tobytes(), rate)
@@ -223,7 +239,7 @@ def _say(args: argparse.Namespace) -> int:
 def _voices(args: argparse.Namespace) -> int:
     import grpc
 
-    from clients.client import LiveSpeechClient
+    from livespeech.client.client import LiveSpeechClient
 
     try:
         with LiveSpeechClient(args.server, **_client_kw(args)) as client:
@@ -250,6 +266,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in FORWARDED:  # before argparse: their flags are theirs
         return _forward(argv[0], argv[1:])
+    if argv and argv[0] == "serve" and _server_config() is None:
+        print(f"livespeech serve: {NO_SERVER}", file=sys.stderr)
+        return 2
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)

@@ -55,9 +55,9 @@ from typing import Any, AsyncIterable, AsyncIterator, BinaryIO, Callable, Iterab
 
 import grpc
 
-from server.protocol import (BEARER_TOKEN_RE, Enrollment, Stub, config_from_proto, config_to_proto, pb,
-                             summary_from_proto)
-from server.session_api import AudioPacket, Encoding, SessionConfig, Summary, WordTiming
+from livespeech.api.protocol import (BEARER_TOKEN_RE, Enrollment, Stub, config_to_proto, event_from_proto, pb,
+                                     voice_info_from_proto)
+from livespeech.api.session import AudioPacket, Encoding, SessionConfig, Started, Summary, VoiceInfo, WordTiming
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 log = logging.getLogger(__name__)
@@ -126,20 +126,6 @@ class TextPiece:
     text: str
     timestamp_s: Optional[float] = None  # client clock (or speech time, see config)
     flush: bool = False
-
-
-@dataclass(frozen=True)
-class Started:
-    session_id: str
-    config: SessionConfig  # the effective config (voice_id resolved)
-
-
-@dataclass(frozen=True)
-class VoiceInfo:
-    voice_id: str
-    builtin: bool
-    reference_s: float
-    created_unix_ms: int
 
 
 Event = Union[Started, AudioPacket, WordTiming, Summary]
@@ -261,7 +247,7 @@ class SynthesisResult:
     def pcm16(self) -> bytes:
         """The audio as PCM16 LE (mu-law decoded)."""
         if self.started and self.started.config.encoding is Encoding.MULAW:
-            from server.audio import mulaw_to_pcm16
+            from livespeech.api.audio import mulaw_to_pcm16
 
             return mulaw_to_pcm16(bytes(self.audio)).astype("<i2").tobytes()
         return bytes(self.audio)
@@ -344,23 +330,6 @@ def retry_after_s(error: grpc.aio.AioRpcError) -> Optional[float]:
 
 
 # ------------------------------------------------------------------ async client
-
-
-def _event(msg: "pb.SynthesizeResponse") -> Optional[Event]:
-    """A response as an event; None for a message kind this client does not know (a
-    newer server's)."""
-    kind = msg.WhichOneof("response")
-    if kind == "audio":
-        a = msg.audio
-        return AudioPacket(a.seq, a.data, a.start_s, a.duration_s)
-    if kind == "word":
-        return WordTiming(msg.word.word, msg.word.start_s, msg.word.end_s)
-    if kind == "started":
-        cfg, _ = config_from_proto(msg.started.config)
-        return Started(msg.started.session_id, cfg)
-    if kind == "summary":
-        return summary_from_proto(msg.summary)
-    return None
 
 
 _END = pb.SynthesizeRequest(end_of_input=pb.EndOfInput())
@@ -570,7 +539,7 @@ class SynthesisSession:
             if msg is grpc.aio.EOF:
                 self._close()
                 raise StopAsyncIteration
-            event = _event(msg)
+            event = event_from_proto(msg)
             if isinstance(event, Started):
                 self.started = event
                 self._sent.clear()
@@ -762,20 +731,16 @@ class AsyncLiveSpeechClient:
             req.pcm.pcm16_le = pcm16
             req.pcm.sample_rate = sample_rate
         info = await self.stub.RegisterVoice(req, timeout=self.timeout, metadata=self._metadata or None)
-        return _voice_info(info)
+        return voice_info_from_proto(info)
 
     async def list_voices(self) -> list[VoiceInfo]:
         resp = await self.stub.ListVoices(pb.ListVoicesRequest(), timeout=self.timeout, metadata=self._metadata or None)
-        return [_voice_info(v) for v in resp.voices]
+        return [voice_info_from_proto(v) for v in resp.voices]
 
     async def delete_voice(self, voice_id: str) -> None:
         await self.stub.DeleteVoice(
             pb.DeleteVoiceRequest(voice_id=voice_id), timeout=self.timeout, metadata=self._metadata or None
         )
-
-
-def _voice_info(v: "pb.VoiceInfo") -> VoiceInfo:
-    return VoiceInfo(v.voice_id, v.builtin, v.reference_s, v.created_unix_ms)
 
 
 # ------------------------------------------------------------------ sync client

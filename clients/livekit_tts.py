@@ -1,6 +1,6 @@
 """LiveSpeech as a LiveKit Agents TTS plugin (`pip install 'livespeech[livekit]'`).
 
-    from clients import livekit_tts
+    from livespeech.client import livekit_tts
 
     session = AgentSession(stt=..., llm=..., tts=livekit_tts.TTS(address="127.0.0.1:50051"),
                            use_tts_aligned_transcript=True)
@@ -37,12 +37,12 @@ try:
     from livekit.agents.types import TimedString
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        f"clients.livekit_tts needs LiveKit Agents ({e.name} is missing): pip install 'livespeech[livekit]'"
+        f"livespeech.client.livekit_tts needs LiveKit Agents ({e.name} is missing): pip install 'livespeech[livekit]'"
     ) from e
 
 import grpc
 
-from server.session_api import SAMPLE_RATES, SessionConfig
+from livespeech.api.session import SAMPLE_RATES, SessionConfig
 
 from .client import (DEFAULT_TARGET, AsyncLiveSpeechClient, AudioPacket, ServerConnection, SynthesisSession, Summary,
                      WordTiming)

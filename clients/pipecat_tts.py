@@ -1,6 +1,6 @@
 """LiveSpeech as a pipecat TTS service (`pip install 'livespeech[pipecat]'`).
 
-    from clients.pipecat_tts import LiveSpeechTTSService
+    from livespeech.client.pipecat_tts import LiveSpeechTTSService
 
     tts = LiveSpeechTTSService(address="127.0.0.1:50051", voice_id="default")
     pipeline = Pipeline([transport.input(), stt, user_agg, llm, tts, transport.output(), assistant_agg])
@@ -38,12 +38,12 @@ try:
     from pipecat.services.tts_service import TextAggregationMode, TTSService
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        f"clients.pipecat_tts needs pipecat ({e.name} is missing): pip install 'livespeech[pipecat]'"
+        f"livespeech.client.pipecat_tts needs pipecat ({e.name} is missing): pip install 'livespeech[pipecat]'"
     ) from e
 
 import grpc
 
-from server.session_api import SAMPLE_RATES, SessionConfig
+from livespeech.api.session import SAMPLE_RATES, SessionConfig
 
 from .client import (DEFAULT_TARGET, AsyncLiveSpeechClient, AudioPacket, ServerConnection, SynthesisSession, Summary,
                      WordTiming)

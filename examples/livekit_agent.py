@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 
-from clients import livekit_tts
-from clients.client import llm_stream
+from livespeech.client import livekit_tts
+from livespeech.client.client import llm_stream
 
 CANNED_REPLY = (
     "Streaming speech starts before the sentence is finished. Each token from the language "

@@ -38,8 +38,8 @@ from pipecat.processors.aggregators.llm_context import LLMContext
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
-from clients.client import llm_stream
-from clients.pipecat_tts import LiveSpeechTTSService
+from livespeech.client.client import llm_stream
+from livespeech.client.pipecat_tts import LiveSpeechTTSService
 
 CANNED_REPLY = (
     "Streaming speech starts before the sentence is finished. Each token from the language "

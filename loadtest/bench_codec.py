@@ -1,6 +1,6 @@
 """Streaming codec decode cost per packet (1 thread by default: the CPU boxes are shared).
 
-    python -m loadtest.bench_codec [--threads 1] [--repeats 20]
+    python -m livespeech.loadtest.bench_codec [--threads 1] [--repeats 20]
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from models.codec import CodecModel, preset
+from livespeech.models.codec import CodecModel, preset
 
 CASES = ((1, 1), (1, 5), (1, 15), (16, 15))  # (batch, frames per packet)
 

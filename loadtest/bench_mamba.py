@@ -1,8 +1,8 @@
 """Timings for models/mamba.py: training step of a Mamba stack, and decode `step`.
 
-    python -m loadtest.bench_mamba [--threads 1] [--chunks auto,8,16] [--naive] [--no-train]
-    python -m loadtest.bench_mamba --device cuda --batch 256 --frames 600 --tiling cpu,cuda --no-step
-    python -m loadtest.bench_mamba --device cuda --batch 256 --frames 600 --mamba-ssm --no-step
+    python -m livespeech.loadtest.bench_mamba [--threads 1] [--chunks auto,8,16] [--naive] [--no-train]
+    python -m livespeech.loadtest.bench_mamba --device cuda --batch 256 --frames 600 --tiling cpu,cuda --no-step
+    python -m livespeech.loadtest.bench_mamba --device cuda --batch 256 --frames 600 --mamba-ssm --no-step
 
 Training: n_layers residual MambaBlocks (pre-RMSNorm), fwd + bwd + AdamW on [B, T, d].
 `--naive` also times one layer with plain autograd through a per-step Python loop.
@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models import mamba
-from models.mamba import MambaBlock
+from livespeech.models import mamba
+from livespeech.models.mamba import MambaBlock
 
 
 class Stack(nn.Module):
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--mamba-ssm", action="store_true", help="also time mamba_ssm.Mamba (CUDA)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tiling", default="", help="scan tiling rules to compare on --device, e.g. cpu,cuda "
-                    "(models.mamba._TILING); default: the device's own")
+                    "(livespeech.models.mamba._TILING); default: the device's own")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)

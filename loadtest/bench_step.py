@@ -1,7 +1,7 @@
 """Decode-step timings of a model preset (random weights): model.step alone, then
 sampling + commit, then the codec decode of one packet, at several batch sizes.
 
-    python -m loadtest.bench_step --preset tiny --threads 1 --batch 1 16
+    python -m livespeech.loadtest.bench_step --preset tiny --threads 1 --batch 1 16
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from models.config import FRAME_RATE
-from models.loading import load_bundle
+from livespeech.models.config import FRAME_RATE
+from livespeech.models.loading import load_bundle
 
 from .profile_step import add_bf16_argument, noise_reference
 
@@ -43,9 +43,9 @@ def main(argv=None) -> int:
     add_bf16_argument(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from server.runner import ModelRunner, bf16_matmuls_enabled
-    from models.guidance import GuidanceState
-    from models import graphemes
+    from livespeech.server.runner import ModelRunner, bf16_matmuls_enabled
+    from livespeech.models.guidance import GuidanceState
+    from livespeech.models import graphemes
 
     bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
     out = {"preset": args.preset, "threads": args.threads, "device": args.device,

@@ -1,6 +1,6 @@
 """Before/after table of two load-test results (for docs/loadtest.md).
 
-    python -m loadtest.compare runs/loadtest/A/result.json runs/loadtest/B/result.json [--label "fuse heads"]
+    python -m livespeech.loadtest.compare runs/loadtest/A/result.json runs/loadtest/B/result.json [--label "fuse heads"]
 
 Prints markdown: the rated N, per-N streaming TTFA p95 / underruns / step time / batch,
 and, when both runs carry a step profile, step time and category split per batch. The
@@ -79,7 +79,7 @@ def render(a: dict, b: dict, label: str = "") -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.compare", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m livespeech.loadtest.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("before")
     ap.add_argument("after")

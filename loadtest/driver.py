@@ -75,7 +75,7 @@ class TurnRecord:
     late_fixed_clock: int = 0
     # where the first stalls were: (position on the audio timeline s, stall s)
     stalls: list = dataclasses.field(default_factory=list)
-    # the least audio the listener held when a packet arrived, and where (loadtest.playback)
+    # the least audio the listener held when a packet arrived, and where (livespeech.loadtest.playback)
     min_slack_s: Optional[float] = None
     min_slack_at_s: Optional[float] = None
     timeline_gaps_s: float = 0.0
@@ -92,7 +92,7 @@ def _seed(base: int, worker: int, turn: int) -> int:
 
 async def _collect(stream, packets: list[Packet]) -> Any:
     """Read a call to the end; returns its Summary (None if none came)."""
-    from server.session_api import AudioPacket, Summary
+    from livespeech.api.session import AudioPacket, Summary
 
     summary = None
     async for ev in stream:

@@ -1,6 +1,6 @@
 """How far the bf16 step moves the model's sampling distributions from the float32 step's.
 
-    python -m loadtest.precision --sessions 8 --turns 2 --json precision.json
+    python -m livespeech.loadtest.precision --sessions 8 --turns 2 --json precision.json
 
 `bf16_matmuls` (server/runner.py) runs the decode step's widest matmuls with bfloat16
 weights. This measures what that costs in the model's output, teacher-forced along real
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from models.guidance import sample_top_k
+from livespeech.models.guidance import sample_top_k
 
 from .profile_step import noise_reference
 from .workload import load_sentences
@@ -67,8 +67,8 @@ def _row_stats(p32: torch.Tensor, p16: torch.Tensor, top_k: int, draws: int, gen
 
 def measure(bundle, sessions: int, turns: int, top_k: int = 20, draws: int = 32, seed: int = 0,
             timeout_s: float = 600.0) -> dict[str, Any]:
-    from server.engine import Engine, EngineConfig
-    from server.session_api import Failed, Finished, SessionConfig
+    from livespeech.server.engine import Engine, EngineConfig
+    from livespeech.api.session import Failed, Finished, SessionConfig
 
     engine = Engine(bundle, EngineConfig(max_sessions=sessions, bf16_matmuls=True))
     runner = engine.runner
@@ -140,7 +140,7 @@ def measure(bundle, sessions: int, turns: int, top_k: int = 20, draws: int = 32,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.precision", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m livespeech.loadtest.precision", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="default", help="model directory or random:<preset>[/<codec>]")
     ap.add_argument("--sessions", type=int, default=8)
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from models.loading import load_bundle
+    from livespeech.models.loading import load_bundle
 
     bundle = load_bundle(None if args.model_path == "default" else args.model_path)
     result = measure(bundle, args.sessions, args.turns, args.top_k, args.draws, args.seed)

@@ -1,7 +1,7 @@
 """Where one batched decode step spends its time, and how far it is from the machine's limits.
 
-    python -m loadtest.profile_step --model-path random:tiny --batch 1 16 --steps 200 --json profile.json
-    python -m loadtest.profile_step --batch 1 16 --trace runs/trace    # + torch.profiler chrome traces
+    python -m livespeech.loadtest.profile_step --model-path random:tiny --batch 1 16 --steps 200 --json profile.json
+    python -m livespeech.loadtest.profile_step --batch 1 16 --trace runs/trace    # + torch.profiler chrome traces
 
 The real engine (server/engine.py) runs B sessions in-process (no gRPC; the sessions
 never yield for playback lead, so every step carries all B, and a finished session is
@@ -58,8 +58,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from server.config import BF16_SETTINGS
-from server.runner import BF16_FROM_BATCH, bf16_matmuls_enabled
+from livespeech.server.config import BF16_SETTINGS
+from livespeech.server.runner import BF16_FROM_BATCH, bf16_matmuls_enabled
 
 # ------------------------------------------------------------------ scopes
 
@@ -160,11 +160,11 @@ CATEGORIES = {
 
 
 def install(scopes: Scopes, engine, fine: bool) -> Patches:
-    import server.runner as runner_mod
-    from models.guidance import GuidanceState
-    from server.audio import AudioEncoder
-    from server.session import EngineSession
-    from server.timeline import SpeechTimeline
+    import livespeech.server.runner as runner_mod
+    from livespeech.models.guidance import GuidanceState
+    from livespeech.server.audio import AudioEncoder
+    from livespeech.server.session import EngineSession
+    from livespeech.server.timeline import SpeechTimeline
 
     p = Patches()
     p.wrap(scopes, "engine.step", engine, "_step")
@@ -217,8 +217,8 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     """Run the engine on `batch` sessions of `text_chars` characters each (all sent at
     once, like an LLM far ahead of the speech; a finished session is replaced at once)
     and time `steps` steps after `warmup`."""
-    from server.engine import Engine, EngineConfig
-    from server.session_api import SessionConfig
+    from livespeech.server.engine import Engine, EngineConfig
+    from livespeech.api.session import SessionConfig
 
     # the codec on the engine thread, so its share of a step is timed (the server overlaps
     # it with the next steps on a codec thread, where these scopes do not see it)
@@ -271,7 +271,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     finished = [0]
 
     def sink(ev):
-        from server.session_api import Failed, Finished
+        from livespeech.api.session import Failed, Finished
 
         if isinstance(ev, (Finished, Failed)):
             finished[0] += 1
@@ -402,7 +402,7 @@ def codec_cost(codec) -> dict:
 
 
 def _scratch_runner(bundle, batch: int):
-    from server.runner import ModelRunner
+    from livespeech.server.runner import ModelRunner
 
     runner = ModelRunner(bundle, batch)
     voice = runner.make_voice("v", noise_reference(), 24000)
@@ -419,8 +419,8 @@ def counted_cost(bundle, batch: int, packet_frames: int) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from models import graphemes
-    from models.guidance import GuidanceState
+    from livespeech.models import graphemes
+    from livespeech.models.guidance import GuidanceState
 
     runner, slots = _scratch_runner(bundle, batch)
     st = runner.state
@@ -523,7 +523,7 @@ def roofline(flops: float, nbytes: float, t_s: float, machine: dict, bf16_flops:
 def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, trace_dir: Optional[Path] = None,
             plain: bool = True, packet_ms: int = 80, text_chars: int = 160, cuda_graphs: bool = False,
             frozen_step: bool = True, bf16_matmuls: bool = False) -> dict:
-    from models.config import FRAME_RATE
+    from livespeech.models.config import FRAME_RATE
 
     machine = measure_machine(bundle.device, bf16=bf16_matmuls)
     cost = analytic_cost(bundle.model)
@@ -592,7 +592,7 @@ def add_bf16_argument(ap: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.profile_step", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m livespeech.loadtest.profile_step", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="random:tiny", help="model directory or random:<preset>[/<codec>]")
     ap.add_argument("--device", default="cpu")
@@ -617,7 +617,7 @@ def main(argv=None) -> int:
         ap.error("--cuda-graphs needs a cuda device")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from models.loading import load_bundle
+    from livespeech.models.loading import load_bundle
 
     bundle = load_bundle(None if args.model_path in ("", "default") else args.model_path, device=args.device)
     res = profile(bundle, args.batch, args.steps, args.warmup, torch.get_num_threads(),

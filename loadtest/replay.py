@@ -1,12 +1,12 @@
 """In-process replay of LLM-paced turns: where a session's listener starves, and why.
 
-    python -m loadtest.replay --sessions 2 --turns 3
-    python -m loadtest.replay --sessions 2 --turns 3 --eager-step --json replay.json
+    python -m livespeech.loadtest.replay --sessions 2 --turns 3
+    python -m livespeech.loadtest.replay --sessions 2 --turns 3 --eager-step --json replay.json
 
 The real engine (server/engine.py), no gRPC: `--sessions` workers, started
 `--stagger-s` apart, each speak `--turns` turns one after another, fed like the load
-test's LLM upstream (loadtest.workload). Each session's packets are played by the load
-test's simulated listener (loadtest.playback), so its stalls are the load test's
+test's LLM upstream (livespeech.loadtest.workload). Each session's packets are played by the load
+test's simulated listener (livespeech.loadtest.playback), so its stalls are the load test's
 underruns, less whatever gRPC adds. Per turn it prints the stalls (timeline position,
 ms), the first packets (frames, ms after the first) and the session's *text waits*: the
 steps at which it stopped for text (`EngineSession.lookahead_ready` false after it had
@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from server.runner import bf16_matmuls_enabled
+from livespeech.server.runner import bf16_matmuls_enabled
 
 from .playback import Packet, describe, simulate_playback
 from .profile_step import Patches, add_bf16_argument, noise_reference
@@ -42,9 +42,9 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
            sentences_per_turn: int = 2, text_file: Optional[str] = None, frozen_step: bool = True,
            seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None,
            release_when_waiting: Optional[bool] = None, bf16_matmuls: bool = False) -> dict[str, Any]:
-    from server.engine import Engine, EngineConfig
-    from server.session import EngineSession, Phase
-    from server.session_api import AudioPacket, ChunkingConfig, Failed, Finished, SessionConfig
+    from livespeech.server.engine import Engine, EngineConfig
+    from livespeech.server.session import EngineSession, Phase
+    from livespeech.api.session import AudioPacket, ChunkingConfig, Failed, Finished, SessionConfig
 
     corpus = load_sentences(text_file)
     options: dict[str, Any] = {} if start_future_chunks is None else {"start_future_chunks": start_future_chunks}
@@ -130,7 +130,7 @@ def _latencies(summary) -> dict[str, Optional[float]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.replay", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m livespeech.loadtest.replay", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="default", help="model directory or random:<preset>[/<codec>]")
     ap.add_argument("--sessions", type=int, default=2)
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     if args.max_delay is not None and args.max_delay < 0:
         ap.error("--max-delay must be >= 0")
     torch.set_num_threads(args.threads)
-    from models.loading import load_bundle
+    from livespeech.models.loading import load_bundle
 
     bundle = load_bundle(None if args.model_path in ("", "default") else args.model_path)
     if args.max_delay is not None:

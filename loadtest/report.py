@@ -1,6 +1,6 @@
 """Markdown report and PNG plots of a load-test result (result.json).
 
-    python -m loadtest.report runs/loadtest/<stamp>/result.json   # re-render
+    python -m livespeech.loadtest.report runs/loadtest/<stamp>/result.json   # re-render
 
 Plots need matplotlib (`pip install matplotlib`); without it the report is text only.
 """

@@ -1,9 +1,9 @@
 """Load test: N concurrent sessions over real gRPC against a loopback server.
 
     # one level, against a running server (loopback only)
-    python -m loadtest.run --target 127.0.0.1:50051 --sessions 8 --duration 30
+    python -m livespeech.loadtest.run --target 127.0.0.1:50051 --sessions 8 --duration 30
     # start a server itself, sweep N, compare with the sentence-level baseline, profile
-    python -m loadtest.run --spawn --model-path random:tiny --sweep 1,2,4,8,16,24,32 \
+    python -m livespeech.loadtest.run --spawn --model-path random:tiny --sweep 1,2,4,8,16,24,32 \
         --duration 60 --ttfa-bound-ms 1000 --profile
     livespeech loadtest ...                  # the same (the CLI forwards here)
 
@@ -223,7 +223,7 @@ def _print_level(lv: dict) -> None:
 
 async def _run(args: argparse.Namespace, result: dict, target: str, metrics_url: Optional[str],
                server_pid: Optional[int]) -> None:
-    from clients.client import AsyncLiveSpeechClient
+    from livespeech.client.client import AsyncLiveSpeechClient
 
     ns = result["sweep"]["requested_n"]
     pacing = Pacing(**result["workload"]["pacing"]).validate()
@@ -286,7 +286,7 @@ def profile_batches(args: argparse.Namespace, sweep: dict) -> list[int]:
 
 
 def run_profile(args: argparse.Namespace, out: Path, batches: list[int]) -> Optional[dict]:
-    cmd = [sys.executable, "-m", "loadtest.profile_step", "--steps", str(args.profile_steps),
+    cmd = [sys.executable, "-m", "livespeech.loadtest.profile_step", "--steps", str(args.profile_steps),
            "--json", str(out / "profile.json"), "--batch", *map(str, batches)]
     cmd += ["--model-path", args.model_path or "default"]  # the same model the server ran
     if args.device:
@@ -328,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result: dict[str, Any] = {
         "schema": "livespeech-loadtest/1",
         "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m loadtest.run " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m livespeech.loadtest.run " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "host": host,
         "noisy": is_noisy(host["loadavg_start"][0], host.get("nproc") or 1),
         "git": git_info(),

@@ -98,7 +98,7 @@ class SpawnedServer:
         return self.proc.pid if self.proc is not None else None
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "clients.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "livespeech.client.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--metrics-port", str(self.metrics_port), "--max-sessions", str(self.max_sessions),
                "--device", self.device, "--voices-dir", "", "--drain-grace-s", "2"]
         if self.model_path:

@@ -1,6 +1,6 @@
 """Semantic guidance (LiveSpeech 2, Sec. 4.2, Algorithm 1) and the top-k samplers.
 
-The decoder emits one grapheme per frame (ids of `models.graphemes`: BLANK=0, EOS=1,
+The decoder emits one grapheme per frame (ids of `livespeech.models.graphemes`: BLANK=0, EOS=1,
 SPACE=2, then characters). Guidance compares the CTC-collapsed grapheme stream with the
 transcript and boosts the graphemes that keep the speech on the transcript.
 

@@ -246,7 +246,7 @@ class MambaBlock(nn.Module):
         self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else dt_rank
         self.layer_idx = layer_idx
         self.chunk_size = chunk_size
-        # forward's scan: selective_scan's contract (models.mamba_triton's kernels on CUDA)
+        # forward's scan: selective_scan's contract (livespeech.models.mamba_triton's kernels on CUDA)
         self.scan = selective_scan
 
         self.in_proj = nn.Linear(d_model, self.d_inner * 2, bias=bias, **factory)

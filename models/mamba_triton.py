@@ -1,6 +1,6 @@
-"""The selective scan of `models.mamba` as two Triton kernels, for training on CUDA.
+"""The selective scan of `livespeech.models.mamba` as two Triton kernels, for training on CUDA.
 
-`models.mamba.selective_scan` runs one PyTorch op per time step over [b, n, d] states,
+`livespeech.models.mamba.selective_scan` runs one PyTorch op per time step over [b, n, d] states,
 which on a GPU is bound by launches and by writing every state to memory and back.
 mamba-ssm's CUDA kernels avoid that, but the GPU image has no build of them and
 building one costs minutes of a short GPU loan. Triton is on the image: these kernels
@@ -13,7 +13,7 @@ do what mamba-ssm's do, one program per (batch row, block of channels) holding i
   the gradients of u, delta, A, B, C (B and C summed over channel blocks afterwards).
 
 D and the silu(z) gate stay PyTorch ops around the scan (autograd differentiates them).
-`selective_scan_triton` is a drop-in for `models.mamba.selective_scan` on CUDA; a test
+`selective_scan_triton` is a drop-in for `livespeech.models.mamba.selective_scan` on CUDA; a test
 checks both against each other under Triton's interpreter (TRITON_INTERPRET=1, no GPU),
 and `check_against_torch` does the same on the device before a run trusts it.
 """
@@ -127,7 +127,7 @@ class _TritonScan(torch.autograd.Function):
 def selective_scan_triton(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
                           D: Optional[Tensor] = None, z: Optional[Tensor] = None,
                           chunk_size: Optional[int] = None) -> Tensor:
-    """`models.mamba.selective_scan`'s contract (chunk_size is ignored): the output in
+    """`livespeech.models.mamba.selective_scan`'s contract (chunk_size is ignored): the output in
     u's dtype, computed in float32. A's state size must be a power of two (16 in every
     preset)."""
     if A.shape[1] & (A.shape[1] - 1):
@@ -142,7 +142,7 @@ def selective_scan_triton(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Ten
 
 def check_against_torch(device: str | torch.device = "cuda", b: int = 3, T: int = 37, d: int = 80,
                         n: int = 16, seed: int = 0) -> float:
-    """Largest relative difference between this scan and `models.mamba.selective_scan`
+    """Largest relative difference between this scan and `livespeech.models.mamba.selective_scan`
     (output and every input's gradient) on random inputs: a run checks the kernels on its
     own device before it trains on them."""
     from .mamba import selective_scan
@@ -176,7 +176,7 @@ def check_against_torch(device: str | torch.device = "cuda", b: int = 3, T: int 
 
 def time_against_torch(device: str | torch.device = "cuda", b: int = 64, T: int = 300, d: int = 512,
                        n: int = 16, reps: int = 3) -> tuple[float, float]:
-    """Seconds of one forward + backward of (`models.mamba.selective_scan`, this scan) on
+    """Seconds of one forward + backward of (`livespeech.models.mamba.selective_scan`, this scan) on
     random inputs of a training batch's size, after a warm-up call of each."""
     import time
 

@@ -42,7 +42,7 @@ if [ -n "$DEF" ] && [ ! -e "$W/corpus/config.json" ]; then
   cp "$DEF"/config.json "$W/corpus/"  # last: its presence means the definition is complete
 fi
 stamp "corpus: $HOURS h on $WORKERS processes"
-$PY -m training.corpus build --out "$W/corpus" --hours "$HOURS" --workers "$WORKERS" --no-progress \
+$PY -m livespeech.training.corpus build --out "$W/corpus" --hours "$HOURS" --workers "$WORKERS" --no-progress \
   > "$W/corpus.log" 2>&1
 tail -n 12 "$W/corpus.log"
 
@@ -51,7 +51,7 @@ if [ -n "${CODEC:-}" ]; then
   stamp "codec: kept $CODEC"
 else
   stamp "codec: $CODEC_MIN min"
-  $PY -m training.codec_train --corpus "$W/corpus" --out "$W/codec" --device "$DEVICE" --resume \
+  $PY -m livespeech.training.codec_train --corpus "$W/corpus" --out "$W/codec" --device "$DEVICE" --resume \
     --minutes "$CODEC_MIN" --steps 1000000 --batch "$CODEC_BATCH" --lr 8e-4 --warmup 100 --threads 4 \
     --eval-every 500 --ckpt-every 500 --log-every 50 > "$W/codec.log" 2>&1
   tail -n 3 "$W/codec.log"
@@ -64,7 +64,7 @@ fi
 stamp "encoding ($ENCODERS processes, background)"
 ENC=()
 for k in $(seq 0 $((ENCODERS - 1))); do
-  $PY -m training.encode_corpus --corpus "$W/corpus" --codec "$W/codec/best.pt" --out "$W/codes" \
+  $PY -m livespeech.training.encode_corpus --corpus "$W/corpus" --codec "$W/codec/best.pt" --out "$W/codes" \
     --device "$DEVICE" --max-seconds 8 --threads 1 --batch "$ENCODE_BATCH" --shard "$k/$ENCODERS" > "$W/encode$k.log" 2>&1 &
   ENC+=($!)
 done
@@ -90,14 +90,14 @@ fi
 if [ -n "${CODEC:-}" ] && [ "${CODEC_FT_MIN:-0}" != 0 ]; then
   # the GPU is launch-bound under the decoder alone (docs/training.md), so this runs beside it
   stamp "codec decoder fine-tune, adversarial: $CODEC_FT_MIN min (background)"
-  $PY -m training.codec_train --corpus "$W/corpus" --out "$W/codec_ft" --device "$DEVICE" --resume \
+  $PY -m livespeech.training.codec_train --corpus "$W/corpus" --out "$W/codec_ft" --device "$DEVICE" --resume \
     --init "$W/codec/best.pt" --decoder-only --adversarial --minutes "$CODEC_FT_MIN" --steps 1000000 \
     --batch "$CODEC_BATCH" --lr "${CODEC_FT_LR:-3e-4}" --warmup 100 --threads 2 --eval-every 500 \
     --ckpt-every 500 --log-every 50 > "$W/codec_ft.log" 2>&1 &
   FT=$!
 fi
 stamp "decoder: $DECODER_MIN min"
-$PY -m training.train --corpus "$W/corpus" --codes "$W/codes" --out "$W/decoder" --device "$DEVICE" --resume \
+$PY -m livespeech.training.train --corpus "$W/corpus" --codes "$W/codes" --out "$W/decoder" --device "$DEVICE" --resume \
   --minutes "$DECODER_MIN" --steps 1000000 --batch-frames "$BATCH_FRAMES" --max-batch "$MAX_BATCH" --lr "$LR" --warmup 100 \
   --rescan-every 50 --eval-every 100 --ckpt-minutes 2 --threads 4 --eos-jitter "$EOS_JITTER" \
   ${INIT_DECODER:+--init "$INIT_DECODER"} ${CB_BOOST:+--codebook-boost "$CB_BOOST"} \
@@ -111,7 +111,7 @@ if [ -n "${FT:-}" ]; then
 fi
 
 stamp "export"
-$PY -m training.export --codec "$EXPORT_CODEC" --decoder "$W/decoder/best.pt" --corpus "$W/corpus" \
+$PY -m livespeech.training.export --codec "$EXPORT_CODEC" --decoder "$W/decoder/best.pt" --corpus "$W/corpus" \
   --codes "$W/codes" --out "$W/export" > "$W/export.log" 2>&1
 tail -n 5 "$W/export.log"
 stamp "done"

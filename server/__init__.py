@@ -1,6 +1,7 @@
-"""The LiveSpeech streaming TTS server.
+"""The LiveSpeech streaming TTS server (installed as `livespeech.server`).
 
-gRPC layer: `protocol` (wire format), `service` (servicer), `app` (process), `config`,
-`voices`, `metrics`, `audio`. Decode engine: `engine`, `scheduler`, `chunker`, `runner`.
-The boundary between the two is `session_api`. Importing this package loads nothing.
+gRPC layer: `service` (servicer), `web` (WebSocket and HTTP), `app` (process), `config`,
+`voices`, `metrics`, `auth`. Decode engine: `engine`, `scheduler`, `chunker`, `runner`,
+`audio`. The boundary between the two is the session API, `livespeech.api.session`
+(protos/session.py), with the wire protocol beside it. Importing this package loads nothing.
 """

@@ -36,10 +36,10 @@ from grpc_reflection.v1alpha import reflection
 from .auth import AuthInterceptor, load_tokens, server_credentials
 from .config import ServerConfig
 from .metrics import Metrics
-from .protocol import SERVICE_NAME, method_handlers
+from livespeech.api.protocol import SERVICE_NAME, method_handlers
 from .service import LiveSpeechService
 from .web import WebEndpoints, ssl_context
-from .session_api import ConfigError, EngineAPI
+from livespeech.api.session import ConfigError, EngineAPI
 from .voices import VoiceStore
 
 log = logging.getLogger(__name__)
@@ -214,8 +214,8 @@ async def build_server(
 
 def engine_config(config: ServerConfig):
     """The engine's settings that come from the server's."""
-    from server.engine import EngineConfig
-    from server.runner import bf16_matmuls_enabled
+    from livespeech.server.engine import EngineConfig
+    from livespeech.server.runner import bf16_matmuls_enabled
 
     return EngineConfig(
         max_sessions=config.max_sessions,
@@ -276,8 +276,8 @@ def make_engine(config: ServerConfig, metrics: Metrics) -> EngineAPI:
     torch.set_num_threads(threads)
     log.info("torch threads: %d (%s; %d CPUs available)", threads,
              "set" if config.torch_threads else "auto", cpus)
-    from models.loading import load_bundle
-    from server.engine import Engine
+    from livespeech.models.loading import load_bundle
+    from livespeech.server.engine import Engine
 
     try:
         bundle = load_bundle(config.model_path, device=config.device)

@@ -41,8 +41,8 @@ import grpc
 from .config import ServerConfig
 from .grpc_drain import drain_requests
 from .metrics import Metrics
-from .protocol import BEARER_TOKEN_RE, rpc_method_handler
-from .session_api import ConfigError
+from livespeech.api.protocol import BEARER_TOKEN_RE, rpc_method_handler
+from livespeech.api.session import ConfigError
 from .voices import VOICE_ID_RE
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .session_api import ChunkingConfig
+from livespeech.api.session import ChunkingConfig
 
 _PUNCT = (".", ",", "!", "?", ";", ":", "\u2014", "\u2026")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from .session_api import ConfigError
+from livespeech.api.session import ConfigError
 
 ENV_PREFIX = "LIVESPEECH_"
 _ALIASES = {"model_path": ("--model",)}

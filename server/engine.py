@@ -24,17 +24,17 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from models.config import FRAME_RATE
-from models.loading import ModelBundle
+from livespeech.models.config import FRAME_RATE
+from livespeech.models.loading import ModelBundle
 
-from .audio import pcm16_to_float
+from livespeech.api.audio import pcm16_to_float
 from .chunker import TextChunk
 from .config import ServerConfig
 from .metrics import Metrics
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
 from .session import EngineSession, Phase, frames_to_s
-from .session_api import (AudioPacket, CapacityError, ConfigError, Failed, Finished, SessionConfig,
+from livespeech.api.session import (AudioPacket, CapacityError, ConfigError, Failed, Finished, SessionConfig,
                           Sink, Summary, WordTiming)
 
 log = logging.getLogger("livespeech.engine")
@@ -70,7 +70,7 @@ REPLACE_MIN_FRAMES = 3
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's settings; those the server also has default to the server's
-    (`ServerConfig`, their one home), which `server.app.engine_config` passes on."""
+    (`ServerConfig`, their one home), which `livespeech.server.app.engine_config` passes on."""
     max_sessions: int = ServerConfig.max_sessions
     # a session this far ahead of its playback is skipped for a step (others go first)
     max_lead_s: float = 2.0

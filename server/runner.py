@@ -15,13 +15,13 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from models import graphemes
-from models.derived import cpu_has_bf16_dot
-from models.guidance import GuidanceState, Temperatures, sample_step
-from models.inference import DecodeState, enrollment_kv, visible_prefix
-from models.loading import ModelBundle
-from models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
-from server.config import BF16_SETTINGS
+from livespeech.models import graphemes
+from livespeech.models.derived import cpu_has_bf16_dot
+from livespeech.models.guidance import GuidanceState, Temperatures, sample_step
+from livespeech.models.inference import DecodeState, enrollment_kv, visible_prefix
+from livespeech.models.loading import ModelBundle
+from livespeech.models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
+from livespeech.server.config import BF16_SETTINGS
 
 
 # On the CPU, the bf16 step graph (models/derived.py) runs from this batch size: against
@@ -147,7 +147,7 @@ class ModelRunner:
         temperatures: Optional[Sequence[Temperatures]] = None,
     ) -> list[SlotStep]:
         """One step of `slots`. top_ks: the acoustic codes' k; grapheme_top_ks (None:
-        top_ks) and temperatures (None: 1) as `models.guidance.sample_step` takes them.
+        top_ks) and temperatures (None: 1) as `livespeech.models.guidance.sample_step` takes them.
         force_eos: the runaway guard's EOS, over whatever was sampled."""
         self.state.rotate_windows(slots, windows)
         # the captured step reads the whole state itself: its view gathers no memory

@@ -52,8 +52,8 @@ from .auth import current_tenant
 from .config import ServerConfig
 from .grpc_drain import confirm_half_close, drain, drain_requests
 from .metrics import Metrics
-from .protocol import Enrollment, Malformed, config_from_proto, config_to_proto, pb, summary_to_proto
-from .session_api import (
+from livespeech.api.protocol import Enrollment, Malformed, config_from_proto, event_to_proto, pb, voice_info_to_proto
+from livespeech.api.session import (
     AudioPacket,
     CapacityError,
     ConfigError,
@@ -64,11 +64,12 @@ from .session_api import (
     SessionEvent,
     SessionHandle,
     LimitError,
+    Started,
     StateError,
     Voice,
     WordTiming,
 )
-from .voices import VoiceInfo, VoiceStore, VoiceStoreError, check_voice_id, decode_reference
+from .voices import VoiceStore, VoiceStoreError, check_voice_id, decode_reference
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
@@ -97,15 +98,6 @@ def decoded(request: Any) -> Any:
         log.info("refused a malformed request: %s", request.message)
         raise RpcError(Code.INVALID_ARGUMENT, request.message)
     return request
-
-
-def voice_info_to_proto(info: VoiceInfo) -> "pb.VoiceInfo":
-    return pb.VoiceInfo(
-        voice_id=info.voice_id,
-        builtin=info.builtin,
-        reference_s=info.reference_s,
-        created_unix_ms=info.created_unix_ms,
-    )
 
 
 class ReadClock:
@@ -367,11 +359,7 @@ class _Stream(SessionStream):
         except ConfigError as e:
             raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
         effective = await self.service.open_session(self, cfg, enrollment)
-        await self.context.write(
-            pb.SynthesizeResponse(
-                started=pb.Started(session_id=self.handle.session_id, config=config_to_proto(effective))
-            )
-        )
+        await self.context.write(event_to_proto(Started(self.handle.session_id, effective)))
         for coro in (self._read(it), self._write()):
             task = asyncio.create_task(coro)
             task.add_done_callback(self._task_done)
@@ -459,15 +447,11 @@ class _Stream(SessionStream):
         while True:
             ev = await self.next_event()
             if isinstance(ev, AudioPacket):
-                msg = pb.SynthesizeResponse(
-                    audio=pb.AudioPacket(seq=ev.seq, data=ev.data, start_s=ev.start_s, duration_s=ev.duration_s))
-                await self.timed_write(self.context.write(msg), ev.duration_s)
+                await self.timed_write(self.context.write(event_to_proto(ev)), ev.duration_s)
             elif isinstance(ev, WordTiming):
-                msg = pb.SynthesizeResponse(word=pb.WordTiming(word=ev.word, start_s=ev.start_s, end_s=ev.end_s))
-                await self.timed_write(self.context.write(msg))
+                await self.timed_write(self.context.write(event_to_proto(ev)))
             elif isinstance(ev, Finished):
-                await self.timed_write(self.context.write(pb.SynthesizeResponse(summary=summary_to_proto(ev.summary))),
-                                       last=True)
+                await self.timed_write(self.context.write(event_to_proto(ev.summary)), last=True)
                 self.finish(self.ended(ev))
                 return
             elif isinstance(ev, Failed):

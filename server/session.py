@@ -19,14 +19,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from models import graphemes
-from models.attention import window_chunk_range
-from models.config import FRAME_RATE
-from models.guidance import GuidanceState, Temperatures
+from livespeech.models import graphemes
+from livespeech.models.attention import window_chunk_range
+from livespeech.models.config import FRAME_RATE
+from livespeech.models.guidance import GuidanceState, Temperatures
 
 from .audio import AudioEncoder
 from .chunker import Chunker, TextChunk, ends_with_punctuation
-from .session_api import ConfigError, LimitError, SessionConfig, Sink, StateError
+from livespeech.api.session import ConfigError, LimitError, SessionConfig, Sink, StateError
 from .timeline import SpeechTimeline
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from models.attention import current_chunk
-from models.config import FRAME_RATE
+from livespeech.models.attention import current_chunk
+from livespeech.models.config import FRAME_RATE
 
 DEFAULT_FRAMES_PER_CHAR = FRAME_RATE / 14.0  # ~14 characters/s of conversational speech
 

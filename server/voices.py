@@ -33,7 +33,7 @@ import re
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
@@ -44,10 +44,12 @@ except ImportError:  # pragma: no cover - not on Windows: writers are then exclu
 
 import numpy as np
 
-from models.resample import resample
+from livespeech.models.resample import resample
 
-from .audio import MODEL_SAMPLE_RATE, decode_wav, encode_wav
-from .session_api import ConfigError, EngineAPI, Voice
+from livespeech.api.audio import decode_wav, encode_wav
+
+from .audio import MODEL_SAMPLE_RATE
+from livespeech.api.session import ConfigError, EngineAPI, Voice, VoiceInfo
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +75,6 @@ class VoiceStoreError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass(frozen=True)
-class VoiceInfo:
-    voice_id: str
-    builtin: bool
-    reference_s: float = 0.0
-    created_unix_ms: int = 0
 
 
 def check_voice_id(voice_id: str) -> str:
@@ -111,7 +105,7 @@ def decode_reference(
     *, pcm16_le: Optional[bytes] = None, sample_rate: int = 0, wav: Optional[bytes] = None, max_seconds: float, field: str
 ) -> np.ndarray:
     """PCM16 bytes + rate, or WAV bytes -> validated 24 kHz float32."""
-    from .audio import pcm16_to_float
+    from livespeech.api.audio import pcm16_to_float
 
     if wav is not None:
         # cheap size check before decoding: 48 kHz, 32-bit, stereo is an upper bound

@@ -1,7 +1,7 @@
 """Shared fixtures: a real gRPC server on 127.0.0.1 (ephemeral ports) in a background
 event loop, and helpers to run client coroutines on that loop from sync tests.
 
-The engine is the real one (`server.engine.Engine` on a randomly initialised tiny model)
+The engine is the real one (`livespeech.server.engine.Engine` on a randomly initialised tiny model)
 when it is importable, else the test double `tests/fake_engine.py`; force one with
 LIVESPEECH_TEST_ENGINE=fake|real. Tests that inject faults ask for the fake explicitly.
 """
@@ -23,11 +23,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_engine
 
-from server.app import App, build_server  # noqa: E402
-from server.config import ServerConfig  # noqa: E402
-from server.metrics import Metrics  # noqa: E402
-from server.protocol import Stub, pb  # noqa: E402
-from server.voices import VoiceStoreError  # noqa: E402
+from livespeech.server.app import App, build_server  # noqa: E402
+from livespeech.server.config import ServerConfig  # noqa: E402
+from livespeech.server.metrics import Metrics  # noqa: E402
+from livespeech.api.protocol import Stub, pb  # noqa: E402
+from livespeech.server.voices import VoiceStoreError  # noqa: E402
 
 FAST = dict(host="127.0.0.1", port=0, metrics_port=0, drain_grace_s=5.0)
 
@@ -36,8 +36,8 @@ def real_engine_available() -> bool:
     if os.environ.get("LIVESPEECH_TEST_ENGINE") == "fake":
         return False
     try:
-        import models.loading  # noqa: F401
-        import server.engine  # noqa: F401
+        import livespeech.models.loading  # noqa: F401
+        import livespeech.server.engine  # noqa: F401
     except ImportError:
         if os.environ.get("LIVESPEECH_TEST_ENGINE") == "real":
             raise
@@ -54,7 +54,7 @@ def random_bundle() -> Any:
     """One randomly initialised tiny model per test process (engines only read it)."""
     import torch
 
-    from models.loading import load_bundle
+    from livespeech.models.loading import load_bundle
 
     torch.set_num_threads(1)
     return load_bundle(random_init=True)
@@ -62,8 +62,8 @@ def random_bundle() -> Any:
 
 def make_engine(config: ServerConfig, metrics: Metrics, fake: bool = False) -> Any:
     if not fake and real_engine_available():
-        from server.app import engine_config
-        from server.engine import Engine
+        from livespeech.server.app import engine_config
+        from livespeech.server.engine import Engine
 
         return Engine(random_bundle(), engine_config(config), metrics)
     from fake_engine import FakeEngine

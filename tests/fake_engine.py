@@ -18,8 +18,8 @@ from typing import Optional
 
 import numpy as np
 
-from server.audio import AudioEncoder
-from server.session_api import (
+from livespeech.server.audio import AudioEncoder
+from livespeech.api.session import (
     AudioPacket,
     CapacityError,
     ConfigError,
@@ -119,7 +119,7 @@ class FakeEngine:
         self.sessions: dict[str, _Session] = {}
         self.opened: list[SessionConfig] = []
         self.made_voices: list[str] = []
-        # like models.loading.ModelBundle: built-in voices as 24 kHz reference audio
+        # like livespeech.models.loading.ModelBundle: built-in voices as 24 kHz reference audio
         self.builtin_voices = {v: np.zeros(2400, np.float32) for v in builtin}
         self._ids = itertools.count(1)
         self._stop = threading.Event()

@@ -1,4 +1,4 @@
-"""server/audio.py: streaming resampling, packetising, PCM16 and G.711 mu-law."""
+"""protos/audio.py and server/audio.py: streaming resampling, packetising, PCM16 and G.711 mu-law."""
 from __future__ import annotations
 
 import io
@@ -9,17 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.audio import (
-    MULAW_DECODE,
-    AudioEncoder,
-    decode_wav,
-    encode_wav,
-    float_to_pcm16,
-    mulaw_to_pcm16,
-    pcm16_to_mulaw,
-)
-from models.resample import StreamingResampler, resample, resample_filter
-from server.session_api import Encoding
+from livespeech.api.audio import MULAW_DECODE, decode_wav, encode_wav, float_to_pcm16, mulaw_to_pcm16, pcm16_to_mulaw
+from livespeech.server.audio import AudioEncoder
+from livespeech.models.resample import StreamingResampler, resample, resample_filter
+from livespeech.api.session import Encoding
 
 RATIOS = [(1, 3), (2, 3), (2, 1)]  # 24 kHz -> 8, 16, 48 kHz
 

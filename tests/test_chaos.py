@@ -37,10 +37,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.client import AsyncLiveSpeechClient, RetryPolicy
+from livespeech.client.client import AsyncLiveSpeechClient, RetryPolicy
 from conftest import CANCEL, END, HARD, config_msg, text_msg
 from reliability_helpers import ClientLoop, leaks, record, server_tasks
-from server.protocol import SERVICE_NAME, Stub, pb
+from livespeech.api.protocol import SERVICE_NAME, Stub, pb
 from test_malformed import STREAM_CASES, UNARY_CASES
 
 C = grpc.StatusCode

@@ -1,6 +1,6 @@
 """Token pieces -> whole words -> chunks."""
-from server.chunker import Chunker
-from server.session_api import ChunkingConfig
+from livespeech.server.chunker import Chunker
+from livespeech.api.session import ChunkingConfig
 
 
 def words(chunks):

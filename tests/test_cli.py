@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clients.cli import main
-from clients.client import LiveSpeechClient, TextPiece, chunk_text, split_pieces
-from server.audio import encode_wav
-from server.config import ServerConfig
-from server.session_api import AudioPacket, ConfigError, Encoding, Summary, WordTiming
+from livespeech.client.cli import main
+from livespeech.client.client import LiveSpeechClient, TextPiece, chunk_text, split_pieces
+from livespeech.api.audio import encode_wav
+from livespeech.server.config import ServerConfig
+from livespeech.api.session import AudioPacket, ConfigError, Encoding, Summary, WordTiming
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,7 +63,7 @@ def test_server_config_flags_env_defaults() -> None:
     with pytest.raises(ConfigError, match="cuda_graphs needs a cuda device"):
         ServerConfig.from_args(["--cuda-graphs", "yes"], env={})
     # the frozen CPU step is on unless switched off, and reaches the engine's settings
-    from server.app import engine_config
+    from livespeech.server.app import engine_config
     assert ServerConfig().frozen_step and engine_config(ServerConfig()).frozen_step
     off = ServerConfig.from_args(["--frozen-step", "false"], env={})
     assert not off.frozen_step and not engine_config(off).frozen_step
@@ -71,7 +71,7 @@ def test_server_config_flags_env_defaults() -> None:
 
 
 def test_torch_threads_auto_splits_the_cpus_beside_the_codec_thread(tmp_path) -> None:
-    from server.app import available_cpus, torch_threads
+    from livespeech.server.app import available_cpus, torch_threads
     auto = ServerConfig()
     assert auto.torch_threads == 0 and auto.codec_thread
     assert [torch_threads(auto, n) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
@@ -107,12 +107,12 @@ def test_serve_refuses_a_bad_config_in_one_line(capsys, monkeypatch) -> None:
 
 def test_forwarding_subcommands(monkeypatch, capsys) -> None:
     seen = []
-    fake = types.ModuleType("training.evaluate")
+    fake = types.ModuleType("livespeech.training.evaluate")
     fake.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "training.evaluate", fake)
+    monkeypatch.setitem(sys.modules, "livespeech.training.evaluate", fake)
     assert main(["eval", "--model", "x", "-h"]) == 0
     assert seen == [["--model", "x", "-h"]]
-    monkeypatch.setitem(sys.modules, "training.codec_train", None)  # import fails: missing
+    monkeypatch.setitem(sys.modules, "livespeech.training.codec_train", None)  # import fails: missing
     assert main(["train-codec"]) == 2
     assert "not available" in capsys.readouterr().err
 
@@ -121,7 +121,7 @@ def test_say_from_stdin_at_llm_rate(srv, tmp_path) -> None:
     out = tmp_path / "out.wav"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "clients.cli", "say", "--server", srv.address, "--llm-rate", "300",
+        [sys.executable, "-m", "livespeech.client.cli", "say", "--server", srv.address, "--llm-rate", "300",
          "--sample-rate", "16000", "--encoding", "mulaw", "-o", str(out)],
         input="Hello there, streaming world.\n", capture_output=True, text=True, env=env, timeout=120, cwd=ROOT,
     )
@@ -135,7 +135,7 @@ def test_say_to_stdout_writes_only_the_wav(srv) -> None:
     """`-o -`: the WAV alone on stdout (it pipes into a player), word timings and TTFA on stderr."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "clients.cli", "say", "Hello there, streaming world.", "--server", srv.address,
+        [sys.executable, "-m", "livespeech.client.cli", "say", "Hello there, streaming world.", "--server", srv.address,
          "--sample-rate", "16000", "-o", "-"],
         capture_output=True, env=env, timeout=120, cwd=ROOT,
     )
@@ -187,7 +187,7 @@ def test_bf16_matmuls_auto_follows_the_cpu_and_reaches_the_engine(monkeypatch) -
     on / off as set; never on a GPU; anything else refused at the edge."""
     import torch
 
-    from server.app import engine_config
+    from livespeech.server.app import engine_config
     for avx512_bf16, amx, want in ((True, False, True), (False, True, True), (False, False, False)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)

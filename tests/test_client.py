@@ -6,9 +6,9 @@ import asyncio
 import grpc
 import pytest
 
-from clients.client import SynthesisSession, SynthesisStream
-from server.protocol import pb
-from server.session_api import Summary
+from livespeech.client.client import SynthesisSession, SynthesisStream
+from livespeech.api.protocol import pb
+from livespeech.api.session import Summary
 
 
 class GrpcLikeCall:

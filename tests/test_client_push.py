@@ -11,7 +11,7 @@ import socket
 import grpc
 import pytest
 
-from clients import (
+from livespeech.client import (
     AsyncLiveSpeechClient,
     AudioPacket,
     LiveSpeechClient,
@@ -21,7 +21,7 @@ from clients import (
     SynthesisResult,
     WordTiming,
 )
-from clients.client import split_pieces
+from livespeech.client.client import split_pieces
 from conftest import HARD
 
 C = grpc.StatusCode

@@ -11,8 +11,8 @@ from unittest import mock
 import pytest
 import torch
 
-from models.codec import CodecConfig, CodecModel, StreamState, preset
-from models.codec.quantization import kmeans
+from livespeech.models.codec import CodecConfig, CodecModel, StreamState, preset
+from livespeech.models.codec.quantization import kmeans
 
 PRESET_NAMES = ("small", "encodec_24khz")
 # the other options the streaming decoder must handle: odd ratios, no LSTM, no weight
@@ -349,7 +349,7 @@ def test_quantizer_forward_matches_encode_decode():
 def test_streaming_elu_equals_elu_across_its_pieces():
     """The streaming decoder's ELU (cheap passes over cache-sized pieces) equals F.elu,
     below its size threshold, across piece boundaries and in a partial last piece."""
-    from models.codec.modules import _ELU_PIECE, _elu
+    from livespeech.models.codec.modules import _ELU_PIECE, _elu
 
     g = torch.Generator().manual_seed(0)
     for n in (1000, 40_000, 2 * _ELU_PIECE + 12_345):

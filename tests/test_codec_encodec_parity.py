@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
-from models.codec import CodecConfig, CodecModel
+from livespeech.models.codec import CodecConfig, CodecModel
 
 
 def _import_encodec():

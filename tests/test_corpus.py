@@ -16,19 +16,19 @@ import wave
 import numpy as np
 import pytest
 
-from models.graphemes import VOCAB_SIZE, normalize_text
-from training.corpus import espeak, flite, piper
-from training.corpus.align import (AlignError, best_split, phoneme_distance, proportional_split,
+from livespeech.models.graphemes import VOCAB_SIZE, normalize_text
+from livespeech.training.corpus import espeak, flite, piper
+from livespeech.training.corpus.align import (AlignError, best_split, phoneme_distance, proportional_split,
                                    spans_from_phonemes, tokenize, word_spans)
-from training.corpus.build import CorpusConfig, build, read_jsonl
-from training.corpus.espeak import Event
-from training.corpus.plan import (n_frames_for, plan, sentence_split, simulate_chunks,
+from livespeech.training.corpus.build import CorpusConfig, build, read_jsonl
+from livespeech.training.corpus.espeak import Event
+from livespeech.training.corpus.plan import (n_frames_for, plan, sentence_split, simulate_chunks,
                                   source_weights, spans_to_frames)
-from training.corpus.sentences import (Sentence, clean_sentence, dedupe, parse_chatterbot_yaml,
+from livespeech.training.corpus.sentences import (Sentence, clean_sentence, dedupe, parse_chatterbot_yaml,
                                        parse_fortunes, parse_html_paragraphs, parse_rst,
                                        parse_wordnet_data, split_sentences)
-from training.corpus.synth import read_wav
-from training.corpus.voices import Voice, choose_heldout_variants
+from livespeech.training.corpus.synth import read_wav
+from livespeech.training.corpus.voices import Voice, choose_heldout_variants
 
 HAVE_ESPEAK = espeak.available()
 needs_espeak = pytest.mark.skipif(
@@ -491,7 +491,7 @@ def test_resume_after_interruption(tmp_path):
     # a finished corpus is left alone; other options are refused
     build(out, hours=1.0, config=cfg, max_utterances=10, progress=False, log=lambda *a: None)
     assert len(read_jsonl(os.path.join(out, "manifest.jsonl"))) == 10
-    from training.corpus.build import ConfigMismatch
+    from livespeech.training.corpus.build import ConfigMismatch
 
     with pytest.raises(ConfigMismatch):
         build(out, hours=1.0, config=_config(tmp_path, seed=8), max_utterances=10, progress=False,
@@ -517,7 +517,7 @@ def test_a_corpus_can_skip_the_training_utterances_an_earlier_one_had(tmp_path):
 
 @needs_espeak
 def test_cli_parallel_build(tmp_path, capsys):
-    from training.corpus.cli import main
+    from livespeech.training.corpus.cli import main
 
     f = tmp_path / "s.txt"
     f.write_text(SENTENCES)
@@ -589,7 +589,7 @@ def test_piper_voice_in_a_corpus(tmp_path):
 
 @needs_piper
 def test_cli_lists_piper_voices(capsys):
-    from training.corpus.cli import main
+    from livespeech.training.corpus.cli import main
 
     assert main(["voices", "--engines", "piper", "--json"]) == 0
     voices = json.loads(capsys.readouterr().out)["voices"]
@@ -599,7 +599,7 @@ def test_cli_lists_piper_voices(capsys):
 
 @needs_flite
 def test_cli_lists_flite_voices(capsys):
-    from training.corpus.cli import main
+    from livespeech.training.corpus.cli import main
 
     assert main(["voices", "--engines", "flite", "--json"]) == 0
     voices = json.loads(capsys.readouterr().out)["voices"]

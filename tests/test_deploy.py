@@ -130,7 +130,7 @@ def env_of(container: dict) -> dict:
 
 
 def config_env_names() -> set[str]:
-    from server.config import ENV_PREFIX, ServerConfig
+    from livespeech.server.config import ENV_PREFIX, ServerConfig
 
     return {ENV_PREFIX + f.name.upper() for f in fields(ServerConfig)}
 
@@ -180,7 +180,7 @@ def test_dockerfile_contract() -> None:
         runs = [ln for ln in by_name[build]["lines"] if ln.startswith("RUN")]
         # the tested install path, runtime-only, not editable
         assert any(re.search(r'EDITABLE=0 EXTRAS="" .*bash scripts/install\.sh', r) for r in runs), runs
-        assert any("import server.protocol" in r for r in runs), "pre-generate the protocol module (read-only root fs)"
+        assert any("import livespeech.api.protocol" in r for r in runs), "pre-generate the protocol module (read-only root fs)"
     assert any("mamba-ssm" in ln or "MAMBA_SSM_SPEC" in ln for ln in by_name["gpu-build"]["lines"])
     env_names = config_env_names()
     for runtime in ("cpu", "gpu"):
@@ -278,7 +278,7 @@ def test_nginx_template_proxies_websocket_and_http(server_factory, tmp_path: Pat
     import numpy as np
     from test_multi_replica import _find_nginx, _free_port, _stop, start_nginx
 
-    from server.voices import VoiceStoreError
+    from livespeech.server.voices import VoiceStoreError
 
     nginx_bin = _find_nginx()
     if nginx_bin is None:
@@ -609,7 +609,7 @@ def test_http_port_is_exposed_end_to_end(overlay: str, yaml) -> None:
 
 def exported_sample_names() -> tuple[set[str], dict[str, set[str]]]:
     """Every sample name the server can export, and each family's label names."""
-    from server.metrics import Metrics
+    from livespeech.server.metrics import Metrics
 
     names: set[str] = set()
     labels: dict[str, set[str]] = {}
@@ -663,7 +663,7 @@ def test_metric_names_exist(yaml) -> None:
 
 
 def test_dashboard_covers_every_metric(yaml) -> None:
-    from server.metrics import Metrics
+    from livespeech.server.metrics import Metrics
 
     # ours; the standard process_* and python_* families need no panel of their own each
     families = {f.name for f in Metrics().registry.collect() if f.name.startswith("livespeech_")}

@@ -1,19 +1,19 @@
-"""training.diagnose on a random tiny model and the smoke corpus: forced codebooks come
+"""livespeech.training.diagnose on a random tiny model and the smoke corpus: forced codebooks come
 out where the delay pattern puts them, and the free mode steps the model exactly as the
 server's ModelRunner does."""
 import numpy as np
 import pytest
 import torch
 
-from models import graphemes as G
-from models.guidance import GuidanceState
-from models.loading import load_bundle
-from server.runner import ModelRunner
-from training import diagnose
-from training.dataset import read_manifest
-from training.evaluate import SR, read_audio, select_utterances
-from training.phones import PhoneTable
-from training.smoke import make_smoke_corpus
+from livespeech.models import graphemes as G
+from livespeech.models.guidance import GuidanceState
+from livespeech.models.loading import load_bundle
+from livespeech.server.runner import ModelRunner
+from livespeech.training import diagnose
+from livespeech.training.dataset import read_manifest
+from livespeech.training.evaluate import SR, read_audio, select_utterances
+from livespeech.training.phones import PhoneTable
+from livespeech.training.smoke import make_smoke_corpus
 
 
 @pytest.fixture(scope="module")

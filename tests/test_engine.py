@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from models.loading import load_bundle
-from server.engine import Engine, EngineConfig, PacketPlan
-from server.session import EngineSession
-from server.runner import ModelRunner, Voice
-from server.session_api import (AudioPacket, CapacityError, ConfigError, Encoding, Failed, Finished,
+from livespeech.models.loading import load_bundle
+from livespeech.server.engine import Engine, EngineConfig, PacketPlan
+from livespeech.server.session import EngineSession
+from livespeech.server.runner import ModelRunner, Voice
+from livespeech.api.session import (AudioPacket, CapacityError, ConfigError, Encoding, Failed, Finished,
                                 SessionConfig, StateError, WordTiming)
 
 
@@ -186,7 +186,7 @@ def test_runner_decodes_a_stream_shorter_than_a_first_packet():
     and cut back; a stream already under way in the same call decodes as if alone."""
     torch.set_num_threads(1)
     bundle = load_bundle(random_init=True, codec_preset_name="encodec_24khz")
-    from server.runner import ModelRunner
+    from livespeech.server.runner import ModelRunner
     rng = np.random.default_rng(1)
     q = bundle.model.cfg.n_acoustic_codebooks
     frames = lambda n: rng.integers(0, 1024, size=(n, q)).tolist()  # noqa: E731
@@ -662,8 +662,8 @@ def test_runner_fails_exactly_the_rows_with_a_non_finite_logit(bad_value, monkey
     row alone; huge but finite logits do not."""
     torch.set_num_threads(1)
     bundle = load_bundle(random_init=True)
-    from models.guidance import GuidanceState
-    from server.runner import ModelRunner
+    from livespeech.models.guidance import GuidanceState
+    from livespeech.server.runner import ModelRunner
     runner = ModelRunner(bundle, 3)
     rng = np.random.default_rng(0)
     v = runner.make_voice("v", (rng.standard_normal(24000) * 0.1).astype(np.float32), 24000)
@@ -751,7 +751,7 @@ def test_a_session_waiting_for_lookahead_has_sent_the_audio_before_that_chunk(en
     """The graphemes lead the audio by the codebook delays. When the speech reaches a
     chunk whose lookahead has not arrived, it waits with the audio of everything before
     that chunk sent, and the words in it timed: the policy counts chunks at the audio."""
-    from server.session_api import ChunkingConfig
+    from livespeech.api.session import ChunkingConfig
 
     c = Collector()
     chunking = ChunkingConfig(min_words=2, max_words=2, timer_ms=10_000)
@@ -779,7 +779,7 @@ def test_a_session_waiting_for_lookahead_has_sent_the_audio_before_that_chunk(en
 def test_a_waiting_session_starts_on_min_words_of_lookahead(engine, voice):
     """The start policy needs a chunk after the first; while the speech waits, the chunker
     releases it at min_words (2) rather than waiting for max_words (4) or the timer."""
-    from server.session_api import ChunkingConfig
+    from livespeech.api.session import ChunkingConfig
 
     started = {}
     for on in (True, False):
@@ -930,7 +930,7 @@ def test_a_cancel_counts_the_text_sent_before_it_as_unspoken(engine, voice, monk
 
 def text_graphemes(text: str) -> list[int]:
     """The collapsed transcript of `text`, as the session builds it word by word."""
-    from models import graphemes
+    from livespeech.models import graphemes
 
     out: list[int] = []
     for w in text.split():
@@ -945,7 +945,7 @@ def model_that_wants_to_stop(engine, session, text: str, monkeypatch, stall_at=N
     the first step, the rest on the next grapheme of `text` where the session's stream
     is (on BLANK once it has covered `stall_at` graphemes). Soft guidance (lambda 1)
     leaves EOS the likeliest token by far: this model tries to end at once."""
-    from models.graphemes import BLANK, EOS
+    from livespeech.models.graphemes import BLANK, EOS
 
     want = text_graphemes(text)
     stall_at = len(want) if stall_at is None else stall_at

@@ -28,12 +28,12 @@ import grpc
 import pytest
 import torch
 
-from clients.client import AsyncLiveSpeechClient, llm_stream
+from livespeech.client.client import AsyncLiveSpeechClient, llm_stream
 from conftest import CANCEL, END, HARD, config_msg, raw_synthesize, text_msg
 from reliability_helpers import ROOT, ClientLoop, leaks, proc_stats, record, server_tasks
-from server.protocol import Stub
-from server.runner import Voice
-from server.voices import VoiceInfo
+from livespeech.api.protocol import Stub
+from livespeech.server.runner import Voice
+from livespeech.server.voices import VoiceInfo
 
 C = grpc.StatusCode
 TEXT = "Hello there, this is a streaming test."
@@ -124,7 +124,7 @@ def test_disconnect_at_every_stage_frees_everything(srv, client, baseline) -> No
 import asyncio, math, sys
 sys.path.insert(0, {str(ROOT)!r})
 import grpc
-from server.protocol import Stub, pb
+from livespeech.api.protocol import Stub, pb
 async def main():
     ch = grpc.aio.insecure_channel({srv.address!r})
     call = Stub(ch).Synthesize()

@@ -35,9 +35,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clients.client import split_pieces
+from livespeech.client.client import split_pieces
 from reliability_helpers import ClientLoop, engine_state, leaks, record, server_tasks
-from server.protocol import Stub, pb
+from livespeech.api.protocol import Stub, pb
 
 C = grpc.StatusCode
 EXAMPLES = int(os.environ.get("LIVESPEECH_FUZZ_EXAMPLES", "80"))

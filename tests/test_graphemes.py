@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from models.graphemes import (BLANK, EOS, SPACE, SYMBOLS, VOCAB_SIZE, align_words_to_frames,
+from livespeech.models.graphemes import (BLANK, EOS, SPACE, SYMBOLS, VOCAB_SIZE, align_words_to_frames,
                               collapse_repeats, ctc_collapse, ids_to_text, normalize_text,
                               text_to_ids, word_graphemes)
 

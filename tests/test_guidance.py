@@ -7,9 +7,9 @@ from fractions import Fraction
 import pytest
 import torch
 
-from models.graphemes import (BLANK, EOS, SPACE, VOCAB_SIZE, collapse_repeats, ctc_collapse,
+from livespeech.models.graphemes import (BLANK, EOS, SPACE, VOCAB_SIZE, collapse_repeats, ctc_collapse,
                               ids_to_text, text_to_ids)
-from models.guidance import GuidanceState, sample_graphemes, sample_top_k
+from livespeech.models.guidance import GuidanceState, sample_graphemes, sample_top_k
 
 A, B, C = text_to_ids("abc")
 
@@ -472,8 +472,8 @@ def test_sample_step_equals_the_two_samplers_with_the_same_draws():
     """The runner's one-call sampler: the grapheme as `sample_graphemes`, then the acoustic
     codes as `sample_top_k`, from each session's generator in that order; EOS barred until
     the text is complete and spoken; a row with non-finite logits flagged and sampled from zeros."""
-    from models.guidance import sample_step
-    from models.graphemes import EOS
+    from livespeech.models.guidance import sample_step
+    from livespeech.models.graphemes import EOS
 
     texts = ["hello world", "the cat sat", "abc", ""]
     lams = [math.inf, 1.0, 0.0, math.inf]
@@ -508,7 +508,7 @@ def test_sample_step_equals_the_two_samplers_with_the_same_draws():
 
 def test_the_samplers_run_as_torchscript():
     """A silent fallback to Python would cost every step its speed, not its results."""
-    from models import guidance, inference
+    from livespeech.models import guidance, inference
 
     for get in (guidance._scripted_step_tokens, guidance._scripted_sample_rows, guidance._scripted_guided,
                 inference._scripted_commit):
@@ -558,7 +558,7 @@ def test_sample_step_bars_eos_until_the_transcript_is_spoken():
     the rest on the next grapheme of the text) under soft guidance: EOS is not sampled
     while the stream has not covered the complete transcript (the best non-EOS token
     is), and is once it has."""
-    from models.guidance import sample_step
+    from livespeech.models.guidance import sample_step
 
     text = "hi yo"
     want = collapse_repeats(ids(text))
@@ -605,7 +605,7 @@ def test_grapheme_top_k_one_and_temperature_zero_are_greedy():
     """grapheme_top_k 1 picks the most likely grapheme after guidance, whatever the
     draw; so does grapheme temperature 0 at any k; acoustic temperature 0 (codebook 1
     and codebooks 2..Q apart) picks each codebook's most likely code."""
-    from models.guidance import Temperatures, sample_step
+    from livespeech.models.guidance import Temperatures, sample_step
 
     texts = ["hello world", "the cat sat", "abc"]
     lams = [1.0, 3.0, math.inf]
@@ -632,7 +632,7 @@ def test_sample_step_per_stream_k_and_temperatures_equal_the_samplers_on_scaled_
     """Each row's grapheme k apart from its acoustic k, and logits / T per stream
     (grapheme, codebook 1, codebooks 2..Q): the same tokens as `sample_graphemes` and
     `sample_top_k` given the scaled logits and the same draws."""
-    from models.guidance import Temperatures, sample_step
+    from livespeech.models.guidance import Temperatures, sample_step
 
     texts = ["hello world", "the cat sat", "abc"]
     lams = [1.0, 0.0, math.inf]

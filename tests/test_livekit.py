@@ -14,8 +14,8 @@ pytest.importorskip("livekit.agents.tts", reason="LiveKit Agents is not installe
 
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT  # noqa: E402
 
-from clients import livekit_tts  # noqa: E402
-from clients.client import Summary, split_pieces  # noqa: E402
+from livespeech.client import livekit_tts  # noqa: E402
+from livespeech.client.client import Summary, split_pieces  # noqa: E402
 from conftest import HARD  # noqa: E402
 
 TEXT = "Hello there, this is a streaming test."

@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from models import graphemes
-from models.attention import (CrossAttention, apply_rope, current_chunk, rope_angles,
+from livespeech.models import graphemes
+from livespeech.models.attention import (CrossAttention, apply_rope, current_chunk, rope_angles,
                               streaming_dropout_mask, window_chunk_range)
-from models.config import ModelConfig, preset
-from models.delay import build_delayed, undelay
-from models.inference import DecodeState, enrollment_kv
-from models.livespeech import CodebookLossWeights, LiveSpeech2, codebook_losses
+from livespeech.models.config import ModelConfig, preset
+from livespeech.models.delay import build_delayed, undelay
+from livespeech.models.inference import DecodeState, enrollment_kv
+from livespeech.models.livespeech import CodebookLossWeights, LiveSpeech2, codebook_losses
 
 
 def small_cfg(**kw):
@@ -353,7 +353,7 @@ def test_step_follows_in_place_weight_updates(model):
 
 def test_random_model_with_too_small_codec_is_refused_clearly():
     """random:paper speaks 16 acoustic codebooks; the default 'small' codec has 8."""
-    from models.loading import load_bundle
+    from livespeech.models.loading import load_bundle
     with pytest.raises(ValueError, match="paper/encodec_24khz"):
         load_bundle("random:paper")
 

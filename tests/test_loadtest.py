@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from loadtest.playback import Packet, concat_timelines, describe, percentile, simulate_playback
-from loadtest.sweep import compare_modes, level_verdict, select_rated, should_stop
-from loadtest.workload import BUILTIN_SENTENCES, Pacing, load_sentences, make_turn, schedule, split_pieces
+from livespeech.loadtest.playback import Packet, concat_timelines, describe, percentile, simulate_playback
+from livespeech.loadtest.sweep import compare_modes, level_verdict, select_rated, should_stop
+from livespeech.loadtest.workload import BUILTIN_SENTENCES, Pacing, load_sentences, make_turn, schedule, split_pieces
 
 
 def steady(n: int, dur: float = 0.08, t0: float = 100.0, lead: float = 0.0) -> list[Packet]:
@@ -198,8 +198,8 @@ def test_text_file(tmp_path):
 
 
 def test_prometheus_delta_and_quantile():
-    from loadtest import prom
-    from server.metrics import Metrics
+    from livespeech.loadtest import prom
+    from livespeech.server.metrics import Metrics
 
     m = Metrics()
     m.step_seconds.observe(0.004)
@@ -229,14 +229,14 @@ def test_prometheus_delta_and_quantile():
 
 @pytest.mark.parametrize("target", ["10.0.0.1:50051", "8.8.8.8:443", "example.com:50051", "0.0.0.0:50051"])
 def test_refuses_non_loopback(target, capsys):
-    from loadtest.run import main
+    from livespeech.loadtest.run import main
 
     assert main(["--target", target, "--duration", "1"]) == 2
     assert "loopback" in capsys.readouterr().err
 
 
 def test_loopback_hosts():
-    from loadtest.server_proc import check_loopback, is_loopback_host
+    from livespeech.loadtest.server_proc import check_loopback, is_loopback_host
 
     assert check_loopback("127.0.0.1:1") == ("127.0.0.1", 1)
     assert check_loopback("[::1]:50051") == ("::1", 50051)
@@ -249,7 +249,7 @@ def test_loopback_hosts():
 
 
 def test_report_renders_a_synthetic_result(tmp_path):
-    from loadtest.report import make_plots, render_markdown
+    from livespeech.loadtest.report import make_plots, render_markdown
 
     rec = {"ttfa_user_s": 0.3, "lookahead_wait_s": 0.1, "compute_fpl_s": 0.2}
     client = {"sessions": 2, "completed": 2, "errors": 0, "underruns": 0, "sessions_with_underruns": 0,
@@ -276,7 +276,7 @@ def test_report_renders_a_synthetic_result(tmp_path):
 def test_tiny_end_to_end_run(tmp_path):
     """N=2 over real gRPC against a server the tool spawns on 127.0.0.1 (random:tiny)."""
     pytest.importorskip("torch")
-    from loadtest.run import main
+    from livespeech.loadtest.run import main
 
     text = tmp_path / "short.txt"
     text.write_text("Hello there. Good morning.\n")
@@ -315,10 +315,10 @@ def test_tiny_end_to_end_run(tmp_path):
 
 
 def test_step_profile_runs_and_attributes_the_step(tmp_path):
-    """The step profiler (loadtest.profile_step) on a tiny random model: every scope it
+    """The step profiler (livespeech.loadtest.profile_step) on a tiny random model: every scope it
     reports lies inside the engine step, and the model and sampling scopes are there; the
     eager step's layers are scopes of their own, the frozen graph (the default) is one."""
-    from loadtest import profile_step
+    from livespeech.loadtest import profile_step
 
     for eager in (False, True):
         out = tmp_path / f"p{eager}.json"
@@ -349,12 +349,12 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
 
 
 def test_precision_compares_the_bf16_step_with_float32_along_a_decode():
-    """loadtest.precision on a tiny random model: every session finishes, every step of
+    """livespeech.loadtest.precision on a tiny random model: every session finishes, every step of
     two sessions is compared, and the comparison sees bf16's small but real difference
     (total variation above 0, most argmaxes the same); the temperature references grow
     with the temperature."""
-    from loadtest.precision import measure
-    from models.loading import load_bundle
+    from livespeech.loadtest.precision import measure
+    from livespeech.models.loading import load_bundle
 
     torch.set_num_threads(1)
     res = measure(load_bundle("random:tiny"), sessions=2, turns=1, draws=4)
@@ -368,11 +368,11 @@ def test_precision_compares_the_bf16_step_with_float32_along_a_decode():
 
 
 def test_replay_plays_each_turn_and_restores_the_engine(tmp_path):
-    """loadtest.replay on a tiny random model: every turn finishes, its stalls are the
+    """livespeech.loadtest.replay on a tiny random model: every turn finishes, its stalls are the
     simulated listener's underruns, packets are reported, and the text-wait probe it
     installs on EngineSession is removed afterwards."""
-    from loadtest import replay
-    from server.session import EngineSession
+    from livespeech.loadtest import replay
+    from livespeech.server.session import EngineSession
 
     text = tmp_path / "t.txt"
     text.write_text("Hello there.\n")
@@ -393,7 +393,7 @@ def test_replay_plays_each_turn_and_restores_the_engine(tmp_path):
 def test_replay_max_delay_caps_the_decoders_codebook_delays(tmp_path):
     """The latency what-if: the tiny model's delays 0..8 capped at 2, and a turn still
     runs to its end under them."""
-    from loadtest import replay
+    from livespeech.loadtest import replay
 
     text = tmp_path / "t.txt"
     text.write_text("Hello there.\n")

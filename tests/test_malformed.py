@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from conftest import END, config_msg
-from server.protocol import SERVICE, SERVICE_NAME
+from livespeech.api.protocol import SERVICE, SERVICE_NAME
 
 C = grpc.StatusCode
 
@@ -102,7 +102,7 @@ def test_synthesize_malformed_message_is_invalid_argument(srv, caplog, where, pa
 
 
 def test_register_voice_with_a_12_bit_wav_is_invalid_argument(srv) -> None:
-    from server.protocol import Stub, pb
+    from livespeech.api.protocol import Stub, pb
     from test_audio import _wav_header
 
     async def go():

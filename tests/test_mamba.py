@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import mamba
-from models.mamba import MambaBlock, make_mamba, scan_tiling, selective_scan
+from livespeech.models import mamba
+from livespeech.models.mamba import MambaBlock, make_mamba, scan_tiling, selective_scan
 
 
 @pytest.fixture(autouse=True)
@@ -229,8 +229,8 @@ def test_parity_with_mamba_ssm():
 
 _TRITON_CHECK = """
 import torch
-from models.mamba import MambaBlock
-from models.mamba_triton import check_against_torch, use_triton_scan
+from livespeech.models.mamba import MambaBlock
+from livespeech.models.mamba_triton import check_against_torch, use_triton_scan
 errs = [check_against_torch('cpu', b=2, T=9, d=40, n=16), check_against_torch('cpu', b=1, T=5, d=32, n=8, seed=3)]
 torch.manual_seed(0)
 block = MambaBlock(24, d_state=16)

@@ -147,7 +147,7 @@ def start_replica(tmp: Path, i: int, *extra: str, env: Optional[dict[str, str]] 
     log = tmp / f"replica{i}.log"
     env = dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [
-        sys.executable, "-m", "clients.cli", "serve",
+        sys.executable, "-m", "livespeech.client.cli", "serve",
         "--host", "127.0.0.1", "--port", str(port),
         "--metrics-port", "-1",  # any free port; read back from the log
         "--model-path", "random:tiny",
@@ -251,7 +251,7 @@ async def run_session(client, name: str, seed: int, text: str = TEXT) -> Outcome
     session; try again (nginx sends the retry to the next replica in round-robin order,
     which may be the draining one again: hence several attempts). Anything after
     `Started` is a real failure."""
-    from clients.client import Started, SynthesisResult, llm_stream
+    from livespeech.client.client import Started, SynthesisResult, llm_stream
 
     out = Outcome(name)
     for attempt in range(10):
@@ -283,7 +283,7 @@ async def run_session(client, name: str, seed: int, text: str = TEXT) -> Outcome
 
 
 async def _scenario(target: str, replicas: list[Replica], report: dict) -> None:
-    from clients.client import AsyncLiveSpeechClient
+    from livespeech.client.client import AsyncLiveSpeechClient
 
     async with AsyncLiveSpeechClient(target) as client:  # ONE HTTP/2 connection to nginx
         # phase 1: 2 sessions per replica, all in flight at once
@@ -408,7 +408,7 @@ def served_by(tmp: Path, method: str) -> list[str]:
 
 
 async def _shared_voices_scenario(tmp: Path, target: str, replicas: list[Replica]) -> None:
-    from clients.client import AsyncLiveSpeechClient
+    from livespeech.client.client import AsyncLiveSpeechClient
 
     hard = dict(guidance_lambda=math.inf, seed=1)  # an untrained model speaks all of the text, then ends
     pcm, rate = _enrollment()

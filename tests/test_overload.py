@@ -21,10 +21,10 @@ from typing import Optional
 import grpc
 import pytest
 
-from clients.client import split_pieces
+from livespeech.client.client import split_pieces
 from conftest import END, config_msg, text_msg
 from reliability_helpers import ClientLoop, leaks, record, server_tasks
-from server.protocol import Stub
+from livespeech.api.protocol import Stub
 
 C = grpc.StatusCode
 MAX_SESSIONS = int(os.environ.get("LIVESPEECH_OVERLOAD_SLOTS", "4"))  # CI: 4 (more of the code runs)
@@ -188,9 +188,9 @@ def test_health_and_reflection_answer_through_a_synthesize_flood(server_factory,
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    from clients.client import NO_RETRY, AsyncLiveSpeechClient, LiveSpeechClient
+    from livespeech.client.client import NO_RETRY, AsyncLiveSpeechClient, LiveSpeechClient
     from conftest import HARD
-    from server.protocol import SERVICE_NAME, pb
+    from livespeech.api.protocol import SERVICE_NAME, pb
 
     h = server_factory(fake=True, max_sessions=2, retry_after_ms=RETRY_AFTER_MS, config_timeout_s=60.0)
     flood = h.app.config.synthesize_stream_limit + 50

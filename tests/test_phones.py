@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from models.codec import CodecModel, preset
-from training.corpus.align import espeak_phones, phone_timeline
-from training.corpus.espeak import Event
-from training.phones import IGNORE, PhoneVocab, _conditional_entropy, _table_accuracy, probe_codec
-from training.smoke import make_smoke_corpus
-from training.dataset import read_manifest
+from livespeech.models.codec import CodecModel, preset
+from livespeech.training.corpus.align import espeak_phones, phone_timeline
+from livespeech.training.corpus.espeak import Event
+from livespeech.training.phones import IGNORE, PhoneVocab, _conditional_entropy, _table_accuracy, probe_codec
+from livespeech.training.smoke import make_smoke_corpus
+from livespeech.training.dataset import read_manifest
 
 
 def test_phone_timeline_fills_gaps_with_pauses_and_cuts_overlaps():
@@ -66,7 +66,7 @@ def test_probe_codec_runs_on_a_corpus(tmp_path):
 
 
 def test_phone_table_counts_frames_whose_code_names_the_timeline_phone():
-    from training.phones import PhoneTable
+    from livespeech.training.phones import PhoneTable
 
     vocab = PhoneVocab(("_", "espeak:a", "espeak:b"))
     rec = {"engine": "espeak", "phones": [["_", 0.0, 0.04], ["a", 0.04, 0.08], ["b", 0.08, 0.12]]}

@@ -30,8 +30,8 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker  # noqa: E402
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor  # noqa: E402
 from pipecat.workers.runner import WorkerRunner  # noqa: E402
 
-from clients.client import Summary, split_pieces  # noqa: E402
-from clients.pipecat_tts import LiveSpeechTTSService, TextAggregationMode  # noqa: E402
+from livespeech.client.client import Summary, split_pieces  # noqa: E402
+from livespeech.client.pipecat_tts import LiveSpeechTTSService, TextAggregationMode  # noqa: E402
 from conftest import HARD  # noqa: E402
 
 TEXT = "Hello there, this is a streaming test."

@@ -1,6 +1,6 @@
 """Which sessions run a step: the lookahead and the lead cap."""
-from server.scheduler import Scheduler
-from server.session import Phase
+from livespeech.server.scheduler import Scheduler
+from livespeech.server.session import Phase
 
 
 class Stub:

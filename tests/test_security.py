@@ -39,15 +39,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clients.cli import main as cli_main
-from clients.client import NO_RETRY, AsyncLiveSpeechClient, ClientSecurity
+from livespeech.client.cli import main as cli_main
+from livespeech.client.client import NO_RETRY, AsyncLiveSpeechClient, ClientSecurity
 from conftest import END, HARD, config_msg, raw_synthesize, text_msg
 from reliability_helpers import ClientLoop, record
-from server.audio import encode_wav
-from server.auth import TokenTable, parse_tokens
-from server.config import ServerConfig
-from server.protocol import SERVICE_NAME, Stub, pb
-from server.session_api import ConfigError
+from livespeech.api.audio import encode_wav
+from livespeech.server.auth import TokenTable, parse_tokens
+from livespeech.server.config import ServerConfig
+from livespeech.api.protocol import SERVICE_NAME, Stub, pb
+from livespeech.api.session import ConfigError
 
 C = grpc.StatusCode
 ALICE = "alice-" + "A1b2C3d4E5f6G7h8I9j0K1l2"  # test tokens (b64token, >= 16 chars)
@@ -433,7 +433,7 @@ def test_limits(auth_srv, client) -> None:
 
 
 def test_refusals_are_logged_at_most_once_per_interval_with_a_count(auth_srv, client, caplog, monkeypatch) -> None:
-    from server.auth import RefusalLog
+    from livespeech.server.auth import RefusalLog
 
     h = auth_srv
     monkeypatch.setattr(h.app.auth, "refusals", RefusalLog(interval_s=3600.0))  # the whole test in one interval
@@ -458,7 +458,7 @@ def test_refusals_are_logged_at_most_once_per_interval_with_a_count(auth_srv, cl
 
 
 def test_refusal_log_counts_what_it_left_out() -> None:
-    from server.auth import RefusalLog
+    from livespeech.server.auth import RefusalLog
 
     now = [0.0]
     lines = []
@@ -476,7 +476,7 @@ def test_refusal_log_counts_what_it_left_out() -> None:
 
 
 def test_no_secret_in_logs_reprs_or_errors(auth_srv, client, caplog, tmp_path, monkeypatch) -> None:
-    from server.auth import RefusalLog
+    from livespeech.server.auth import RefusalLog
 
     h = auth_srv
     monkeypatch.setattr(h.app.auth, "refusals", RefusalLog())  # earlier tests' refusals must not hide these
@@ -516,7 +516,7 @@ def test_security_settings_are_validated_at_the_edge(certs, tmp_path) -> None:
     assert cfg.auth_tokens == f"a:{ALICE}" and cfg.tls_cert == certs["server.pem"]
     empty = tmp_path / "empty"
     empty.write_text("# nobody\n")
-    from server.auth import load_tokens
+    from livespeech.server.auth import load_tokens
 
     with pytest.raises(ConfigError, match="no tokens"):
         load_tokens(ServerConfig(auth_tokens_file=empty))

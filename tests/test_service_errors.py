@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import CANCEL, END, config_msg, raw_synthesize, text_msg
-from server.protocol import Stub, pb
+from livespeech.api.protocol import Stub, pb
 
 C = grpc.StatusCode
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.client import AsyncLiveSpeechClient, llm_stream
+from livespeech.client.client import AsyncLiveSpeechClient, llm_stream
 from conftest import END, HARD, config_msg, raw_synthesize, text_msg
-from server.audio import encode_wav
-from server.protocol import SERVICE_NAME, Stub
-from server.voices import VoiceStore
+from livespeech.api.audio import encode_wav
+from livespeech.api.protocol import SERVICE_NAME, Stub
+from livespeech.server.voices import VoiceStore
 
 C = grpc.StatusCode
 TEXT = "Hello there, this is a streaming test."

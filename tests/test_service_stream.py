@@ -6,10 +6,10 @@ import asyncio
 import grpc
 import pytest
 
-from clients.client import AsyncLiveSpeechClient, SynthesisResult, TextPiece, llm_stream
+from livespeech.client.client import AsyncLiveSpeechClient, SynthesisResult, TextPiece, llm_stream
 from conftest import END, HARD, config_msg, raw_synthesize, text_msg
-from server.protocol import pb
-from server.session_api import AudioPacket, Encoding
+from livespeech.api.protocol import pb
+from livespeech.api.session import AudioPacket, Encoding
 
 TEXT = "Hello there, this is a streaming test."
 
@@ -188,8 +188,8 @@ def test_half_close_means_end_of_input_and_started_echo(srv) -> None:
 
 
 def test_chunking_release_when_waiting_crosses_the_wire() -> None:
-    from server.protocol import config_from_proto, config_to_proto
-    from server.session_api import ChunkingConfig, SessionConfig
+    from livespeech.api.protocol import config_from_proto, config_to_proto
+    from livespeech.api.session import ChunkingConfig, SessionConfig
 
     assert config_from_proto(pb.SynthesizeConfig())[0].chunking.release_when_waiting  # unset: the default
     off = pb.SynthesizeConfig(chunking=pb.ChunkingPolicy(release_when_waiting=False))
@@ -207,8 +207,8 @@ def test_explicit_end_of_input_and_unbounded_past(srv) -> None:
 def test_sampling_settings_cross_the_wire() -> None:
     """Unset: the defaults (graphemes top-k 3, temperatures 1); set: the same values back,
     temperature 0 (greedy) included; out of range: a ConfigError naming the field."""
-    from server.protocol import config_from_proto, config_to_proto
-    from server.session_api import ConfigError, SessionConfig
+    from livespeech.api.protocol import config_from_proto, config_to_proto
+    from livespeech.api.session import ConfigError, SessionConfig
 
     d = config_from_proto(pb.SynthesizeConfig())[0]
     assert (d.grapheme_top_k, d.grapheme_temperature, d.first_codebook_temperature, d.acoustic_temperature,
@@ -233,8 +233,8 @@ def test_sampling_settings_cross_the_wire() -> None:
 def test_the_summary_says_whether_every_word_was_spoken(srv) -> None:
     """Over the wire: all_words_spoken and the unspoken words (none here; the engine's
     tests drive sessions that leave words unspoken), and the mapping both ways."""
-    from server.protocol import summary_from_proto, summary_to_proto
-    from server.session_api import Summary
+    from livespeech.api.protocol import summary_from_proto, summary_to_proto
+    from livespeech.api.session import Summary
 
     async def go():
         async with AsyncLiveSpeechClient(srv.address) as client:
@@ -294,8 +294,8 @@ def test_text_whose_lookahead_never_comes_is_spoken_without_end_of_input(srv, te
 
 
 def test_max_buffer_delay_crosses_the_wire() -> None:
-    from server.protocol import config_from_proto, config_to_proto
-    from server.session_api import ConfigError, SessionConfig
+    from livespeech.api.protocol import config_from_proto, config_to_proto
+    from livespeech.api.session import ConfigError, SessionConfig
 
     assert config_from_proto(pb.SynthesizeConfig())[0].max_buffer_delay_ms == SessionConfig().max_buffer_delay_ms
     assert config_from_proto(pb.SynthesizeConfig(max_buffer_delay_ms=0))[0].max_buffer_delay_ms == 0

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fake_engine import FakeEngine  # noqa: E402
-from server.voices import VoiceStore, VoiceStoreError  # noqa: E402
+from livespeech.server.voices import VoiceStore, VoiceStoreError  # noqa: E402
 
 SECOND = np.full(24_000, 0.1, np.float32)
 
@@ -167,7 +167,7 @@ def test_incomplete_and_broken_files_are_not_voices(tmp_path: Path, caplog) -> N
         (tmp_path / "half.wav").write_bytes((tmp_path / "good.wav").read_bytes())  # a write in progress: no JSON yet
         (tmp_path / ".late.json.x1y2").write_text("{}")  # another replica's temporary file
         (tmp_path / "broken.json").write_text("{not json")
-        with caplog.at_level(logging.ERROR, logger="server.voices"):
+        with caplog.at_level(logging.ERROR, logger="livespeech.server.voices"):
             for _ in range(3):
                 assert [v.voice_id for v in await a.list()] == ["good"]
                 assert await code_of(a.get("broken")) == "NOT_FOUND"

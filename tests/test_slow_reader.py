@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 from conftest import END, config_msg, text_msg
-from server.config import ServerConfig
-from server.protocol import Stub
-from server.session_api import ConfigError
+from livespeech.server.config import ServerConfig
+from livespeech.api.protocol import Stub
+from livespeech.api.session import ConfigError
 
 C = grpc.StatusCode
 GRACE_S = 0.5

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from reliability_helpers import ROOT, proc_stats, record
-from server.protocol import Stub, pb
+from livespeech.api.protocol import Stub, pb
 
 C = grpc.StatusCode
 SESSIONS = int(os.environ.get("LIVESPEECH_SOAK_SESSIONS", "200"))
@@ -50,7 +50,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("soak") / "server.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [
-        sys.executable, "-m", "clients.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        sys.executable, "-m", "livespeech.client.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
         "--model-path", "random:tiny", "--max-sessions", str(MAX_SESSIONS), "--torch-threads", "1",
         "--voices-dir", "", "--config-timeout-s", "5", "--idle-timeout-s", "10",
     ]

@@ -1,11 +1,11 @@
 """Text-token embeddings computed from spellings (models/spelling.py)."""
 import torch
 
-from models.config import TEXT_EOS, preset
-from models.livespeech import LiveSpeech2
-from models.loading import load_decoder, save_decoder
-from models.spelling import EOS_CHAR, PAD, spelling_table
-from models.tokenizer import get_tokenizer
+from livespeech.models.config import TEXT_EOS, preset
+from livespeech.models.livespeech import LiveSpeech2
+from livespeech.models.loading import load_decoder, save_decoder
+from livespeech.models.spelling import EOS_CHAR, PAD, spelling_table
+from livespeech.models.tokenizer import get_tokenizer
 
 CFG = preset("tiny", text_embedding="spelling", d_model=64, n_heads=2, n_shared_layers=1, n_group_layers=1,
              enc_d_model=64, enc_heads=2, enc_layers=1, n_enroll=8)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from models.inference import DecodeState, enrollment_kv
-from models.livespeech import LiveSpeech2
-from models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
+from livespeech.models.inference import DecodeState, enrollment_kv
+from livespeech.models.livespeech import LiveSpeech2
+from livespeech.models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
 from tests.test_livespeech import small_cfg
 
 
@@ -108,8 +108,8 @@ def test_frozen_step_with_no_visible_text():
 
 
 def test_runner_steps_through_the_frozen_graph_unless_told_not_to():
-    from models.loading import load_bundle
-    from server.runner import ModelRunner
+    from livespeech.models.loading import load_bundle
+    from livespeech.server.runner import ModelRunner
 
     bundle = load_bundle(random_init=True)
     frozen, eager = ModelRunner(bundle, 2), ModelRunner(bundle, 2, frozen_step=False)
@@ -123,7 +123,7 @@ def test_a_step_that_cannot_be_traced_runs_eagerly(monkeypatch, caplog):
 
     monkeypatch.setattr(torch.jit, "trace", no_jit)
     model = LiveSpeech2(small_cfg()).eval()
-    with caplog.at_level(logging.WARNING, logger="models.step_graph"):
+    with caplog.at_level(logging.WARNING, logger="livespeech.models.step_graph"):
         assert frozen_or_eager(lambda: FrozenStep(model), model.step) == model.step
     assert "no TorchScript here" in caplog.text
 
@@ -173,9 +173,9 @@ def test_engine_with_the_recorded_steps_speaks():
     """The engine with the eager step, the frozen step (the CPU default) and the whole-state
     step (`cuda_graphs`, eager here): two concurrent sessions finish with their audio,
     and each session's audio equals the eager engine's for the same seed."""
-    from server.engine import Engine, EngineConfig
-    from server.session_api import AudioPacket, Finished, SessionConfig
-    from models.loading import load_bundle
+    from livespeech.server.engine import Engine, EngineConfig
+    from livespeech.api.session import AudioPacket, Finished, SessionConfig
+    from livespeech.models.loading import load_bundle
     from tests.test_engine import HARD, Collector
 
     torch.set_num_threads(1)
@@ -236,9 +236,9 @@ def test_the_bf16_step_frozen_equals_it_eager_and_stays_near_float32():
 def test_the_runner_steps_in_bf16_from_two_sessions_when_asked():
     """bf16_matmuls: a batch of one steps in float32 (bf16 measured slower there), two
     or more in bf16; without it, float32 at every size and no bf16 graph is traced."""
-    from models.guidance import GuidanceState
-    from models.loading import load_bundle
-    from server.runner import BF16_FROM_BATCH, ModelRunner
+    from livespeech.models.guidance import GuidanceState
+    from livespeech.models.loading import load_bundle
+    from livespeech.server.runner import BF16_FROM_BATCH, ModelRunner
 
     assert BF16_FROM_BATCH == 2
     bundle = load_bundle(random_init=True)

@@ -1,5 +1,5 @@
 """Chunk placement on the speech timeline (docs/design.md, "Chunks to speech time")."""
-from server.timeline import SpeechTimeline
+from livespeech.server.timeline import SpeechTimeline
 
 
 def test_fast_text_is_not_crammed():

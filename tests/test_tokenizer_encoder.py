@@ -2,9 +2,9 @@
 output size for any enrollment length."""
 import torch
 
-from models.config import TEXT_EOS, WHISPER_VOCAB, ModelConfig
-from models.speech_encoder import SpeechEncoder
-from models.tokenizer import get_tokenizer
+from livespeech.models.config import TEXT_EOS, WHISPER_VOCAB, ModelConfig
+from livespeech.models.speech_encoder import SpeechEncoder
+from livespeech.models.tokenizer import get_tokenizer
 
 
 def test_whisper_vocabulary_and_eos():

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from models import graphemes as G
-from models.codec import CodecModel
-from models.tokenizer import get_tokenizer
-from training import codec_train, encode_corpus, train
-from training.schedule import Schedule
-from training.dataset import (DecoderData, codes_path, collate, jittered_end, read_manifest, read_wav_segment,
+from livespeech.models import graphemes as G
+from livespeech.models.codec import CodecModel
+from livespeech.models.tokenizer import get_tokenizer
+from livespeech.training import codec_train, encode_corpus, train
+from livespeech.training.schedule import Schedule
+from livespeech.training.dataset import (DecoderData, codes_path, collate, jittered_end, read_manifest, read_wav_segment,
                               text_tokens)
-from training.smoke import make_smoke_corpus
+from livespeech.training.smoke import make_smoke_corpus
 
 SMALL = "d_model=64,n_shared_layers=1,n_group_layers=1,n_heads=2,enc_d_model=64,enc_layers=1,enc_heads=2,n_enroll=8"
 
@@ -87,7 +87,7 @@ def test_adversarial_decoder_only_fine_tune_keeps_the_codes(pipeline, tmp_path):
 
 
 def test_codec_discriminator_scores_every_scale():
-    from models.codec.discriminator import MultiScaleSTFTDiscriminator, discriminator_loss, generator_losses
+    from livespeech.models.codec.discriminator import MultiScaleSTFTDiscriminator, discriminator_loss, generator_losses
 
     disc = MultiScaleSTFTDiscriminator()
     real, fake = torch.randn(2, 1, 6000), torch.randn(2, 1, 6000, requires_grad=True)
@@ -135,7 +135,7 @@ def test_sharded_encoding_covers_the_corpus_once(pipeline, tmp_path):
 
 
 def test_batched_encoding_gives_each_utterance_its_own_codes(pipeline, tmp_path):
-    from models.loading import load_codec
+    from livespeech.models.loading import load_codec
 
     _, corpus, codec_dir, codes_dir = pipeline
     recs = read_manifest(corpus)
@@ -171,7 +171,7 @@ def test_batched_encoding_refuses_a_codec_that_sees_the_padding():
 
 
 def test_decoder_init_from_exported_weights_or_a_run_checkpoint(tmp_path):
-    from models.loading import load_decoder, save_decoder
+    from livespeech.models.loading import load_decoder, save_decoder
 
     first = str(tmp_path / "a")
     assert train.main(["--smoke", "--out", first, "--steps", "2", "--threads", "1"]) == 0
@@ -198,7 +198,7 @@ def test_decoder_init_from_exported_weights_or_a_run_checkpoint(tmp_path):
 def test_training_builds_its_mamba_layers_for_the_training_device(monkeypatch):
     """make_mamba chooses mamba-ssm's kernels from the device it is given: a model built
     without one trains on the pure-PyTorch scan on a GPU too (the third GPU run did)."""
-    import models.livespeech as livespeech
+    import livespeech.models.livespeech as livespeech
 
     seen = []
     real = livespeech.make_mamba
@@ -227,7 +227,7 @@ def test_time_budget_schedule():
 def test_decoder_data_counts_utterances_still_without_codes(pipeline, tmp_path):
     """What the trainer's rescans go by: none once every usable utterance has its codes."""
     _, corpus, _, codes_dir = pipeline
-    from models.config import preset
+    from livespeech.models.config import preset
 
     cfg = preset("tiny", **train.parse_overrides(SMALL))
     full = DecoderData(corpus, codes_dir, cfg, "train")
@@ -245,7 +245,7 @@ def test_decoder_data_counts_utterances_still_without_codes(pipeline, tmp_path):
 
 def test_end_key_jitter_moves_only_the_end_key(pipeline):
     _, corpus, _, codes_dir = pipeline
-    from models.config import preset
+    from livespeech.models.config import preset
 
     cfg = preset("tiny", **train.parse_overrides(SMALL))
     exact = DecoderData(corpus, codes_dir, cfg, "train")
@@ -269,8 +269,8 @@ def test_end_key_jitter_moves_only_the_end_key(pipeline):
 
 def test_example_layout_matches_the_server(pipeline):
     _, corpus, _, codes_dir = pipeline
-    from models.config import preset
-    from models.livespeech import LiveSpeech2
+    from livespeech.models.config import preset
+    from livespeech.models.livespeech import LiveSpeech2
 
     cfg = preset("tiny", **train.parse_overrides(SMALL))
     data = DecoderData(corpus, codes_dir, cfg, "train")
@@ -317,7 +317,7 @@ def test_decoder_train_resumes_exactly(pipeline):
     torch.testing.assert_close(a["loss_acc"], b["loss_acc"])
     rows = [r for r in _log(os.path.join(split, "log.jsonl")) if not r.get("eval")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    from training import plot
+    from livespeech.training import plot
 
     png = plot.plot(split)
     assert os.path.getsize(png) > 1000
@@ -325,8 +325,8 @@ def test_decoder_train_resumes_exactly(pipeline):
 
 def test_decoder_loss_decreases_on_a_repeated_batch(pipeline):
     _, corpus, _, codes = pipeline
-    from models.config import preset
-    from models.livespeech import CodebookLossWeights, LiveSpeech2
+    from livespeech.models.config import preset
+    from livespeech.models.livespeech import CodebookLossWeights, LiveSpeech2
 
     torch.manual_seed(0)
     cfg = preset("tiny", **train.parse_overrides(SMALL))
@@ -404,7 +404,7 @@ def test_streaming_mask_only_in_the_late_phase(tmp_path):
 
 
 def test_reading_is_scored_at_letter_changes_with_the_true_and_another_text(pipeline):
-    from training.train import _rotate_texts, letter_change_hits
+    from livespeech.training.train import _rotate_texts, letter_change_hits
 
     _, corpus, _, codes_dir = pipeline
     torch.manual_seed(0)
@@ -434,7 +434,7 @@ def test_new_decoders_read_spellings_and_init_keeps_the_exported_embedding(tmp_p
 
 
 def test_phone_letters_follow_the_phones_with_pauses_as_space(pipeline):
-    from training.dataset import phone_letters
+    from livespeech.training.dataset import phone_letters
 
     _, corpus, _, _ = pipeline
     for rec in read_manifest(corpus):
@@ -488,8 +488,8 @@ def test_an_extra_corpus_trains_from_its_own_codes(tmp_path):
 
 
 def test_the_phone_head_learns_the_phone_of_the_frame_codebook_1_predicts(tmp_path):
-    from training.dataset import DecoderData, collate
-    from training.phones import IGNORE
+    from livespeech.training.dataset import DecoderData, collate
+    from livespeech.training.phones import IGNORE
 
     out = str(tmp_path / "run")
     assert train.main(["--smoke", "--out", out, "--steps", "3", "--threads", "1", "--phone-weight", "1"]) == 0
@@ -525,8 +525,8 @@ def test_history_noise_replaces_only_acoustic_history_at_the_chosen_steps(pipeli
     random code; graphemes, "none" ids and the targets stay; p 0 changes nothing; and a
     resumed run with --history-noise trains what a straight one does (noise seeded by step)."""
     root, corpus, _, codes = pipeline
-    from models.config import preset
-    from models.livespeech import LiveSpeech2
+    from livespeech.models.config import preset
+    from livespeech.models.livespeech import LiveSpeech2
 
     cfg = preset("tiny", **train.parse_overrides(SMALL))
     model = LiveSpeech2(cfg)

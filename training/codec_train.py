@@ -1,6 +1,6 @@
 """Train the small causal codec (models/codec preset 'small') on the corpus audio.
 
-    python -m training.codec_train --corpus data/corpus --out runs/codec [--steps N] [--resume]
+    python -m livespeech.training.codec_train --corpus data/corpus --out runs/codec [--steps N] [--resume]
 
 Random 1 s crops of train-split audio, batch 8, AdamW, L1 + multi-resolution STFT + mel,
 k-means codebook init on the first batch (few iterations). `--phone-weight W`
@@ -27,10 +27,10 @@ import time
 import numpy as np
 import torch
 
-from models.codec import CodecLossConfig, CodecModel, preset
-from models.codec.discriminator import MultiScaleSTFTDiscriminator, discriminator_loss, generator_losses
-from models.codec.losses import reconstruction_losses, weighted_reconstruction_losses
-from models.config import SAMPLE_RATE
+from livespeech.models.codec import CodecLossConfig, CodecModel, preset
+from livespeech.models.codec.discriminator import MultiScaleSTFTDiscriminator, discriminator_loss, generator_losses
+from livespeech.models.codec.losses import reconstruction_losses, weighted_reconstruction_losses
+from livespeech.models.config import SAMPLE_RATE
 
 from .dataset import AudioCrops, read_manifest, read_wav_segment
 from .phones import IGNORE, PhoneVocab, probe_codec
@@ -94,7 +94,7 @@ def evaluate(model: CodecModel, wav: torch.Tensor, batch: int = 8) -> dict[str, 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.codec_train", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.codec_train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True)
     p.add_argument("--out", required=True)

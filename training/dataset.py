@@ -26,8 +26,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from models import graphemes as G
-from models.config import FRAME_RATE, SAMPLE_RATE, ModelConfig
+from livespeech.models import graphemes as G
+from livespeech.models.config import FRAME_RATE, SAMPLE_RATE, ModelConfig
 
 # --------------------------------------------------------------------------------------
 # manifest and audio
@@ -120,8 +120,8 @@ class AudioCrops:
 
 def phone_letters(rec: dict) -> list[int]:
     """The record's grapheme row with its letters on its phones and its pauses as SPACE
-    (models.graphemes.align_words_to_frames with phones), on the manifest's frames."""
-    from training.corpus.plan import spans_to_frames
+    (livespeech.models.graphemes.align_words_to_frames with phones), on the manifest's frames."""
+    from livespeech.training.corpus.plan import spans_to_frames
 
     T = len(rec["graphemes"])
     words = spans_to_frames([(a, b) for _, a, b in rec["words"]], T)
@@ -169,7 +169,7 @@ class Example:
     text_pos: list[int]
     enroll: np.ndarray  # [Q, E]
     n_frames: int  # T + 1 (columns of codes)
-    phones: Optional[np.ndarray] = None  # [T + 1] phone class of each frame (training.phones), IGNORE where none
+    phones: Optional[np.ndarray] = None  # [T + 1] phone class of each frame (livespeech.training.phones), IGNORE where none
 
 
 class DecoderData:
@@ -183,9 +183,9 @@ class DecoderData:
         share its frames evenly, pauses carry the next letter) or "phones": spread over
         the word's phones with pauses as SPACE (`phone_letters`) where the record has a
         phone timeline. ``id_prefix`` keeps the ids of a corpus `merge`d into another
-        apart from its own. ``phone_vocab`` (a training.phones.PhoneVocab): examples
+        apart from its own. ``phone_vocab`` (a livespeech.training.phones.PhoneVocab): examples
         carry each frame's phone class (an auxiliary target, `train --phone-weight`)."""
-        from models.tokenizer import get_tokenizer
+        from livespeech.models.tokenizer import get_tokenizer
 
         if letters not in ("even", "phones"):
             raise ValueError(f"letters must be 'even' or 'phones', not {letters!r}")
@@ -313,7 +313,7 @@ class Batch:
     text_ids: torch.Tensor  # [B, L]
     text_pos: torch.Tensor  # [B, L]
     text_valid: torch.Tensor  # [B, L]
-    # [B, S] the phone class of the frame codebook 1 predicts at each step (training.phones.IGNORE where none)
+    # [B, S] the phone class of the frame codebook 1 predicts at each step (livespeech.training.phones.IGNORE where none)
     phones: torch.Tensor
 
     def to(self, device) -> "Batch":
@@ -321,7 +321,7 @@ class Batch:
 
 
 def collate(examples: Sequence[Example], model) -> Batch:
-    from models.delay import build_delayed
+    from livespeech.models.delay import build_delayed
 
     cfg = model.cfg
     b = len(examples)

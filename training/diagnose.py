@@ -1,15 +1,15 @@
 """Where the decoder fails: the grapheme stream (which letter when) or the acoustic
 codebooks (intelligible audio for a given letter)?
 
-    python -m training.diagnose --corpus data/corpus --model default --limit 20 \\
+    python -m livespeech.training.diagnose --corpus data/corpus --model default --limit 20 \\
         --out docs/eval-runs/2026-11-23-oracle-graphemes.md
 
-On the test utterances training.evaluate picks (same selection, same enrollment, same
+On the test utterances livespeech.training.evaluate picks (same selection, same enrollment, same
 per-utterance seed), each laid out exactly as training lays it out
 (training/dataset.py `DecoderData.example`, the enrollment replaced by the eval's):
 
 1. teacher forcing: per-codebook accuracy and cross-entropy of `LiveSpeech2.forward`
-   (training.train `forward_loss`) with the text fully visible (training's dev metric)
+   (livespeech.training.train `forward_loss`) with the text fully visible (training's dev metric)
    and with the server's np/nf chunk window at the ground-truth chunk times;
 2. synthesis through `LiveSpeech2.step` + `DecodeState` (as server/runner.py steps it),
    the text chunks at their ground-truth times with the end-of-text key at the last
@@ -25,11 +25,11 @@ per-utterance seed), each laid out exactly as training lays it out
      graphemes sampled (the alignment given the true audio so far).
    Every step draws its samples in the same order whatever is forced, so the modes
    share their random numbers. Each result is decoded with the bundle's codec and
-   scored with training.evaluate's Whisper scorer, next to the ground truth and its
+   scored with livespeech.training.evaluate's Whisper scorer, next to the ground truth and its
    codec resynthesis;
 3. how much codebook 1 leans on the acoustic codes read back (teacher forcing, text fully
    visible, true letters): its argmax's accuracy and how often it names the ground-truth
-   phone with that history true, with 30 % of its steps random (training.train
+   phone with that history true, with 30 % of its steps random (livespeech.training.train
    `corrupt_history`) and with none at all. A decoder that names the phone only from a
    true history drifts once it reads back its own samples.
 
@@ -54,18 +54,18 @@ from typing import Optional
 import numpy as np
 import torch
 
-from models import graphemes as G
-from models.attention import current_chunk, window_chunk_range
-from models.guidance import sample_top_k
-from models.inference import visible_prefix
-from server.session_api import SessionConfig
-from training.dataset import DecoderData, Example, codes_path, collate, read_manifest, read_wav_segment
-from training.encode_corpus import encode_batch, save_codes
-from training.phones import PhoneTable
-from training.eval import report
-from training.eval.backends import make_backends
-from training.eval.text import edit_distance, error_counts, get_normalizer
-from training.evaluate import (SR, Scorer, Utterance, _json_default, codec_resynthesis, model_info, read_audio,
+from livespeech.models import graphemes as G
+from livespeech.models.attention import current_chunk, window_chunk_range
+from livespeech.models.guidance import sample_top_k
+from livespeech.models.inference import visible_prefix
+from livespeech.api.session import SessionConfig
+from livespeech.training.dataset import DecoderData, Example, codes_path, collate, read_manifest, read_wav_segment
+from livespeech.training.encode_corpus import encode_batch, save_codes
+from livespeech.training.phones import PhoneTable
+from livespeech.training.eval import report
+from livespeech.training.eval.backends import make_backends
+from livespeech.training.eval.text import edit_distance, error_counts, get_normalizer
+from livespeech.training.evaluate import (SR, Scorer, Utterance, _json_default, codec_resynthesis, model_info, read_audio,
                                select_utterances)
 
 SYNTH_MODES = ("free", "oracle-g", "oracle-g+cb1", "oracle-acoustic")
@@ -91,7 +91,7 @@ class Prepared:
 
 
 def prepare(bundle, rows: list[dict], utts: list[Utterance], codes_dir: str, letters: str = "even") -> list[Prepared]:
-    """Encode the utterances with the bundle's codec as training.encode_corpus does, build
+    """Encode the utterances with the bundle's codec as livespeech.training.encode_corpus does, build
     their training examples (DecoderData) and put in each the enrollment the eval uses
     (the whole enrollment utterance, encoded as the server's `make_voice` does)."""
     model, tok = bundle.model, bundle.tokenizer
@@ -114,10 +114,10 @@ def prepare(bundle, rows: list[dict], utts: list[Utterance], codes_dir: str, let
         rec = by_id[u.id]
         words = [w[0] for w in rec["words"]]
         token_chunk: list[int] = []
-        for i, (first, n, _tau) in enumerate(rec["chunks"]):  # as training.dataset.text_tokens
+        for i, (first, n, _tau) in enumerate(rec["chunks"]):  # as livespeech.training.dataset.text_tokens
             token_chunk += [i] * len(tok.encode_words(words[first:first + n], first_in_text=(i == 0)))
         token_chunk.append(len(rec["chunks"]))
-        assert len(token_chunk) == len(ex.text_ids), "chunking differs from training.dataset.text_tokens"
+        assert len(token_chunk) == len(ex.text_ids), "chunking differs from livespeech.training.dataset.text_tokens"
         chunk_tau = [int(c[2]) for c in rec["chunks"]] + [ex.text_pos[-1]]
         out.append(Prepared(u, ex, token_chunk, chunk_tau))
     return out
@@ -135,7 +135,7 @@ def window(chunk_tau: list[int], step: int, n_past: int, n_future: int) -> tuple
 def teacher_forced(model, prep: Prepared, n_past: int, n_future: int) -> dict:
     """Per-codebook CE and accuracy (and the count of positions scored) of model.forward
     on the utterance's training batch, text fully visible and with the np/nf window."""
-    from training.train import forward_loss
+    from livespeech.training.train import forward_loss
 
     batch = collate([prep.example], model).to(next(model.parameters()).device)
     s = batch.inputs.shape[2]
@@ -159,7 +159,7 @@ HISTORIES = (("true", None), ("30 % random", 0.3), ("none", 1.0))
 def history_reliance(model, prep: Prepared, phones: Optional[PhoneTable], rec: dict, seed: int) -> dict:
     """Per history of HISTORIES: codebook-1 argmax hits / scored positions, and (with a
     phone table) frames whose argmax code names the ground-truth phone / labelled frames."""
-    from training.train import corrupt_history
+    from livespeech.training.train import corrupt_history
 
     batch = collate([prep.example], model).to(next(model.parameters()).device)
     enroll = model.encode_enrollment(batch.enroll_codes, batch.enroll_len)
@@ -193,7 +193,7 @@ class Synth:
 @torch.inference_mode()
 def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int = SessionConfig.top_k,
                n_past: int = 4, n_future: int = 2, max_overrun: int = 225) -> Synth:
-    """Decode one utterance in slot 0 of `runner` (a server.runner.ModelRunner), stepping
+    """Decode one utterance in slot 0 of `runner` (a livespeech.server.runner.ModelRunner), stepping
     the model as ModelRunner.step does (its model step; guidance off), with the forcing
     of `mode`."""
     if mode not in SYNTH_MODES:
@@ -333,7 +333,7 @@ def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
         "",
         f"- Model: `{meta['model']}`",
         f"- Corpus: `{meta['corpus']}` split `{meta['split']}`: {meta['n_utterances']} utterances "
-        f"({meta['n_heldout']} of held-out voices), selected and enrolled as `training.evaluate` does "
+        f"({meta['n_heldout']} of held-out voices), selected and enrolled as `livespeech.training.evaluate` does "
         f"(seed {meta['seed']}); per-utterance sampling seed as there.",
         f"- Text: the manifest's chunks at their ground-truth times, the end-of-text key at the last frame "
         f"(training's layout); np={meta['n_past']}, nf={meta['n_future']} chunk window; top-k {meta['top_k']} for "
@@ -343,7 +343,7 @@ def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
         "ground-truth stream; `= GT %`: emitted frames equal to the ground truth's frame by frame "
         "(frames past either end count as mismatches).",
         "- codebook 1 names the GT phone: frames whose codebook-1 code stands for (majority over 300 train "
-        "utterances, training.phones.PhoneTable) the phone the corpus's timeline has at that frame; the ground "
+        "utterances, livespeech.training.phones.PhoneTable) the phone the corpus's timeline has at that frame; the ground "
         "truth's row is its own codec codes, the most a decoder can reach with this table.",
         f"- Per-utterance numbers: `{json_path}`.",
         "",
@@ -360,7 +360,7 @@ def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
         "## Codebook 1 and the acoustic history it reads back (teacher forcing, text fully visible)",
         "",
         "The acoustic codes of the previous frames as the input: true, 30 % of the steps random "
-        "(training.train `corrupt_history`), or none (every acoustic input the empty id).",
+        "(livespeech.training.train `corrupt_history`), or none (every acoustic input the empty id).",
         "",
         report.markdown_table(["acoustic history", "codebook 1 accuracy %", "codebook 1 names the GT phone %"],
                               [[name, pct(h["cb1_acc"]), pct(h["cb1_phone"])]
@@ -370,14 +370,14 @@ def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m training.diagnose", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.diagnose", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default="data/corpus")
     p.add_argument("--model", default="default", help="model directory, 'default' or 'random:<preset>'")
     p.add_argument("--out", default="docs/eval-runs/oracle-graphemes.md")
-    p.add_argument("--limit", type=int, default=20, help="test utterances (training.evaluate's selection)")
+    p.add_argument("--limit", type=int, default=20, help="test utterances (livespeech.training.evaluate's selection)")
     p.add_argument("--split", default="test")
-    p.add_argument("--seed", type=int, default=0, help="as training.evaluate --seed")
+    p.add_argument("--seed", type=int, default=0, help="as livespeech.training.evaluate --seed")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma list of {','.join(SYNTH_MODES)}")
     p.add_argument("--top-k", type=int, default=SessionConfig.top_k, help="the server's default (SessionConfig.top_k)")
     p.add_argument("--n-past", type=int, default=4)
@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch and ASR threads")
     p.add_argument("--save-audio", default=None, help="folder for the WAVs")
     p.add_argument("--letters", choices=("even", "phones"), default="even",
-                   help="the grapheme row the model was trained on (training.train --letters): the "
+                   help="the grapheme row the model was trained on (livespeech.training.train --letters): the "
                         "teacher-forced targets and the oracle graphemes")
     return p
 
@@ -403,8 +403,8 @@ def main(argv=None) -> int:
             return 2
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
 
-    from models.loading import load_bundle, write_wav
-    from server.runner import ModelRunner
+    from livespeech.models.loading import load_bundle, write_wav
+    from livespeech.server.runner import ModelRunner
 
     corpus = Path(a.corpus)
     rows = read_manifest(str(corpus))
@@ -468,7 +468,7 @@ def main(argv=None) -> int:
 
     summary, tf_summary = summarize(records, utt_out)
     meta = dict(
-        command="python -m training.diagnose " + " ".join(shlex.quote(x) for x in argv),
+        command="python -m livespeech.training.diagnose " + " ".join(shlex.quote(x) for x in argv),
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         model=bundle.source + ("" if not info else " (" + ", ".join(f"{k} {v}" for k, v in info.items()) + ")"),
         corpus=str(corpus), split=a.split, seed=a.seed, n_utterances=len(preps),

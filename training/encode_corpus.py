@@ -1,6 +1,6 @@
 """Encode corpus audio to codec codes, one int16 .npy [Q, F] per utterance.
 
-    python -m training.encode_corpus --corpus data/corpus --codec runs/codec/best.pt --out data/codes
+    python -m livespeech.training.encode_corpus --corpus data/corpus --codec runs/codec/best.pt --out data/codes
 
 Resumable (existing files are skipped; files are written atomically). Order: dev, test,
 then train in a seeded shuffle, so a partial run is a random subset of the training
@@ -23,8 +23,8 @@ import time
 import numpy as np
 import torch
 
-from models.config import SAMPLE_RATE
-from models.loading import load_codec
+from livespeech.models.config import SAMPLE_RATE
+from livespeech.models.loading import load_codec
 
 from .dataset import codes_path, read_manifest, read_wav_segment
 from .schedule import setup_device
@@ -76,7 +76,7 @@ def save_codes(path: str, codes: np.ndarray) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.encode_corpus", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.encode_corpus", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True)
     p.add_argument("--codec", required=True)

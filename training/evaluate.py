@@ -1,7 +1,7 @@
 """Objective evaluation like the paper's Table 2 and Table 3, through the server's
 streaming path.
 
-    python -m training.evaluate --corpus data/corpus --model models/weights/default \\
+    python -m livespeech.training.evaluate --corpus data/corpus --model models/weights/default \\
         --out docs/eval.md --limit 20 [--modes online,offline,1word] [--lambdas 1,0]
 
 (`livespeech eval ...` forwards here.) For each test utterance of the corpus
@@ -10,7 +10,7 @@ streaming path.
 - ground truth: the corpus audio;
 - codec resynthesis: the ground truth encoded and decoded with the bundle's codec
   (the paper's "ground truth (compressed)");
-- the model, through `server.engine.Engine` exactly as the gRPC service drives it, in
+- the model, through `livespeech.server.engine.Engine` exactly as the gRPC service drives it, in
   each mode: `online` (np=4, nf=2, the manifest's 2-4-word chunks), `offline`
   (np=-1 unbounded, nf=2, same chunks), `1word` (np=4, nf=2, one word per chunk), at
   each semantic-guidance lambda (first = the main table, all = the ablation table).
@@ -48,11 +48,11 @@ from typing import Optional
 
 import numpy as np
 
-from server.session_api import SessionConfig
-from training.eval import report
-from training.eval.backends import Backend, cosine, make_backends
-from training.dataset import read_manifest
-from training.eval.text import error_counts, get_normalizer
+from livespeech.api.session import SessionConfig
+from livespeech.training.eval import report
+from livespeech.training.eval.backends import Backend, cosine, make_backends
+from livespeech.training.dataset import read_manifest
+from livespeech.training.eval.text import error_counts, get_normalizer
 
 SR = 24000
 ENROLL_TARGET_S = 4.0
@@ -145,7 +145,7 @@ def select_utterances(rows: list[dict], corpus: Path, limit: Optional[int], spli
 def voice_variants(corpus: Path) -> dict[str, str]:
     """Voice id -> timbre (voices.json: an eSpeak variant, 'flite-<voice>'); voices of one
     timbre in different accents or at other speeds sound alike to a speaker encoder."""
-    from training.corpus.voices import timbre
+    from livespeech.training.corpus.voices import timbre
 
     try:
         with open(corpus / "voices.json") as f:
@@ -170,7 +170,7 @@ def model_info(path: Optional[str]) -> dict:
     (step, export time) and the first 12 hex digits of each file's SHA-256."""
     import hashlib
 
-    from models.loading import DEFAULT_MODEL_DIR
+    from livespeech.models.loading import DEFAULT_MODEL_DIR
 
     if path is not None and (path.startswith("random:") or path.lower() == "none"):
         return {}
@@ -196,7 +196,7 @@ def model_info(path: Optional[str]) -> dict:
 
 # --- audio -----------------------------------------------------------------------------------
 def read_audio(path: Path) -> np.ndarray:
-    from models.loading import read_wav, resample
+    from livespeech.models.loading import read_wav, resample
 
     audio, sr = read_wav(path)
     return resample(audio, sr, SR)
@@ -227,7 +227,7 @@ def run_session(engine, cfg, voice, pieces, timeout_s: float):
     client_time_s or None, flush) each), end the input, collect the events until Finished
     or Failed. Returns (events, handle); events is None on a timeout (the session is
     then cancelled)."""
-    from server.session_api import Failed, Finished
+    from livespeech.api.session import Failed, Finished
 
     events: list = []
     done = threading.Event()
@@ -250,8 +250,8 @@ def run_session(engine, cfg, voice, pieces, timeout_s: float):
 
 def session_audio(events: list) -> np.ndarray:
     """The session's audio packets joined, float32 (the session's rate)."""
-    from server.audio import pcm16_to_float
-    from server.session_api import AudioPacket
+    from livespeech.api.audio import pcm16_to_float
+    from livespeech.api.session import AudioPacket
 
     return pcm16_to_float(b"".join(e.data for e in events if isinstance(e, AudioPacket)))
 
@@ -261,7 +261,7 @@ def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int,
     """Stream the utterance's text into an engine session chunk by chunk (the whole text
     at once, as a fast upstream LLM would; with pacing='speech-time' each chunk carries the
     time it is spoken in the ground truth, as in the paper's simulated streams)."""
-    from server.session_api import ChunkingConfig, Failed, Finished, WordTiming
+    from livespeech.api.session import ChunkingConfig, Failed, Finished, WordTiming
 
     speech_time = pacing == "speech-time"
     cfg = SessionConfig(
@@ -376,7 +376,7 @@ def _parse_lambdas(s: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.evaluate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default="data/corpus", help="corpus folder with manifest.jsonl")
     p.add_argument("--model", default="default",
@@ -448,7 +448,7 @@ def main(argv=None) -> int:
     bundle = engine = None
     model_source = "none (ground truth only)"
     if a.model.lower() != "none":
-        from models.loading import load_bundle
+        from livespeech.models.loading import load_bundle
 
         t0 = time.perf_counter()
         info = model_info(a.model)
@@ -458,7 +458,7 @@ def main(argv=None) -> int:
         model_source = bundle.source + ("" if not info else " (" + ", ".join(f"{k} {v}" for k, v in info.items()) + ")")
         log(f"loaded {bundle.source} in {time.perf_counter() - t0:.1f} s")
         if modes:
-            from server.engine import Engine, EngineConfig
+            from livespeech.server.engine import Engine, EngineConfig
 
             # no pacing to real time: sessions run as fast as compute allows (RTF is measured)
             engine = Engine(bundle, EngineConfig(max_sessions=1, max_lead_s=1e6, max_overrun_s=a.max_overrun_s))
@@ -524,7 +524,7 @@ def main(argv=None) -> int:
             ablation.append((m, report.fmt_lambda(lam), report.aggregate(report.row_label(report.MODEL, m, lam), recs)))
 
     meta = dict(
-        command="python -m training.evaluate " + " ".join(shlex.quote(x) for x in argv),
+        command="python -m livespeech.training.evaluate " + " ".join(shlex.quote(x) for x in argv),
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         model=model_source, corpus=str(corpus), split=a.split, n_utterances=len(utts),
         n_heldout=sum(u.heldout for u in utts), n_voices=len({u.voice for u in utts}),
@@ -581,7 +581,7 @@ def _brief(r: dict) -> str:
 def _save(folder: Optional[Path], rec: dict, audio: np.ndarray) -> None:
     if folder is None or audio.size == 0:
         return
-    from models.loading import write_wav
+    from livespeech.models.loading import write_wav
 
     tag = rec["system"].replace(" ", "_") if rec["system"] != report.MODEL else f"{rec['mode']}_l{rec['lambda']}"
     write_wav(folder / f"{rec['utt']}_{tag}.wav", audio, SR)

@@ -1,9 +1,9 @@
 """Export a trained codec + decoder as a model directory the server loads.
 
-    python -m training.export --codec runs/codec/best.pt --decoder runs/decoder/last.pt \
+    python -m livespeech.training.export --codec runs/codec/best.pt --decoder runs/decoder/last.pt \
         --corpus data/corpus --out models/weights/default
 
-Writes decoder.pt (fp16, models.loading.save_decoder), codec.pt, voices/<id>.wav
+Writes decoder.pt (fp16, livespeech.models.loading.save_decoder), codec.pt, voices/<id>.wav
 (built-in reference voices: 3-5 s of TRAIN voices, 24 kHz 16-bit) and MODEL_CARD.md.
 Checks that fp16 loses nothing (logits fp32 vs fp16-loaded on a dev batch) and that
 `load_bundle` loads the directory.
@@ -21,10 +21,10 @@ import time
 import numpy as np
 import torch
 
-from models.codec import CodecModel
-from models.config import SAMPLE_RATE, ModelConfig
-from models.livespeech import LiveSpeech2
-from models.loading import load_bundle, load_decoder, save_decoder, write_wav
+from livespeech.models.codec import CodecModel
+from livespeech.models.config import SAMPLE_RATE, ModelConfig
+from livespeech.models.livespeech import LiveSpeech2
+from livespeech.models.loading import load_bundle, load_decoder, save_decoder, write_wav
 
 from .dataset import read_manifest, read_wav_segment
 from .plot import read_log
@@ -152,7 +152,7 @@ def model_card(out: str, dec_obj: dict, dec_path: str, codec_path: str, corpus: 
     lines += [
         "",
         "## Training data",
-        f"Synthetic corpus `{corpus}` built with `python -m training.corpus build` (offline "
+        f"Synthetic corpus `{corpus}` built with `python -m livespeech.training.corpus build` (offline "
         f"sentence pool; train hours by synthesiser: {engines}): {len(records)} utterances, "
         f"{len(train)} train ({sum(r['duration_s'] for r in train) / 3600:.1f} h, "
         f"{len({r['voice'] for r in train})} voices). Dev/test use held-out sentences and "
@@ -161,7 +161,7 @@ def model_card(out: str, dec_obj: dict, dec_path: str, codec_path: str, corpus: 
            if dargs.get("extra_corpus") else ""),
         "",
         "## Codec",
-        *([f"`python -m training.codec_train` ({codec_run}): {max((r['step'] for r in csteps + cevals), default='?')} steps on "
+        *([f"`python -m livespeech.training.codec_train` ({codec_run}): {max((r['step'] for r in csteps + cevals), default='?')} steps on "
            f"{cargs.get('device', '?')}, batch {cargs.get('batch', '?')} x {cargs.get('crop_s', '?')} s crops, AdamW lr "
            f"{cargs.get('lr', '?')}, L1 + multi-res STFT + mel, no discriminator.",
            f"Dev resynthesis (16 x 2 s dev crops, 8 codebooks): mel distance {cbest.get('dev_mel', float('nan')):.3f}, "
@@ -172,7 +172,7 @@ def model_card(out: str, dec_obj: dict, dec_path: str, codec_path: str, corpus: 
           [f"`{codec_path}`, exported without its training run: how it was trained is in the README.md beside it."]),
         "",
         "## Decoder",
-        f"`python -m training.train` ({dec_run}): step {dec_obj.get('step', '?')}, AdamW lr "
+        f"`python -m livespeech.training.train` ({dec_run}): step {dec_obj.get('step', '?')}, AdamW lr "
         f"{dargs.get('lr', '?')} warmup+cosine, grad clip 1.0, length-bucketed batches of "
         f"<= {dargs.get('batch_frames', '?')} frames, A.5 streaming text mask with p="
         f"{dargs.get('stream_p', '?')}, LiveSpeech codebook loss weights "
@@ -196,7 +196,7 @@ def model_card(out: str, dec_obj: dict, dec_path: str, codec_path: str, corpus: 
         "The stages and their options are in docs/training.md (one CUDA machine: "
         "`scripts/train_gpu.sh`). This directory was written by:",
         "```",
-        f"python -m training.export --codec {codec_path} --decoder {dec_path} --corpus {corpus} --out {shown_out or out}",
+        f"python -m livespeech.training.export --codec {codec_path} --decoder {dec_path} --corpus {corpus} --out {shown_out or out}",
         "```",
         "",
     ]
@@ -205,7 +205,7 @@ def model_card(out: str, dec_obj: dict, dec_path: str, codec_path: str, corpus: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.export", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--codec", required=True)
     p.add_argument("--decoder", required=True)

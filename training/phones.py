@@ -6,7 +6,7 @@ training uses them as exact labels for an auxiliary phone classifier on the firs
 quantiser level (semantic distillation, as SpeechTokenizer distils HuBERT into RVQ-1), so
 that codebook 1 says which sound is being made and a decoder can predict it from text.
 
-    python -m training.phones --corpus data/corpus --codec models/weights/default/codec.pt
+    python -m livespeech.training.phones --corpus data/corpus --codec models/weights/default/codec.pt
 
 prints the probe of one codec (``probe_codec``) as JSON:
 - ``cb1_repeat``: share of frames whose codebook-1 code equals the previous frame's;
@@ -128,7 +128,7 @@ def _table_accuracy(fit: Counter, score: Counter) -> float:
 class PhoneTable:
     """Which phone a codebook-1 code stands for (the majority over train utterances):
     reads codes a decoder emits as phones, to count the frames whose code names the
-    phone the ground truth has there (training.diagnose)."""
+    phone the ground truth has there (livespeech.training.diagnose)."""
 
     vocab: PhoneVocab
     table: dict
@@ -213,7 +213,7 @@ def probe_codec(codec, corpus: str, records: Sequence[dict], vocab: PhoneVocab |
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.phones", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.phones", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True)
     p.add_argument("--codec", required=True)
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
-    from models.codec import CodecModel
+    from livespeech.models.codec import CodecModel
 
     torch.set_num_threads(a.threads)
     codec = CodecModel.from_checkpoint(a.codec).to(a.device)

@@ -1,4 +1,4 @@
-"""Plot the loss curves of a run: ``python -m training.plot runs/decoder [--out curves.png]``.
+"""Plot the loss curves of a run: ``python -m livespeech.training.plot runs/decoder [--out curves.png]``.
 
 Reads `<run>/log.jsonl` (decoder or codec run) and writes `<run>/curves.png`.
 Needs matplotlib (the `train` extra)."""
@@ -64,7 +64,7 @@ def plot(run: str, out: str | None = None) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.plot")
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.plot")
     p.add_argument("run")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)

@@ -10,9 +10,9 @@ from typing import Optional
 
 import numpy as np
 
-from models import graphemes as G
-from models.config import FRAME_RATE, SAMPLE_RATE
-from models.loading import write_wav
+from livespeech.models import graphemes as G
+from livespeech.models.config import FRAME_RATE, SAMPLE_RATE
+from livespeech.models.loading import write_wav
 
 from .dataset import codes_path
 

@@ -1,5 +1,5 @@
 """Synthesize a few sentences through the server engine with an exported model directory:
-``python -m training.synth_check --model models/weights/default --out runs/synth``.
+``python -m livespeech.training.synth_check --model models/weights/default --out runs/synth``.
 
 Writes <out>/<voice>_<i>.wav (24 kHz) and prints load time, RTF, words and durations.
 A sanity check of the shipped weights, not an evaluation."""
@@ -17,7 +17,7 @@ SENTENCES = ["Hello there, this is a short test.", "The folder must exist before
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.synth_check")
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.synth_check")
     p.add_argument("--model", default="models/weights/default")
     p.add_argument("--out", default="runs/synth")
     p.add_argument("--voices", default="default")
@@ -25,9 +25,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from models.loading import load_bundle, write_wav
-    from server.engine import Engine, EngineConfig
-    from server.session_api import Failed, SessionConfig, WordTiming
+    from livespeech.models.loading import load_bundle, write_wav
+    from livespeech.server.engine import Engine, EngineConfig
+    from livespeech.api.session import Failed, SessionConfig, WordTiming
 
     from .evaluate import run_session, session_audio
 

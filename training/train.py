@@ -1,8 +1,8 @@
 """Train the LiveSpeech 2 decoder (models/livespeech.py, preset 'tiny') on corpus codes.
 
-    python -m training.train --corpus data/corpus --codes data/codes --out runs/decoder \
+    python -m livespeech.training.train --corpus data/corpus --codes data/codes --out runs/decoder \
         [--resume] [--device cpu|cuda] [--steps N]
-    python -m training.train --smoke --out /tmp/smoke      # tiny synthetic run (tests)
+    python -m livespeech.training.train --smoke --out /tmp/smoke      # tiny synthetic run (tests)
 
 Examples follow the server's inference layout (training/dataset.py). Loss = sum over
 codebooks of w_k * CE_k with LiveSpeech's accuracy-based weights (CodebookLossWeights);
@@ -29,10 +29,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from models.attention import streaming_dropout_mask
-from models.config import ModelConfig, preset
-from models.derived import cpu_has_bf16_dot
-from models.livespeech import CodebookLossWeights, LiveSpeech2, codebook_losses
+from livespeech.models.attention import streaming_dropout_mask
+from livespeech.models.config import ModelConfig, preset
+from livespeech.models.derived import cpu_has_bf16_dot
+from livespeech.models.livespeech import CodebookLossWeights, LiveSpeech2, codebook_losses
 
 from .dataset import Batch, DecoderData, collate
 from .schedule import Schedule, setup_device
@@ -271,7 +271,7 @@ def choose_scan(want: str, model: torch.nn.Module, device: torch.device) -> str:
             raise SystemExit("--scan triton needs a CUDA device")
         return "pytorch"
     try:
-        from models.mamba_triton import check_against_torch, time_against_torch, use_triton_scan
+        from livespeech.models.mamba_triton import check_against_torch, time_against_torch, use_triton_scan
 
         err = check_against_torch(device)
         why = f"differs from the PyTorch scan by {err:.1e}" if not err < 1e-4 else ""
@@ -295,7 +295,7 @@ def build_model(cfg: ModelConfig, device) -> LiveSpeech2:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.train", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default="data/corpus")
     p.add_argument("--codes", default="data/codes")
@@ -383,7 +383,7 @@ def main(argv=None) -> int:
     if a.resume and os.path.exists(last_path):
         st = torch.load(last_path, map_location="cpu", weights_only=False)
     elif a.init:
-        from models.loading import decoder_from_weights
+        from livespeech.models.loading import decoder_from_weights
 
         # an exported decoder, or a run's own checkpoint (last.pt/best.pt: our file, which
         # also holds the optimizer state, so not loadable weights-only)
@@ -442,7 +442,7 @@ def main(argv=None) -> int:
         np.random.set_state(st["np_rng"])
         print(f"resumed from {last_path} at step {step}", flush=True)
 
-    from models.tokenizer import get_tokenizer
+    from livespeech.models.tokenizer import get_tokenizer
     tok = get_tokenizer()
 
     def load_data():

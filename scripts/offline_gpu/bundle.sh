@@ -13,7 +13,7 @@ PY=${PY:-.venv/bin/python}
 mkdir -p "$D/espeak/lib" "$D/def"
 # the corpus definition (sentence pool, splits, voices): a tiny corpus build writes it
 # (ENGINES: the synthesisers' shares; an existing data/corpus keeps its own)
-[ -e data/corpus/config.json ] || $PY -m training.corpus build --out data/corpus --hours 0.01 --no-progress \
+[ -e data/corpus/config.json ] || $PY -m livespeech.training.corpus build --out data/corpus --hours 0.01 --no-progress \
   --engines "${ENGINES:-espeak=0.8,flite=0.2}"
 cp data/corpus/config.json data/corpus/sentences.jsonl data/corpus/voices.json "$D/def/"
 # next_run.sh reads the pool gzipped (12 -> 2.6 MB of the call's 64 MiB)

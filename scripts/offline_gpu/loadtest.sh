@@ -8,7 +8,7 @@
 # friends) and Whisper's ranks.
 #   scripts/offline_gpu/loadtest.sh [SWEEP]    (default 8,16,32,64; ~1 minute a level a run)
 # $OUT gets loadtest.tgz (a report and JSON per run, and the step profile of each:
-# loadtest.profile_step) and the logs. Knobs: DURATION (20 s a level), MODEL
+# livespeech.loadtest.profile_step) and the logs. Knobs: DURATION (20 s a level), MODEL
 # (random:paper/encodec_24khz), DEVICE (cuda), PY (python3), SITE, PROFILE (1; 0: no
 # profiles), PROFILE_BATCH ("1 16 64").
 set -uo pipefail
@@ -20,9 +20,9 @@ export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$(realpath "$D")/multilingual
 if [ "${MAMBA:-}" = build ] && [ ! -e "$SITE.done" ]; then
   NICE=0 bash scripts/offline_gpu/build_mamba.sh "$SITE" > "$OUT/mamba_build.log" 2>&1
 fi
-run() {  # $1: the run's name; $2: PYTHONPATH; then loadtest.run's own flags
+run() {  # $1: the run's name; $2: PYTHONPATH; then livespeech.loadtest.run's own flags
   local name=$1 path=$2; shift 2
-  PYTHONPATH=$path $PY -m loadtest.run --spawn --model-path "${MODEL:-random:paper/encodec_24khz}" \
+  PYTHONPATH=$path $PY -m livespeech.loadtest.run --spawn --model-path "${MODEL:-random:paper/encodec_24khz}" \
     --device "${DEVICE:-cuda}" --sweep "$SWEEP" --duration "${DURATION:-20}" --sentences-per-turn 1 \
     --no-baseline --no-plots --max-failures 2 --out "$W/$name" "$@" 2>&1 | tee "$OUT/loadtest-$name.log"
 }
@@ -33,7 +33,7 @@ graphs_ok() {  # $1: PYTHONPATH. The replay against the eager step, before it is
 profile() {  # $1: the run's name; $2: PYTHONPATH; then profile_step's own flags. Where a step's time goes
   [ "${PROFILE:-1}" = 1 ] || return 0
   mkdir -p "$W/$1"
-  PYTHONPATH=$2 $PY -m loadtest.profile_step --model-path "${MODEL:-random:paper/encodec_24khz}" \
+  PYTHONPATH=$2 $PY -m livespeech.loadtest.profile_step --model-path "${MODEL:-random:paper/encodec_24khz}" \
     --device "${DEVICE:-cuda}" --batch ${PROFILE_BATCH:-1 16 64} --steps 100 --json "$W/$1/profile.json" \
     --markdown "$W/$1/profile.md" "${@:3}" > "$W/$1/profile.log" 2>&1 || tail -n 5 "$W/$1/profile.log"
 }

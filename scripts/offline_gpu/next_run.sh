@@ -74,7 +74,7 @@ fi
 # the committed one has trained on ($NEXT/TRAINED_BEFORE; dev and test stay the same)
 SKIP=0; [ "$STAGE" = decoder ] && [ -e $NEXT/decoder.pt ] && SKIP=$(cat $NEXT/TRAINED_BEFORE 2>/dev/null || echo 0)
 stamp "corpus: ${HOURS:-20} h, training utterances from index $SKIP"
-$PY -m training.corpus build --out $W/corpus --hours "${HOURS:-20}" --workers "$(nproc)" --no-progress \
+$PY -m livespeech.training.corpus build --out $W/corpus --hours "${HOURS:-20}" --workers "$(nproc)" --no-progress \
   --skip-train-before "$SKIP" > $W/corpus.log 2>&1 || { tail -20 $W/corpus.log; exit 1; }
 tail -n 4 $W/corpus.log
 # what to commit as $NEXT/TRAINED_BEFORE with this run's decoder
@@ -93,10 +93,10 @@ codec)
   stamp "codec: $MIN min each, phone weight ${PHONE_WEIGHT:-1}; init from $INIT, and from scratch"
   common=(--corpus $W/corpus --device $DEVICE --phone-weight "${PHONE_WEIGHT:-1}" --minutes "$MIN" --steps 1000000
           --batch "${CODEC_BATCH:-64}" --threads 4 --eval-every 1000 --ckpt-every 1000 --log-every 100 --probe-n 200)
-  $PY -m training.codec_train "${common[@]}" --out $W/codec_init --init $INIT --lr "${CODEC_LR:-4e-4}" --warmup 50 \
+  $PY -m livespeech.training.codec_train "${common[@]}" --out $W/codec_init --init $INIT --lr "${CODEC_LR:-4e-4}" --warmup 50 \
     > $W/codec_init.log 2>&1 &
   A=$!
-  $PY -m training.codec_train "${common[@]}" --out $W/codec_scratch --lr 8e-4 --warmup 100 \
+  $PY -m livespeech.training.codec_train "${common[@]}" --out $W/codec_scratch --lr 8e-4 --warmup 100 \
     > $W/codec_scratch.log 2>&1 &
   B=$!
   wait $A; ra=$?; wait $B; rb=$?
@@ -104,12 +104,12 @@ codec)
   [ $ra = 0 ] || [ $rb = 0 ] || exit 1
   stamp "probe: the starting codec and each run's last checkpoint (the end of its schedule), same utterances"
   for c in $INIT $W/codec_init/last.pt $W/codec_scratch/last.pt; do
-    [ -e $c ] && $PY -m training.phones --corpus $W/corpus --codec $c --n 400 --device $DEVICE --threads 4
+    [ -e $c ] && $PY -m livespeech.training.phones --corpus $W/corpus --codec $c --n 400 --device $DEVICE --threads 4
   done | tee $OUT/probe.json
   for v in init scratch; do
     [ -e $W/codec_$v/last.pt ] || continue
     $PY -c "
-from models.codec import CodecModel
+from livespeech.models.codec import CodecModel
 CodecModel.from_checkpoint('$W/codec_$v/last.pt').save('$OUT/codec_$v.pt', half=True)"
     cp $W/codec_$v/log.jsonl $OUT/codec_${v}_log.jsonl
   done
@@ -123,7 +123,7 @@ decoder)
   # $NEXT/decoder.pt when one is committed
   CODEC=$NEXT/codec.pt
   for k in 0 1; do
-    $PY -m training.encode_corpus --corpus $W/corpus --codec $CODEC --out $W/codes --device $DEVICE \
+    $PY -m livespeech.training.encode_corpus --corpus $W/corpus --codec $CODEC --out $W/codes --device $DEVICE \
       --max-seconds 8 --threads 1 --batch 64 --shard $k/2 > $W/encode$k.log 2>&1 &
   done
   sleep 20
@@ -134,12 +134,12 @@ decoder)
     mkdir -p $W/piper && tar xzf $NEXT/piper.tar.gz -C $W/piper && EXTRA=(--extra-corpus $W/piper:$W/piper/codes)
   fi
   # CANDIDATES train side by side on the one GPU, the same data order; the better one by
-  # dev codebook-1 CE (then training.diagnose here) is committed
+  # dev codebook-1 CE (then livespeech.training.diagnose here) is committed
   MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-90}) / 60), 2))")
   stamp "decoder: $MIN min ${INIT[*]:-from scratch}; candidates: $CANDIDATES"
   pids=()
   for v in $CANDIDATES; do
-    $PY -m training.train --corpus $W/corpus --codes $W/codes --out $W/$v --device $DEVICE --minutes "$MIN" \
+    $PY -m livespeech.training.train --corpus $W/corpus --codes $W/codes --out $W/$v --device $DEVICE --minutes "$MIN" \
       --steps 1000000 --batch-frames "${BATCH_FRAMES:-80000}" --max-batch 256 --lr 2e-3 --warmup 100 --rescan-every 50 \
       --eval-every 200 --ckpt-minutes 2 --threads 4 --eos-jitter 0.3 "${INIT[@]}" "${EXTRA[@]}" $(candidate_args $v) \
       > $W/$v.log 2>&1 &
@@ -155,7 +155,7 @@ decoder)
   stamp "export (fp16, brought back in 15 MB parts: cat NAME.pt.part* > NAME.pt)"
   for v in $CANDIDATES; do
     [ -e $W/$v/last.pt ] || continue
-    ( $PY -m training.export --codec $CODEC --decoder $W/$v/last.pt --corpus $W/corpus --codes $W/codes \
+    ( $PY -m livespeech.training.export --codec $CODEC --decoder $W/$v/last.pt --corpus $W/corpus --codes $W/codes \
         --out $W/export_$v > $W/export_$v.log 2>&1 \
       && split -b 15000000 -d $W/export_$v/decoder.pt $OUT/$v.pt.part \
       && cp $W/export_$v/MODEL_CARD.md $OUT/${v}_MODEL_CARD.md && cp $W/$v/log.jsonl $OUT/${v}_log.jsonl \

@@ -32,7 +32,7 @@ bring_back() {  # $1 an export directory -> its fp16 decoder.pt in 15 MB parts, 
 }
 export_parts() {  # $1 decoder checkpoint -> exported, then brought back
   local codec=/root/codec.pt; [ -e $W/codec_ft/best.pt ] && codec=$W/codec_ft/best.pt
-  rm -rf /root/exp && python3 -m training.export --codec $codec --decoder "$1" --corpus $W/corpus \
+  rm -rf /root/exp && python3 -m livespeech.training.export --codec $codec --decoder "$1" --corpus $W/corpus \
     --codes $W/codes --out /root/exp > $W/export_$MODE.log 2>&1 || { tail -5 $W/export_$MODE.log; return 1; }
   tail -3 $W/export_$MODE.log
   bring_back /root/exp
@@ -49,7 +49,7 @@ stop_pipeline() { kill -- -"$(cat $W/pipeline.pid)" 2>/dev/null; sleep "${1:-5}"
 mamba_check() {  # the build's own test run (build_mamba.sh), and with "bench" the train-step timing
   [ -e $SITE.ok ] || { echo "mamba-ssm not built, or its tests failed"; tail -3 $W/mamba_build.log; return; }
   tail -n 1 $W/mamba_build.log
-  [ "${1:-}" = bench ] && PYTHONPATH=$SITE python3 -m loadtest.bench_mamba --device cuda --batch 256 \
+  [ "${1:-}" = bench ] && PYTHONPATH=$SITE python3 -m livespeech.loadtest.bench_mamba --device cuda --batch 256 \
     --frames 600 --mamba-ssm --no-step --steps 3 2>&1 | tee $W/bench_mamba_ssm.txt | tail -3
 }
 case $MODE in
@@ -64,7 +64,7 @@ start)
   "$LIVESPEECH_FLITE" -lv || exit 1
   mkdir -p $W && cp models/weights/default/codec.pt /root/codec.pt
   nvidia-smi -L; nproc; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"
-  python3 -c "from training.corpus.espeak import ESpeak; print('espeak', ESpeak().sample_rate)" || exit 1
+  python3 -c "from livespeech.training.corpus.espeak import ESpeak; print('espeak', ESpeak().sample_rate)" || exit 1
   # the decoder waits for the build (~2-4 min, beside the corpus and the encoding) and
   # trains on its kernels if their parity test passes (a 3x faster scan in the bench;
   # untried end to end: the third GPU run's model was built without its device)

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from models.graphemes import word_graphemes
+from livespeech.models.graphemes import word_graphemes
 
 from .espeak import Event
 

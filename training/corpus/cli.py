@@ -1,4 +1,4 @@
-"""Command line: ``python -m training.corpus {build,summary,sentences,voices} ...``.
+"""Command line: ``python -m livespeech.training.corpus {build,summary,sentences,voices} ...``.
 
 ``main(argv)`` is what ``livespeech corpus ...`` forwards to.
 """
@@ -69,7 +69,7 @@ def _saved_definition(out: str) -> dict | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m training.corpus",
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.corpus",
                                 description="Synthetic LiveSpeech 2 training corpus (eSpeak NG, offline).")
     sub = p.add_subparsers(dest="cmd", required=True)
 

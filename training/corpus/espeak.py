@@ -1,7 +1,7 @@
 """eSpeak NG through its C API (ctypes): audio and exact word/phoneme events from one call.
 
 Only the raw synthesiser lives here; turning the events into word spans is done by the
-pure functions in :mod:`training.corpus.align`.
+pure functions in :mod:`livespeech.training.corpus.align`.
 
 The library keeps global state, so there is one :class:`ESpeak` per process (workers
 each create their own). Synthesis uses ``AUDIO_OUTPUT_SYNCHRONOUS``: ``espeak_Synth``

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from models.graphemes import normalize_text
+from livespeech.models.graphemes import normalize_text
 
 from .sentences import DEFAULT_WEIGHTS, Sentence
 from .voices import Voice

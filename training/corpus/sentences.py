@@ -34,7 +34,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-from models.graphemes import normalize_text
+from livespeech.models.graphemes import normalize_text
 
 MIN_WORDS = 4
 MAX_WORDS = 35

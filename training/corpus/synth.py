@@ -9,7 +9,7 @@ import wave
 import numpy as np
 from scipy.signal import resample_poly
 
-from models.graphemes import align_words_to_frames
+from livespeech.models.graphemes import align_words_to_frames
 
 from .align import AlignError, espeak_phones, phone_timeline, tokenize, word_spans
 from .plan import Job, audio_relpath, n_frames_for, simulate_chunks, spans_to_frames

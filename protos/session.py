@@ -144,6 +144,12 @@ class SessionConfig:
 
 
 @dataclass(frozen=True)
+class Started:
+    session_id: str
+    config: SessionConfig  # the effective config (voice_id resolved)
+
+
+@dataclass(frozen=True)
 class AudioPacket:
     seq: int
     data: bytes  # encoded in the session's encoding and sample rate
@@ -247,3 +253,11 @@ class EngineAPI(Protocol):
 class StateError(RuntimeError):
     """A message arrived in a state that does not accept it (FAILED_PRECONDITION),
     e.g. text after end of input."""
+
+
+@dataclass(frozen=True)
+class VoiceInfo:
+    voice_id: str
+    builtin: bool
+    reference_s: float = 0.0  # seconds of reference audio (registered voices)
+    created_unix_ms: int = 0

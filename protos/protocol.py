@@ -1,7 +1,7 @@
 """The wire protocol: `protos/livespeech/v1/livespeech.proto`, compiled on first import.
 
 Generated code is never committed. On import this module runs `grpc_tools.protoc` into
-`server/gen/` (gitignored) when the generated module is missing or stale (the stamp
+`protos/gen/` (gitignored) when the generated module is missing or stale (the stamp
 is a hash of the .proto and the protoc/protobuf versions), or into a per-user cache
 directory when the package directory is read-only (an installed package); set
 `LIVESPEECH_GEN_DIR` to choose the directory. Only the message module (`_pb2`) is
@@ -10,8 +10,10 @@ generated: the service's method table is read from its descriptor (`method_handl
 
 Requests whose bytes do not decode reach the handlers as `Malformed` (see there).
 
-It also holds the one mapping between the proto config and `SessionConfig`
-(`config_from_proto`, `config_to_proto`), used by the service and the client.
+It also holds the one mapping between proto messages and the session types
+(protos/session.py), used by the server and the client both ways: `config_*_proto`,
+`event_*_proto` (Started, AudioPacket, WordTiming, Summary), `summary_*_proto`,
+`voice_info_*_proto`.
 """
 from __future__ import annotations
 
@@ -29,30 +31,24 @@ from typing import Any, Optional
 
 import grpc
 
-from .session_api import ChunkingConfig, ConfigError, Encoding, SessionConfig, Summary
+from .session import (AudioPacket, ChunkingConfig, ConfigError, Encoding, SessionConfig, Started, Summary,
+                      VoiceInfo, WordTiming)
 
 PROTO_REL = "livespeech/v1/livespeech.proto"
 # what may follow "Bearer " in the `authorization` metadata (RFC 6750 b64token); the
 # server (server/auth.py) and the client library check tokens against it
 BEARER_TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 SERVICE_NAME = "livespeech.v1.LiveSpeech"
-_MODULE_NAME = "server.gen.livespeech_pb2"
+_MODULE_NAME = "livespeech.api.gen.livespeech_pb2"
 
 
 def _proto_root() -> Path:
-    """`protos/` of a source checkout, or the installed copy (package data)."""
-    here = Path(__file__).resolve().parent
-    candidates = [here.parent / "protos"]
-    try:  # installed: the `protos` namespace package ships the .proto as package data
-        import protos  # type: ignore[import-not-found]
-
-        candidates += [Path(p) for p in getattr(protos, "__path__", [])]
-    except ImportError:
-        pass
-    for root in candidates:
-        if (root / PROTO_REL).is_file():
-            return root
-    raise FileNotFoundError(f"{PROTO_REL} not found in {[str(c) for c in candidates]}")
+    """The folder holding `livespeech/v1/livespeech.proto`: this package's own (a source
+    checkout's `protos/`, or the installed package data)."""
+    root = Path(__file__).resolve().parent
+    if not (root / PROTO_REL).is_file():
+        raise FileNotFoundError(f"{PROTO_REL} not found in {root}")
+    return root
 
 
 def _stamp(proto_text: bytes) -> str:
@@ -349,3 +345,43 @@ def summary_from_proto(msg: "pb.SessionSummary") -> Summary:
     opt = {name: getattr(msg, name) if msg.HasField(name) else None for name in _SUMMARY_OPTIONAL}
     return Summary(frames=msg.frames, audio_s=msg.audio_s, cancelled=msg.cancelled, spoken_text=msg.spoken_text,
                    unspoken_words=tuple(msg.unspoken_words), **opt)
+
+
+def event_to_proto(ev: "Started | AudioPacket | WordTiming | Summary") -> "pb.SynthesizeResponse":
+    """A session event as the server sends it; `event_from_proto` reads it back."""
+    if isinstance(ev, AudioPacket):
+        return pb.SynthesizeResponse(audio=pb.AudioPacket(seq=ev.seq, data=ev.data, start_s=ev.start_s,
+                                                          duration_s=ev.duration_s))
+    if isinstance(ev, WordTiming):
+        return pb.SynthesizeResponse(word=pb.WordTiming(word=ev.word, start_s=ev.start_s, end_s=ev.end_s))
+    if isinstance(ev, Summary):
+        return pb.SynthesizeResponse(summary=summary_to_proto(ev))
+    if isinstance(ev, Started):
+        return pb.SynthesizeResponse(started=pb.Started(session_id=ev.session_id, config=config_to_proto(ev.config)))
+    raise TypeError(f"not a session event: {type(ev).__name__}")
+
+
+def event_from_proto(msg: "pb.SynthesizeResponse") -> "Optional[Started | AudioPacket | WordTiming | Summary]":
+    """A response as an event; None for a message kind this side does not know (a newer
+    server's)."""
+    kind = msg.WhichOneof("response")
+    if kind == "audio":
+        a = msg.audio
+        return AudioPacket(a.seq, a.data, a.start_s, a.duration_s)
+    if kind == "word":
+        return WordTiming(msg.word.word, msg.word.start_s, msg.word.end_s)
+    if kind == "started":
+        cfg, _ = config_from_proto(msg.started.config)
+        return Started(msg.started.session_id, cfg)
+    if kind == "summary":
+        return summary_from_proto(msg.summary)
+    return None
+
+
+def voice_info_to_proto(info: VoiceInfo) -> "pb.VoiceInfo":
+    return pb.VoiceInfo(voice_id=info.voice_id, builtin=info.builtin, reference_s=info.reference_s,
+                        created_unix_ms=info.created_unix_ms)
+
+
+def voice_info_from_proto(msg: "pb.VoiceInfo") -> VoiceInfo:
+    return VoiceInfo(msg.voice_id, msg.builtin, msg.reference_s, msg.created_unix_ms)
