@@ -33,14 +33,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from livespeech.api.protocol import SERVICE_NAME, method_handlers
+from livespeech.api.session import ConfigError, EngineAPI
+
 from .auth import AuthInterceptor, load_tokens, server_credentials
 from .config import ServerConfig
 from .metrics import Metrics
-from livespeech.api.protocol import SERVICE_NAME, method_handlers
 from .service import LiveSpeechService
-from .web import WebEndpoints, ssl_context
-from livespeech.api.session import ConfigError, EngineAPI
 from .voices import VoiceStore
+from .web import WebEndpoints, ssl_context
 
 log = logging.getLogger(__name__)
 

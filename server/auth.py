@@ -38,11 +38,12 @@ from typing import Any, Awaitable, Callable, Iterable, Optional
 
 import grpc
 
+from livespeech.api.protocol import BEARER_TOKEN_RE, rpc_method_handler
+from livespeech.api.session import ConfigError
+
 from .config import ServerConfig
 from .grpc_drain import drain_requests
 from .metrics import Metrics
-from livespeech.api.protocol import BEARER_TOKEN_RE, rpc_method_handler
-from livespeech.api.session import ConfigError
 from .voices import VOICE_ID_RE
 
 log = logging.getLogger(__name__)

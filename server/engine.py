@@ -24,18 +24,18 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from livespeech.api.audio import pcm16_to_float
+from livespeech.api.session import (AudioPacket, CapacityError, ConfigError, Failed, Finished, SessionConfig,
+                          Sink, Summary, WordTiming)
 from livespeech.models.config import FRAME_RATE
 from livespeech.models.loading import ModelBundle
 
-from livespeech.api.audio import pcm16_to_float
 from .chunker import TextChunk
 from .config import ServerConfig
 from .metrics import Metrics
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
 from .session import EngineSession, Phase, frames_to_s
-from livespeech.api.session import (AudioPacket, CapacityError, ConfigError, Failed, Finished, SessionConfig,
-                          Sink, Summary, WordTiming)
 
 log = logging.getLogger("livespeech.engine")
 

@@ -47,11 +47,6 @@ from typing import Any, AsyncIterator, Awaitable, Iterator, Optional
 
 import grpc
 
-from .audio import MODEL_SAMPLE_RATE
-from .auth import current_tenant
-from .config import ServerConfig
-from .grpc_drain import confirm_half_close, drain, drain_requests
-from .metrics import Metrics
 from livespeech.api.protocol import Enrollment, Malformed, config_from_proto, event_to_proto, pb, voice_info_to_proto
 from livespeech.api.session import (
     AudioPacket,
@@ -69,6 +64,12 @@ from livespeech.api.session import (
     Voice,
     WordTiming,
 )
+
+from .audio import MODEL_SAMPLE_RATE
+from .auth import current_tenant
+from .config import ServerConfig
+from .grpc_drain import confirm_half_close, drain, drain_requests
+from .metrics import Metrics
 from .voices import VoiceStore, VoiceStoreError, check_voice_id, decode_reference
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from livespeech.api.session import ConfigError, LimitError, SessionConfig, Sink, StateError
 from livespeech.models import graphemes
 from livespeech.models.attention import window_chunk_range
 from livespeech.models.config import FRAME_RATE
@@ -26,7 +27,6 @@ from livespeech.models.guidance import GuidanceState, Temperatures
 
 from .audio import AudioEncoder
 from .chunker import Chunker, TextChunk, ends_with_punctuation
-from livespeech.api.session import ConfigError, LimitError, SessionConfig, Sink, StateError
 from .timeline import SpeechTimeline
 
 if TYPE_CHECKING:

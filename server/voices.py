@@ -44,12 +44,11 @@ except ImportError:  # pragma: no cover - not on Windows: writers are then exclu
 
 import numpy as np
 
+from livespeech.api.audio import decode_wav, encode_wav
+from livespeech.api.session import ConfigError, EngineAPI, Voice, VoiceInfo
 from livespeech.models.resample import resample
 
-from livespeech.api.audio import decode_wav, encode_wav
-
 from .audio import MODEL_SAMPLE_RATE
-from livespeech.api.session import ConfigError, EngineAPI, Voice, VoiceInfo
 
 log = logging.getLogger(__name__)
 

@@ -55,11 +55,12 @@ import grpc
 from aiohttp import WSMsgType, web
 from google.protobuf import json_format
 
+from livespeech.api.protocol import Enrollment, config_from_proto, config_to_proto, pb, voice_info_to_proto
+from livespeech.api.session import AudioPacket, ConfigError, Failed, Finished, SessionConfig, Summary, WordTiming
+
 from .auth import AuthInterceptor, bearer_token, current_tenant, set_tenant
 from .config import ServerConfig
-from livespeech.api.protocol import Enrollment, config_from_proto, config_to_proto, pb, voice_info_to_proto
 from .service import LiveSpeechService, RpcError, SessionStream, failed_error, handle_errors
-from livespeech.api.session import AudioPacket, ConfigError, Failed, Finished, SessionConfig, Summary, WordTiming
 from .voices import VoiceStoreError
 
 log = logging.getLogger(__name__)
