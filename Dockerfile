@@ -2,8 +2,8 @@
 #
 # LiveSpeech server image: gRPC, WebSocket + HTTP (server/web.py), metrics.
 #
-#   CPU (default target, python:3.11-slim):   docker build -t livespeech:cpu .
-#   GPU (CUDA torch + mamba-ssm kernels):     docker build --target gpu -t livespeech:gpu .
+#   CPU (the default, python:3.11-slim):      docker build -t livespeech:cpu .
+#   GPU (CUDA torch + mamba-ssm kernels):     docker build --build-arg VARIANT=gpu -t livespeech:gpu .
 #   run:  docker run --rm -p 50051:50051 -p 8080:8080 -p 9464:9464 --stop-timeout 45 livespeech:cpu
 #         (flags after the image are `livespeech serve` flags, e.g. --max-sessions 8)
 #
@@ -14,6 +14,8 @@
 # See docs/deploy.md. The runtime images preload jemalloc: it starts lower than glibc's
 # malloc and its RSS settles in long soaks (docs/reliability.md, section 4).
 
+# cpu or gpu: which build and base the one runtime stage uses
+ARG VARIANT=cpu
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # Keep CUDA_VERSION and TORCH_CUDA_INDEX paired (same CUDA major.minor): mamba-ssm is
 # compiled with this nvcc against that torch.
@@ -52,38 +54,6 @@ RUN /opt/livespeech/bin/python -m pip install packaging==25.0 ninja==1.13.0 whee
 RUN /opt/livespeech/bin/python -P -c "import livespeech.api.protocol" \
  && /opt/livespeech/bin/livespeech serve --help > /dev/null
 
-# ------------------------------------------------------------------ GPU runtime
-FROM nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-${CUDA_UBUNTU} AS gpu
-# hadolint ignore=DL3008
-RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 libjemalloc2 \
- && rm -rf /var/lib/apt/lists/* \
- && ln -s "$(ls /usr/lib/*-linux-gnu/libjemalloc.so.2)" /usr/local/lib/libjemalloc.so.2 \
- && groupadd --gid 10001 livespeech \
- && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /var/lib/livespeech --shell /usr/sbin/nologin livespeech \
- && mkdir -p /var/lib/livespeech/voices \
- && chown -R 10001:10001 /var/lib/livespeech
-COPY --from=gpu-build /opt/livespeech /opt/livespeech
-COPY deploy/docker/grpc_health_check.py /usr/local/lib/livespeech/grpc_health_check.py
-ENV PATH=/opt/livespeech/bin:${PATH} \
-    LD_PRELOAD=/usr/local/lib/libjemalloc.so.2 \
-    PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1 \
-    XDG_CACHE_HOME=/tmp/.cache \
-    LIVESPEECH_HOST=0.0.0.0 \
-    LIVESPEECH_PORT=50051 \
-    LIVESPEECH_HTTP_PORT=8080 \
-    LIVESPEECH_METRICS_PORT=9464 \
-    LIVESPEECH_VOICES_DIR=/var/lib/livespeech/voices \
-    LIVESPEECH_DEVICE=cuda
-WORKDIR /var/lib/livespeech
-USER 10001:10001
-EXPOSE 50051 8080 9464
-HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-  CMD ["/opt/livespeech/bin/python", "/usr/local/lib/livespeech/grpc_health_check.py"]
-STOPSIGNAL SIGTERM
-ENTRYPOINT ["livespeech", "serve"]
-
 # ------------------------------------------------------------------ CPU build
 FROM ${PYTHON_IMAGE} AS cpu-build
 ARG TORCH_CPU_INDEX
@@ -98,18 +68,33 @@ RUN VENV=/opt/livespeech EDITABLE=0 EXTRAS="" TORCH_SPEC="${TORCH_SPEC}" bash sc
 RUN /opt/livespeech/bin/python -P -c "import livespeech.api.protocol" \
  && /opt/livespeech/bin/livespeech serve --help > /dev/null
 
-# ------------------------------------------------------------------ CPU runtime (default)
-FROM ${PYTHON_IMAGE} AS cpu
+# ------------------------------------------------------------------ runtime bases
+# What differs between the CPU and the GPU image: the base (the CUDA runtime brings no
+# Python of its own) and the device. The runtime stage below is common to both.
+FROM nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-${CUDA_UBUNTU} AS gpu-base
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 libjemalloc2 \
+ && rm -rf /var/lib/apt/lists/*
+ENV LIVESPEECH_DEVICE=cuda
+
+FROM ${PYTHON_IMAGE} AS cpu-base
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libjemalloc2 \
- && rm -rf /var/lib/apt/lists/* \
- && ln -s "$(ls /usr/lib/*-linux-gnu/libjemalloc.so.2)" /usr/local/lib/libjemalloc.so.2 \
+ && rm -rf /var/lib/apt/lists/*
+ENV LIVESPEECH_DEVICE=cpu
+
+# ------------------------------------------------------------------ runtime (the image)
+# VARIANT picks the pair of stages (BuildKit builds only the ones it picks)
+FROM ${VARIANT}-build AS build
+FROM ${VARIANT}-base AS runtime
+RUN ln -s "$(ls /usr/lib/*-linux-gnu/libjemalloc.so.2)" /usr/local/lib/libjemalloc.so.2 \
  && groupadd --gid 10001 livespeech \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /var/lib/livespeech --shell /usr/sbin/nologin livespeech \
  && mkdir -p /var/lib/livespeech/voices \
  && chown -R 10001:10001 /var/lib/livespeech
-COPY --from=cpu-build /opt/livespeech /opt/livespeech
+COPY --from=build /opt/livespeech /opt/livespeech
 COPY deploy/docker/grpc_health_check.py /usr/local/lib/livespeech/grpc_health_check.py
 ENV PATH=/opt/livespeech/bin:${PATH} \
     LD_PRELOAD=/usr/local/lib/libjemalloc.so.2 \
@@ -120,12 +105,12 @@ ENV PATH=/opt/livespeech/bin:${PATH} \
     LIVESPEECH_PORT=50051 \
     LIVESPEECH_HTTP_PORT=8080 \
     LIVESPEECH_METRICS_PORT=9464 \
-    LIVESPEECH_VOICES_DIR=/var/lib/livespeech/voices \
-    LIVESPEECH_DEVICE=cpu
+    LIVESPEECH_VOICES_DIR=/var/lib/livespeech/voices
 WORKDIR /var/lib/livespeech
 USER 10001:10001
 EXPOSE 50051 8080 9464
-HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+# the start period covers the GPU image's slower start (CUDA context, graph capture)
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
   CMD ["/opt/livespeech/bin/python", "/usr/local/lib/livespeech/grpc_health_check.py"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["livespeech", "serve"]

@@ -26,7 +26,7 @@ FORWARDED = {
     "corpus": ("livespeech.training.corpus.cli", "build the training corpus"),
     "train-codec": ("livespeech.training.codec_train", "train the audio codec"),
     "train": ("livespeech.training.train", "train the LiveSpeech model"),
-    "eval": ("livespeech.training.evaluate", "evaluate a model"),
+    "eval": ("livespeech.training.eval.evaluate", "evaluate a model"),
     "loadtest": ("livespeech.loadtest.run", "load-test a server"),
 }
 

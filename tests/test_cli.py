@@ -107,9 +107,9 @@ def test_serve_refuses_a_bad_config_in_one_line(capsys, monkeypatch) -> None:
 
 def test_forwarding_subcommands(monkeypatch, capsys) -> None:
     seen = []
-    fake = types.ModuleType("livespeech.training.evaluate")
+    fake = types.ModuleType("livespeech.training.eval.evaluate")
     fake.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "livespeech.training.evaluate", fake)
+    monkeypatch.setitem(sys.modules, "livespeech.training.eval.evaluate", fake)
     assert main(["eval", "--model", "x", "-h"]) == 0
     assert seen == [["--model", "x", "-h"]]
     monkeypatch.setitem(sys.modules, "livespeech.training.codec_train", None)  # import fails: missing

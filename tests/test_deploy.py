@@ -169,39 +169,45 @@ def test_hadolint_dockerfile(hadolint: str) -> None:
 def test_dockerfile_contract() -> None:
     stages = dockerfile_stages()
     names = [s["name"] for s in stages]
-    assert names[-1] == "cpu", "the default target (last stage) must be the CPU image"
-    assert {"cpu-build", "gpu-build", "gpu"} <= set(names)
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"ARG PYTHON_IMAGE=python:3\.11-slim", text)
+    # one runtime stage, the default target (the last), on the variant's build and base; CPU by default
+    assert names[-1] == "runtime" and names.count("runtime") == 1
+    assert re.search(r"^ARG VARIANT=cpu$", text, re.M)
     by_name = {s["name"]: s for s in stages}
-    assert by_name["cpu"]["from"] == "${PYTHON_IMAGE}" and by_name["cpu-build"]["from"] == "${PYTHON_IMAGE}"
-    assert by_name["gpu"]["from"].startswith("nvidia/cuda:") and by_name["gpu-build"]["from"].startswith("nvidia/cuda:")
+    assert by_name["runtime"]["from"] == "${VARIANT}-base" and by_name["build"]["from"] == "${VARIANT}-build"
+    assert by_name["cpu-base"]["from"] == "${PYTHON_IMAGE}" and by_name["cpu-build"]["from"] == "${PYTHON_IMAGE}"
+    assert by_name["gpu-base"]["from"].startswith("nvidia/cuda:") and by_name["gpu-build"]["from"].startswith("nvidia/cuda:")
     for build in ("cpu-build", "gpu-build"):
         runs = [ln for ln in by_name[build]["lines"] if ln.startswith("RUN")]
         # the tested install path, runtime-only, not editable
         assert any(re.search(r'EDITABLE=0 EXTRAS="" .*bash scripts/install\.sh', r) for r in runs), runs
         assert any("import livespeech.api.protocol" in r for r in runs), "pre-generate the protocol module (read-only root fs)"
     assert any("mamba-ssm" in ln or "MAMBA_SSM_SPEC" in ln for ln in by_name["gpu-build"]["lines"])
+    for variant, device in (("cpu", "cpu"), ("gpu", "cuda")):
+        base = by_name[f"{variant}-base"]["lines"]
+        assert f"ENV LIVESPEECH_DEVICE={device}" in base
+        assert any("libjemalloc2" in ln for ln in base if ln.startswith("RUN")), variant
     env_names = config_env_names()
-    for runtime in ("cpu", "gpu"):
-        lines = by_name[runtime]["lines"]
-        user = [ln for ln in lines if ln.startswith("USER")]
-        assert user and re.fullmatch(r"USER\s+\d+(:\d+)?", user[-1]) and not user[-1].split()[1].startswith("0"), user
-        expose = [ln for ln in lines if ln.startswith("EXPOSE")]
-        assert len(expose) == 1 and set(expose[0].split()[1:]) == {"50051", "8080", "9464"}, expose
-        hc = [ln for ln in lines if ln.startswith("HEALTHCHECK")]
-        assert hc and "grpc_health_check.py" in hc[0]
-        assert 'ENTRYPOINT ["livespeech", "serve"]' in lines
-        env_line = " ".join(ln for ln in lines if ln.startswith("ENV"))
-        for var in re.findall(r"\b(LIVESPEECH_[A-Z_]+)=", env_line):
-            assert var in env_names, f"{var} is not a ServerConfig setting"
-        assert "LIVESPEECH_PORT=50051" in env_line and "LIVESPEECH_METRICS_PORT=9464" in env_line
-        # WebSocket + HTTP (server/web.py) is off unless a port is named: the image names it
-        assert "LIVESPEECH_HTTP_PORT=8080" in env_line
-        # jemalloc is preloaded from the path the stage links it to (docs/reliability.md, soak)
-        assert "LD_PRELOAD=/usr/local/lib/libjemalloc.so.2" in env_line
-        assert any("libjemalloc2" in ln and "/usr/local/lib/libjemalloc.so.2" in ln
-                   for ln in lines if ln.startswith("RUN")), runtime
+    lines = by_name["runtime"]["lines"]
+    user = [ln for ln in lines if ln.startswith("USER")]
+    assert user and re.fullmatch(r"USER\s+\d+(:\d+)?", user[-1]) and not user[-1].split()[1].startswith("0"), user
+    expose = [ln for ln in lines if ln.startswith("EXPOSE")]
+    assert len(expose) == 1 and set(expose[0].split()[1:]) == {"50051", "8080", "9464"}, expose
+    hc = [ln for ln in lines if ln.startswith("HEALTHCHECK")]
+    assert hc and "grpc_health_check.py" in hc[0]
+    assert 'ENTRYPOINT ["livespeech", "serve"]' in lines
+    assert any(ln.startswith("COPY --from=build /opt/livespeech") for ln in lines)
+    env_line = " ".join(ln for stage in ("runtime", "cpu-base", "gpu-base") for ln in by_name[stage]["lines"]
+                        if ln.startswith("ENV"))
+    for var in re.findall(r"\b(LIVESPEECH_[A-Z_]+)=", env_line):
+        assert var in env_names, f"{var} is not a ServerConfig setting"
+    assert "LIVESPEECH_PORT=50051" in env_line and "LIVESPEECH_METRICS_PORT=9464" in env_line
+    # WebSocket + HTTP (server/web.py) is off unless a port is named: the image names it
+    assert "LIVESPEECH_HTTP_PORT=8080" in env_line
+    # jemalloc is preloaded from the path the runtime links it to (docs/reliability.md, soak)
+    assert "LD_PRELOAD=/usr/local/lib/libjemalloc.so.2" in env_line
+    assert any("/usr/local/lib/libjemalloc.so.2" in ln for ln in lines if ln.startswith("RUN"))
     # the header's `docker run` publishes every exposed port
     run_line = next(ln for ln in text.splitlines() if ln.startswith("#") and "docker run" in ln)
     assert set(re.findall(r"-p (\d+):(\d+)", run_line)) == {("50051", "50051"), ("8080", "8080"), ("9464", "9464")}
@@ -230,7 +236,7 @@ def _dockerignored(path: str, patterns: list[str]) -> bool:
 def test_dockerignore() -> None:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     patterns = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
-    for path in (".venv/bin/python", "data/corpus/x.wav", "runs/exp1/ckpt.pt", ".git/HEAD", "server/gen/x.py",
+    for path in (".venv/bin/python", "data/corpus/x.wav", "runs/exp1/ckpt.pt", ".git/HEAD", "protos/gen/x.py",
                  "tests/test_deploy.py", "server/__pycache__/app.cpython-311.pyc"):
         assert _dockerignored(path, patterns), f"{path} should not be in the build context"
     for path in ("scripts/install.sh", "pyproject.toml", "README.md", "server/app.py", "clients/cli.py",

@@ -1,4 +1,4 @@
-"""livespeech.training.diagnose on a random tiny model and the smoke corpus: forced codebooks come
+"""livespeech.training.eval.diagnose on a random tiny model and the smoke corpus: forced codebooks come
 out where the delay pattern puts them, and the free mode steps the model exactly as the
 server's ModelRunner does."""
 import numpy as np
@@ -9,9 +9,9 @@ from livespeech.models import graphemes as G
 from livespeech.models.guidance import GuidanceState
 from livespeech.models.loading import load_bundle
 from livespeech.server.runner import ModelRunner
-from livespeech.training import diagnose
+from livespeech.training.eval import diagnose
 from livespeech.training.dataset import read_manifest
-from livespeech.training.evaluate import SR, read_audio, select_utterances
+from livespeech.training.eval.evaluate import SR, read_audio, select_utterances
 from livespeech.training.phones import PhoneTable
 from livespeech.training.smoke import make_smoke_corpus
 

@@ -1,4 +1,4 @@
-"""livespeech.training.evaluate: error rates, normalisation, report tables, corpus selection and a
+"""livespeech.training.eval.evaluate: error rates, normalisation, report tables, corpus selection and a
 tiny end-to-end run (random model, metric backends skipped) on a synthetic corpus."""
 import json
 import sys
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from livespeech.api.session import SessionConfig
-from livespeech.training import evaluate
+from livespeech.training.eval import evaluate
 from livespeech.training.eval import report
 from livespeech.training.eval.backends import MOSPredictor, SpeakerEncoder, WhisperASR, cosine
 from livespeech.training.eval.text import (Normalizer, corpus_rates, edit_distance, error_counts, get_normalizer,
@@ -186,7 +186,7 @@ def test_end_to_end_random_model_without_backends(tmp_path, monkeypatch):
     assert rc == 0
     assert made == [3, 3]
     md = out.read_text()
-    assert "python -m livespeech.training.evaluate --corpus" in md and "random:tiny" in md and "top-k 3 sampling" in md
+    assert "python -m livespeech.training.eval --corpus" in md and "random:tiny" in md and "top-k 3 sampling" in md
     assert "load average" in md
     for label in ("| ground truth |", "| codec resynthesis |", "| online (λ=1) |"):
         assert label in md

@@ -128,7 +128,7 @@ def _table_accuracy(fit: Counter, score: Counter) -> float:
 class PhoneTable:
     """Which phone a codebook-1 code stands for (the majority over train utterances):
     reads codes a decoder emits as phones, to count the frames whose code names the
-    phone the ground truth has there (livespeech.training.diagnose)."""
+    phone the ground truth has there (livespeech.training.eval.diagnose)."""
 
     vocab: PhoneVocab
     table: dict

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     from livespeech.server.engine import Engine, EngineConfig
     from livespeech.api.session import Failed, SessionConfig, WordTiming
 
-    from .evaluate import run_session, session_audio
+    from .eval.evaluate import run_session, session_audio
 
     t = time.time()
     bundle = load_bundle(a.model)

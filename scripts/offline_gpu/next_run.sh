@@ -134,7 +134,7 @@ decoder)
     mkdir -p $W/piper && tar xzf $NEXT/piper.tar.gz -C $W/piper && EXTRA=(--extra-corpus $W/piper:$W/piper/codes)
   fi
   # CANDIDATES train side by side on the one GPU, the same data order; the better one by
-  # dev codebook-1 CE (then livespeech.training.diagnose here) is committed
+  # dev codebook-1 CE (then livespeech.training.eval.diagnose here) is committed
   MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-90}) / 60), 2))")
   stamp "decoder: $MIN min ${INIT[*]:-from scratch}; candidates: $CANDIDATES"
   pids=()

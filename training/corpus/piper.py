@@ -96,9 +96,9 @@ def speak(speed: float, text: str, tokens: list[Token]) -> tuple[np.ndarray, int
     """(int16 audio, its sample rate, one (start, end) sample span per token, the spoken
     phones (name, start, end)) at
     ``speed`` (1.0: the voice's own). Raises AlignError when the phonemes do not map."""
+    v = voice()  # first: without Piper it raises the error that says how to install it
     from piper.config import SynthesisConfig
 
-    v = voice()
     cfg = SynthesisConfig(length_scale=1.0 / speed, normalize_audio=False)
     audio, symbols = [], []
     for chunk in v.synthesize(text, cfg, include_alignments=True):

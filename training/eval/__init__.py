@@ -1,2 +1,9 @@
-"""Evaluation helpers for `livespeech.training.evaluate`: text normalisation and error rates
-(`text`), lazily loaded metric backends (`backends`) and report rendering (`report`)."""
+"""Evaluation of a model folder, in one package.
+
+- `evaluate` (`python -m livespeech.training.eval`): test clips through the streaming
+  path the server uses, scored with Whisper (WER/CER), speaker similarity and MOS
+- `diagnose` (`python -m livespeech.training.eval.diagnose`): where the decoder fails
+  (free-running against oracle graphemes and codebook 1, teacher forcing)
+- `text` (normalisation and error rates), `backends` (metric models, loaded lazily),
+  `report` (the markdown tables)
+"""

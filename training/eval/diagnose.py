@@ -1,10 +1,10 @@
 """Where the decoder fails: the grapheme stream (which letter when) or the acoustic
 codebooks (intelligible audio for a given letter)?
 
-    python -m livespeech.training.diagnose --corpus data/corpus --model default --limit 20 \\
+    python -m livespeech.training.eval.diagnose --corpus data/corpus --model default --limit 20 \\
         --out docs/eval-runs/2026-11-23-oracle-graphemes.md
 
-On the test utterances livespeech.training.evaluate picks (same selection, same enrollment, same
+On the test utterances livespeech.training.eval.evaluate picks (same selection, same enrollment, same
 per-utterance seed), each laid out exactly as training lays it out
 (training/dataset.py `DecoderData.example`, the enrollment replaced by the eval's):
 
@@ -25,7 +25,7 @@ per-utterance seed), each laid out exactly as training lays it out
      graphemes sampled (the alignment given the true audio so far).
    Every step draws its samples in the same order whatever is forced, so the modes
    share their random numbers. Each result is decoded with the bundle's codec and
-   scored with livespeech.training.evaluate's Whisper scorer, next to the ground truth and its
+   scored with livespeech.training.eval.evaluate's Whisper scorer, next to the ground truth and its
    codec resynthesis;
 3. how much codebook 1 leans on the acoustic codes read back (teacher forcing, text fully
    visible, true letters): its argmax's accuracy and how often it names the ground-truth
@@ -65,7 +65,7 @@ from livespeech.training.phones import PhoneTable
 from livespeech.training.eval import report
 from livespeech.training.eval.backends import make_backends
 from livespeech.training.eval.text import edit_distance, error_counts, get_normalizer
-from livespeech.training.evaluate import (SR, Scorer, Utterance, _json_default, codec_resynthesis, model_info, read_audio,
+from livespeech.training.eval.evaluate import (SR, Scorer, Utterance, _json_default, codec_resynthesis, model_info, read_audio,
                                select_utterances)
 
 SYNTH_MODES = ("free", "oracle-g", "oracle-g+cb1", "oracle-acoustic")
@@ -333,7 +333,7 @@ def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
         "",
         f"- Model: `{meta['model']}`",
         f"- Corpus: `{meta['corpus']}` split `{meta['split']}`: {meta['n_utterances']} utterances "
-        f"({meta['n_heldout']} of held-out voices), selected and enrolled as `livespeech.training.evaluate` does "
+        f"({meta['n_heldout']} of held-out voices), selected and enrolled as `livespeech.training.eval.evaluate` does "
         f"(seed {meta['seed']}); per-utterance sampling seed as there.",
         f"- Text: the manifest's chunks at their ground-truth times, the end-of-text key at the last frame "
         f"(training's layout); np={meta['n_past']}, nf={meta['n_future']} chunk window; top-k {meta['top_k']} for "
@@ -370,14 +370,14 @@ def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m livespeech.training.diagnose", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.eval.diagnose", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default="data/corpus")
     p.add_argument("--model", default="default", help="model directory, 'default' or 'random:<preset>'")
     p.add_argument("--out", default="docs/eval-runs/oracle-graphemes.md")
-    p.add_argument("--limit", type=int, default=20, help="test utterances (livespeech.training.evaluate's selection)")
+    p.add_argument("--limit", type=int, default=20, help="test utterances (livespeech.training.eval.evaluate's selection)")
     p.add_argument("--split", default="test")
-    p.add_argument("--seed", type=int, default=0, help="as livespeech.training.evaluate --seed")
+    p.add_argument("--seed", type=int, default=0, help="as livespeech.training.eval.evaluate --seed")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma list of {','.join(SYNTH_MODES)}")
     p.add_argument("--top-k", type=int, default=SessionConfig.top_k, help="the server's default (SessionConfig.top_k)")
     p.add_argument("--n-past", type=int, default=4)
@@ -468,7 +468,7 @@ def main(argv=None) -> int:
 
     summary, tf_summary = summarize(records, utt_out)
     meta = dict(
-        command="python -m livespeech.training.diagnose " + " ".join(shlex.quote(x) for x in argv),
+        command="python -m livespeech.training.eval.diagnose " + " ".join(shlex.quote(x) for x in argv),
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         model=bundle.source + ("" if not info else " (" + ", ".join(f"{k} {v}" for k, v in info.items()) + ")"),
         corpus=str(corpus), split=a.split, seed=a.seed, n_utterances=len(preps),

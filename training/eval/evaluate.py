@@ -1,7 +1,7 @@
 """Objective evaluation like the paper's Table 2 and Table 3, through the server's
 streaming path.
 
-    python -m livespeech.training.evaluate --corpus data/corpus --model models/weights/default \\
+    python -m livespeech.training.eval --corpus data/corpus --model models/weights/default \\
         --out docs/eval.md --limit 20 [--modes online,offline,1word] [--lambdas 1,0]
 
 (`livespeech eval ...` forwards here.) For each test utterance of the corpus
@@ -376,7 +376,7 @@ def _parse_lambdas(s: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m livespeech.training.evaluate", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.eval", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default="data/corpus", help="corpus folder with manifest.jsonl")
     p.add_argument("--model", default="default",
@@ -524,7 +524,7 @@ def main(argv=None) -> int:
             ablation.append((m, report.fmt_lambda(lam), report.aggregate(report.row_label(report.MODEL, m, lam), recs)))
 
     meta = dict(
-        command="python -m livespeech.training.evaluate " + " ".join(shlex.quote(x) for x in argv),
+        command="python -m livespeech.training.eval " + " ".join(shlex.quote(x) for x in argv),
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         model=model_source, corpus=str(corpus), split=a.split, n_utterances=len(utts),
         n_heldout=sum(u.heldout for u in utts), n_voices=len({u.voice for u in utts}),
