@@ -83,7 +83,9 @@ class DecodeState(DecodeStateView):
         st.txt_pos = z(capacity, cfg.max_text_tokens, dt=torch.float32)
         st.delays = torch.tensor(cfg.delays, device=device)
         st.none = torch.tensor(model.none_ids(), device=device)
-        st.txt_len = [0] * capacity
+        # the chunk id of each cached text token, mirrored on the host (txt_chunk's used
+        # part), so nothing about the text's layout is read back from the device
+        st.chunk_ids = [[] for _ in range(capacity)]
         # re-placed chunk -> its new first position, applied by rotate_windows once a window
         # sees it (until then its keys are masked: a chunk far ahead moves at most steps)
         st.unrotated = [{} for _ in range(capacity)]
@@ -109,7 +111,7 @@ class DecodeState(DecodeStateView):
         self.mem_v[:, slot, :, :n] = enrollment_kv[:, 1]
         self.txt_chunk[slot] = -1
         self.txt_pos[slot] = 0
-        self.txt_len[slot] = 0
+        self.chunk_ids[slot].clear()
         self.unrotated[slot].clear()
         self.spans[slot].clear()
         self.inputs[slot] = self.none
@@ -146,7 +148,7 @@ class DecodeState(DecodeStateView):
 
     # --- text memory ----------------------------------------------------------------
     def text_room(self, slot: int) -> int:
-        return self.txt_chunk.shape[1] - self.txt_len[slot]
+        return self.txt_chunk.shape[1] - len(self.chunk_ids[slot])
 
     def _rotate(self, rows: Sequence[int], cols: Sequence[int], positions: Sequence[float]) -> None:
         """Give text keys (rows[i], cols[i]) = (slot, token) their positions and refresh
@@ -169,24 +171,25 @@ class DecodeState(DecodeStateView):
             return
         if n > self.text_room(slot):
             raise ValueError("text memory full: evict past chunks first")
-        a, e = self.txt_len[slot], self.n_enroll
+        a, e = len(self.chunk_ids[slot]), self.n_enroll
         ids = torch.tensor([list(token_ids)], device=self.step.device)
         for i, (k, v) in enumerate(self.model.project_text(ids)):
             self.txt_k[i, slot, :, a : a + n] = k[0].to(self.txt_k.dtype)
             self.mem_v[i, slot, :, e + a : e + a + n] = v[0].to(self.mem_v.dtype)
         self.txt_chunk[slot, a : a + n] = chunk
-        self.txt_len[slot] = a + n
+        self.chunk_ids[slot] += [chunk] * n
         first = self.spans[slot].get(chunk, (a, a))[0]
         self.spans[slot][chunk] = (first, a + n)
         self._rotate([slot] * n, range(a, a + n), positions)
 
     def evict_chunks_before(self, slot: int, chunk: int) -> None:
         """Drop cached tokens of chunks < `chunk` (they left the np window for good)."""
-        used = self.txt_len[slot]
-        keep = (self.txt_chunk[slot, :used] >= chunk).nonzero().flatten()
-        n, e = keep.numel(), self.n_enroll
-        if n == used:
+        ids = self.chunk_ids[slot]
+        kept = [i for i, c in enumerate(ids) if c >= chunk]
+        n, e = len(kept), self.n_enroll
+        if n == len(ids):
             return
+        keep = torch.tensor(kept, dtype=torch.long, device=self.txt_chunk.device)
         self.txt_k[:, slot, :, :n] = self.txt_k[:, slot, :, keep].clone()
         for t in (self.mem_k, self.mem_v):
             t[:, slot, :, e : e + n] = t[:, slot, :, e + keep].clone()
@@ -194,9 +197,16 @@ class DecodeState(DecodeStateView):
         for t, empty in ((self.txt_pos, 0.0), (self.txt_chunk, -1)):
             t[slot, :n] = t[slot, keep].clone()
             t[slot, n:] = empty
-        self.txt_len[slot] = n
+        self.chunk_ids[slot] = [ids[i] for i in kept]
         self.unrotated[slot] = {c: p for c, p in self.unrotated[slot].items() if c >= chunk}
-        self.spans[slot] = _spans(self.txt_chunk[slot, :n].tolist())  # rare: one sync is fine
+        self.spans[slot] = _spans(self.chunk_ids[slot])
+
+    def visible_length(self, slots: Sequence[int], lo: Sequence[int], hi: Sequence[int]) -> int:
+        """The text slots a step of `slots` with windows lo..hi must read: up to the last
+        slot any row shows (`window_mask`'s last true column + 1), from the host's chunk
+        spans, so cutting the mask there reads nothing back from the device."""
+        ends = [end for slot, a, b in zip(slots, lo, hi) for c, (_, end) in self.spans[slot].items() if a <= c <= b]
+        return max(ends, default=0)
 
     def _chunk_span(self, slot: int, chunk: int) -> Optional[tuple[int, int]]:
         return self.spans[slot].get(chunk)
@@ -280,14 +290,6 @@ def _spans(chunk_ids: Sequence[int]) -> dict[int, tuple[int, int]]:
         if c >= 0:
             out[c] = (out[c][0] if c in out else i, i + 1)
     return out
-
-
-def visible_prefix(mask: torch.Tensor) -> torch.Tensor:
-    """A window mask [B, L] cut after the last text slot any row shows: the attention then
-    reads no slot past it (past chunks are evicted from the front, so the windows sit
-    near the memory's start)."""
-    shown = mask.any(0).nonzero()
-    return mask[:, : int(shown[-1]) + 1 if shown.numel() else 0]
 
 
 def _contiguous(slots: Sequence[int]) -> bool:

@@ -18,7 +18,7 @@ import torch
 from livespeech.models import graphemes
 from livespeech.models.derived import cpu_has_bf16_dot
 from livespeech.models.guidance import GuidanceState, Temperatures, sample_step
-from livespeech.models.inference import DecodeState, enrollment_kv, visible_prefix
+from livespeech.models.inference import DecodeState, enrollment_kv
 from livespeech.models.loading import ModelBundle
 from livespeech.models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
 from livespeech.server.config import BF16_SETTINGS
@@ -152,12 +152,16 @@ class ModelRunner:
         self.state.rotate_windows(slots, windows)
         # the captured step reads the whole state itself: its view gathers no memory
         view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else ())
-        mask = self.state.window_mask(view, [w[0] for w in windows], [w[1] for w in windows])
+        lo, hi = [w[0] for w in windows], [w[1] for w in windows]
+        mask = self.state.window_mask(view, lo, hi)
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
         else:
             dtype = self.low_precision if len(slots) >= BF16_FROM_BATCH else None
-            logits = self.model_step(view.inputs, view.step, view, visible_prefix(mask), dtype)
+            # the attention reads no text slot past the last one any row shows (past chunks
+            # are evicted from the front, so the windows sit near the memory's start)
+            visible = mask[:, : self.state.visible_length(slots, lo, hi)]
+            logits = self.model_step(view.inputs, view.step, view, visible, dtype)
         gens = [self.generators[s] for s in slots]
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
         tokens, bad = sample_step(logits.graphemes, logits.acoustic, guidance, lambdas, top_ks, gens,

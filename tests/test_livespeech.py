@@ -162,7 +162,7 @@ def test_window_mask_selects_chunks(model):
     m = st.window_mask(v, [1], [2])[0]
     assert m.tolist()[:8] == [False, False, True, True, True, True, False, False]
     st.evict_chunks_before(0, 2)
-    assert st.txt_len[0] == 3 and st.txt_chunk[0, :3].tolist() == [2, 3, 3]
+    assert st.chunk_ids[0] == [2, 3, 3] and st.txt_chunk[0, :3].tolist() == [2, 3, 3]
     assert st.txt_pos[0, :3].tolist() == [20.0, 30.0, 31.0]
     st.set_chunk_positions(0, 3, 40.0)
     assert st.txt_pos[0, :3].tolist() == [20.0, 30.0, 31.0]  # applied when a window sees chunk 3
@@ -173,8 +173,9 @@ def test_window_mask_selects_chunks(model):
 
 
 def test_chunk_spans_kept_on_the_host_match_the_text_memory(model):
-    """Re-placing a chunk finds its tokens from a host-side index (no device sync); through
-    appends (a chunk in two pieces too), evictions and a reset it agrees with txt_chunk."""
+    """Re-placing a chunk, evicting and cutting the step's mask find the text's layout from
+    a host-side index (no device sync); through appends (a chunk in two pieces too),
+    evictions and a reset it agrees with txt_chunk."""
     import random
 
     rng = random.Random(0)
@@ -196,6 +197,13 @@ def test_chunk_spans_kept_on_the_host_match_the_text_memory(model):
         for c in range(chunk + 1):
             idx = [i for i, x in enumerate(row) if x == c]
             assert st._chunk_span(1, c) == ((idx[0], idx[-1] + 1) if idx else None)
+        used = len(st.chunk_ids[1])
+        assert st.chunk_ids[1] == row[:used] and set(row[used:]) <= {-1}
+        # the step's visible length, from the host: the window mask's last shown slot + 1
+        lo = [rng.randint(0, chunk + 1) for _ in range(2)]
+        hi = [a + rng.randint(0, 3) for a in lo]
+        shown = st.window_mask(st.view([0, 1]), lo, hi).any(0).nonzero()
+        assert st.visible_length([0, 1], lo, hi) == (int(shown[-1]) + 1 if shown.numel() else 0)
 
 
 def test_replaced_chunks_are_rotated_when_a_window_sees_them(model):

@@ -92,7 +92,7 @@ def test_frozen_step_equals_the_eager_step():
 
 
 def test_frozen_step_with_no_visible_text():
-    """A window mask cut to zero text slots (visible_prefix of an all-masked window)."""
+    """A window mask cut to zero text slots (the visible length of an all-masked window)."""
     torch.manual_seed(0)
     model = LiveSpeech2(small_cfg()).eval()
     states = _state(model), _state(model)

@@ -57,7 +57,6 @@ import torch
 from livespeech.models import graphemes as G
 from livespeech.models.attention import current_chunk, window_chunk_range
 from livespeech.models.guidance import sample_top_k
-from livespeech.models.inference import visible_prefix
 from livespeech.api.session import SessionConfig
 from livespeech.training.dataset import DecoderData, Example, codes_path, collate, read_manifest, read_wav_segment
 from livespeech.training.encode_corpus import encode_batch, save_codes
@@ -215,7 +214,8 @@ def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int =
     for t in range(T + max_overrun + model.cfg.max_delay + 2):
         lo, hi = window(prep.chunk_tau, t, n_past, n_future)
         view = st.view([0])
-        logits = runner.model_step(view.inputs, view.step, view, visible_prefix(st.window_mask(view, [lo], [hi])))
+        mask = st.window_mask(view, [lo], [hi])
+        logits = runner.model_step(view.inputs, view.step, view, mask[:, : st.visible_length([0], [lo], [hi])])
         g = sample_top_k(logits.graphemes.float(), [top_k], gens)
         a = sample_top_k(logits.acoustic.float(), [top_k], gens)
         if force_g:
