@@ -7,8 +7,9 @@
 # (bundle.sh) at .dev/: it has the wheels the machine's image lacks (grpcio-tools and
 # friends) and Whisper's ranks.
 #   scripts/offline_gpu/loadtest.sh [SWEEP]    (default 8,16,32,64; ~1 minute a level a run)
-# $OUT gets loadtest.tgz (a report and JSON per run, and the step profile of each:
-# livespeech.loadtest.profile_step) and the logs. Knobs: DURATION (20 s a level), MODEL
+# $OUT gets loadtest.tgz (a report and JSON per run, the step profile of each:
+# livespeech.loadtest.profile_step, and its host reads per step: livespeech.loadtest.host_reads)
+# and the logs. Knobs: DURATION (20 s a level), MODEL
 # (random:paper/encodec_24khz), DEVICE (cuda), PY (python3), SITE, PROFILE (1; 0: no
 # profiles), PROFILE_BATCH ("1 16 64").
 set -uo pipefail
@@ -37,7 +38,13 @@ profile() {  # $1: the run's name; $2: PYTHONPATH; then profile_step's own flags
     --device "${DEVICE:-cuda}" --batch ${PROFILE_BATCH:-1 16 64} --steps 100 --json "$W/$1/profile.json" \
     --markdown "$W/$1/profile.md" "${@:3}" > "$W/$1/profile.log" 2>&1 || tail -n 5 "$W/$1/profile.log"
 }
+reads() {  # $1: the run's name; $2: PYTHONPATH. Host reads per engine step (should be 1 at any batch)
+  mkdir -p "$W/$1"
+  PYTHONPATH=$2 $PY -m livespeech.loadtest.host_reads --model-path "${MODEL:-random:paper/encodec_24khz}" \
+    --device "${DEVICE:-cuda}" --batch 1 64 --steps 20 2>&1 | tee "$W/$1/host_reads.txt" | head -n 8
+}
 variants() {  # $1: name prefix; $2: PYTHONPATH
+  reads "$1" "$2"
   profile "$1" "$2"
   run "$1" "$2"
   if graphs_ok "$2"; then
