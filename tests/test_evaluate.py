@@ -1,6 +1,7 @@
 """livespeech.training.eval.evaluate: error rates, normalisation, report tables, corpus selection and a
 tiny end-to-end run (random model, metric backends skipped) on a synthetic corpus."""
 import json
+import math
 import sys
 
 import numpy as np
@@ -237,3 +238,27 @@ def test_scorer_wer_similarity_and_heldout_identification(tmp_path):
     assert out["id_best_other"] == "voice-c" and out["id_rank"] == 2 and not out["id_correct"]
     assert "id_variant_correct" not in out  # voice-c is the same variant (annie): no other variant to beat
     assert out["mos"] == 3.5
+
+
+def test_compare_pairs_clips_and_bootstraps_the_difference(tmp_path, capsys) -> None:
+    from livespeech.training.eval import compare
+
+    def run(path, word_errors):
+        utts = [{"utt": f"u{i}", "system": "model", "mode": "online", "lambda": 1.0, "word_errors": e,
+                 "ref_words": 10, "char_errors": 2 * e, "ref_chars": 40} for i, e in enumerate(word_errors)]
+        utts.append({"utt": "u0", "system": "ground truth", "mode": None, "lambda": None, "word_errors": 0,
+                     "ref_words": 10, "char_errors": 0, "ref_chars": 40})
+        path.write_text(json.dumps({"utterances": utts}))
+        return path
+
+    a = run(tmp_path / "a.json", [5, 6, 7, 8] * 10)
+    b = run(tmp_path / "b.json", [3, 6, 4, 8] * 10)
+    r = compare.paired(compare.rows(a, "model", "online", 1.0), compare.rows(b, "model", "online", 1.0),
+                       "word_errors", "ref_words")
+    assert r["n"] == 40 and math.isclose(r["a"], 0.65) and math.isclose(r["diff"], -0.125)
+    assert r["ci"][1] < 0 and (r["better"], r["worse"]) == (20, 0)
+    same = compare.paired(compare.rows(a, "model", None, None), compare.rows(a, "model", None, None),
+                          "char_errors", "ref_chars")
+    assert same["diff"] == 0 and same["ci"] == (0.0, 0.0)
+    assert compare.main([str(a), str(b), "--mode", "online", "--lambda", "1"]) == 0
+    assert "B - A -12.5" in capsys.readouterr().out

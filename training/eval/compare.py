@@ -1,0 +1,76 @@
+"""Two evaluations of the same clips, compared clip by clip.
+
+    python -m livespeech.training.eval.compare runs/a.json runs/b.json --mode online --lambda 1
+
+Reads the per-utterance JSON of two `python -m livespeech.training.eval` runs, pairs the
+rows of one system (the model in a mode at a guidance lambda, or `--system "ground
+truth"`) by utterance, and prints WER and CER of each and of B minus A, with a 95 %
+paired bootstrap interval over the clips (the corpus rate: errors over reference words
+or characters, resampled by clip) and how many clips got better or worse. A difference
+whose interval holds 0 is not shown to be one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+
+def rows(path: Path, system: str, mode: Optional[str], lam: Optional[float]) -> dict[str, dict]:
+    """utterance id -> its row of `system` (for the model: in `mode` at `lam`)."""
+    out = {}
+    for u in json.loads(path.read_text())["utterances"]:
+        if u["system"] != system:
+            continue
+        if mode is not None and u.get("mode") != mode:
+            continue
+        if lam is not None and (u.get("lambda") is None or not math.isclose(u["lambda"], lam)):
+            continue
+        out[u["utt"]] = u
+    return out
+
+
+def paired(a: dict[str, dict], b: dict[str, dict], errors: str, ref: str, n_boot: int = 10_000,
+           seed: int = 0) -> dict:
+    """Corpus rates of A and B on their common clips, B - A and its 95 % bootstrap interval."""
+    ids = sorted(set(a) & set(b))
+    if not ids:
+        raise ValueError("no utterance in common")
+    ea, eb = (np.array([float(x[i][errors]) for i in ids]) for x in (a, b))
+    n = np.array([float(a[i][ref]) for i in ids])
+    rate_a, rate_b = ea.sum() / n.sum(), eb.sum() / n.sum()
+    pick = np.random.default_rng(seed).integers(0, len(ids), (n_boot, len(ids)))
+    diff = (eb[pick].sum(1) - ea[pick].sum(1)) / n[pick].sum(1)
+    lo, hi = np.percentile(diff, [2.5, 97.5])
+    per_a, per_b = ea / np.maximum(n, 1), eb / np.maximum(n, 1)
+    return {"n": len(ids), "a": rate_a, "b": rate_b, "diff": rate_b - rate_a, "ci": (float(lo), float(hi)),
+            "better": int((per_b < per_a).sum()), "worse": int((per_b > per_a).sum())}
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m livespeech.training.eval.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("a", type=Path)
+    p.add_argument("b", type=Path)
+    p.add_argument("--system", default="model", help='the rows to compare (default: model; or "ground truth", ...)')
+    p.add_argument("--mode", default=None, help="the model's mode (online, offline, 1word)")
+    p.add_argument("--lambda", dest="lam", type=float, default=None, help="the guidance lambda")
+    a = p.parse_args(argv)
+    mode = a.mode if a.system == "model" else None
+    lam = a.lam if a.system == "model" else None
+    ra, rb = rows(a.a, a.system, mode, lam), rows(a.b, a.system, mode, lam)
+    print(f"{a.system}{f' {mode}' if mode else ''}{f' lambda {lam:g}' if lam is not None else ''}: "
+          f"A = {a.a}, B = {a.b}")
+    for name, errors, ref in (("WER", "word_errors", "ref_words"), ("CER", "char_errors", "ref_chars")):
+        r = paired(ra, rb, errors, ref)
+        lo, hi = r["ci"]
+        print(f"{name} % on {r['n']} clips: A {100 * r['a']:.1f}, B {100 * r['b']:.1f}, B - A {100 * r['diff']:+.1f} "
+              f"(95 % CI {100 * lo:+.1f} to {100 * hi:+.1f}); B better on {r['better']} clips, worse on {r['worse']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
