@@ -35,7 +35,7 @@ from .metrics import Metrics
 from .packets import PacketPlan, PacketPolicy, StepClock
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
-from .session import EngineSession, Phase, frames_to_s
+from .session import EngineSession, Phase, TextLimits, frames_to_s
 
 log = logging.getLogger("livespeech.engine")
 
@@ -102,6 +102,7 @@ class Engine:
         self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,
                                  threaded=config.codec_thread and self.runner.device.type == "cpu")
         self.scheduler = Scheduler(config.max_lead_s, config.yield_lead_s)
+        self._text_limits = TextLimits(config.max_text_piece_chars, config.max_session_text_chars, config.max_session_s)
         self._free_slots = list(range(config.max_sessions))
         self._sessions: dict[int, EngineSession] = {}  # slot -> session
         self._commands: collections.deque = collections.deque()  # text and end of input, in order
@@ -149,7 +150,8 @@ class Engine:
                 self.metrics.sessions_total.labels(outcome="rejected").inc()
                 raise CapacityError(f"all {self.config.max_sessions} session slots are busy")
             self._n_active += 1
-        session = EngineSession(self, uuid.uuid4().hex[:16], config, voice, sink)
+        session = EngineSession(uuid.uuid4().hex[:16], config, voice, sink, self.submit, self._text_limits,
+                                self.bundle.model.cfg.max_delay)
         self.metrics.active_sessions.inc()
         self.submit(session, ("open",))
         return session

@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional
 
 from livespeech.api.session import ConfigError, LimitError, SessionConfig, Sink, StateError
 from livespeech.models import graphemes
@@ -29,14 +29,19 @@ from .audio import AudioEncoder
 from .chunker import Chunker, TextChunk, ends_with_punctuation
 from .timeline import SpeechTimeline
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 
 class Phase(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     ENDED = "ended"
+
+
+@dataclass(frozen=True)
+class TextLimits:
+    """The engine's limits on a session's text, checked as the text comes in."""
+    max_text_piece_chars: int
+    max_session_text_chars: int
+    max_session_s: float  # a speech-time timestamp may not be past the longest session
 
 
 @dataclass
@@ -65,8 +70,8 @@ class Chunk:
 class EngineSession:
     """Engine-side state of one session; also the service's `SessionHandle`."""
 
-    def __init__(self, engine: "Engine", session_id: str, config: SessionConfig, voice, sink: Sink):
-        self.engine = engine
+    def __init__(self, session_id: str, config: SessionConfig, voice, sink: Sink,
+                 submit: Callable[["EngineSession", tuple], None], limits: TextLimits, audio_lag_frames: int):
         self.session_id = session_id
         self.config = config
         self.voice = voice
@@ -74,6 +79,8 @@ class EngineSession:
         self.phase = Phase.WAITING
         self.slot: Optional[int] = None
         # handle-side bookkeeping (event loop thread)
+        self._submit = submit  # queues a command for the engine thread
+        self._limits = limits
         self._lock = threading.Lock()
         self._input_ended = False
         self._last_client_ts = -math.inf
@@ -103,7 +110,7 @@ class EngineSession:
         self.covered_chars = -1
         self.covered_step = 0
         self.step_count = 0
-        self.audio_lag_frames = engine.bundle.model.cfg.max_delay  # graphemes lead the audio by this
+        self.audio_lag_frames = audio_lag_frames  # graphemes lead the audio by this (the codebook delays)
         self.frames_done = 0
         self.clocked = False  # past the packet ramp: full packets on the packet clock
         self.pending_frames: list[list[int]] = []
@@ -124,7 +131,7 @@ class EngineSession:
 
     # --- SessionHandle (event loop thread) -------------------------------------------------
     def push_text(self, text: str, client_time_s: Optional[float] = None, flush: bool = False) -> None:
-        limits = self.engine.config
+        limits = self._limits
         with self._lock:
             if self._input_ended:
                 raise StateError("text after end_of_input")
@@ -144,23 +151,23 @@ class EngineSession:
                         f"text.timestamp_s must not decrease: {client_time_s:g} after {self._last_client_ts:g}")
                 self._last_client_ts = client_time_s
             self._text_chars += len(text)
-        self.engine.submit(self, ("text", text, client_time_s, flush, time.monotonic()))
+        self._submit(self, ("text", text, client_time_s, flush, time.monotonic()))
 
     def end_input(self) -> None:
         with self._lock:
             if self._input_ended:
                 raise StateError("end_of_input received twice")
             self._input_ended = True
-        self.engine.submit(self, ("end", time.monotonic()))
+        self._submit(self, ("end", time.monotonic()))
 
     def cancel(self) -> None:
-        self.engine.submit(self, ("cancel",))
+        self._submit(self, ("cancel",))
 
     def stop(self, code: str, message: str) -> None:
-        self.engine.submit(self, ("stop", code, message))
+        self._submit(self, ("stop", code, message))
 
     def close(self, outcome: str = "disconnected") -> None:
-        self.engine.submit(self, ("close", outcome))
+        self._submit(self, ("close", outcome))
 
     # --- engine thread ---------------------------------------------------------------------
     def on_text(self, text: str, client_time_s: Optional[float], flush: bool, now: float) -> list[TextChunk]:
