@@ -250,7 +250,6 @@ class Engine:
                 elif kind == "stop":
                     self._stop_with_status(s, cmd[1], cmd[2])
                 elif kind == "close":
-                    s.closed = True
                     self._end(s, cmd[1])
             except Exception as exc:
                 log.exception("session %s: command %s failed", s.session_id, kind)
@@ -430,12 +429,8 @@ class Engine:
                     self.metrics.ttfa_seconds.observe(now - s.first_text_at)
                 if s.started_at is not None:
                     self.metrics.compute_fpl_seconds.observe(now - s.started_at)
-            else:
-                late = now - (s.first_packet_at + p.start_s)
-                if late > 0:
-                    s.underruns += 1
-                    s.underrun_s += late
-                    self.metrics.underruns_total.inc()
+            elif now - (s.first_packet_at + p.start_s) > 0:  # late for a listener who started playing at the first packet
+                self.metrics.underruns_total.inc()
             s.sink(AudioPacket(s.packet_seq, p.data, p.start_s, p.duration_s))
             s.packet_seq += 1
             s.audio_sent_s = p.start_s + p.duration_s

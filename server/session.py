@@ -61,8 +61,6 @@ class Chunk:
     token_ids: list[int]
     n_chars: int
     words: list[Word]
-    arrival_frame: int
-    client_time_s: Optional[float]
     in_memory: bool = False
     placed_tau: int = 0  # position its cached keys are rotated to
 
@@ -118,16 +116,12 @@ class EngineSession:
         self.packet_seq = 0
         self.audio_sent_s = 0.0
         self.frames_sent = 0  # frames whose audio has been sent
-        self.cancel_requested = False
-        self.closed = False
         self.done_decoding = False
         # latency bookkeeping (monotonic seconds)
         self.first_text_at: Optional[float] = None
         self.started_at: Optional[float] = None
         self.first_packet_at: Optional[float] = None
         self.compute_s = 0.0
-        self.underruns = 0
-        self.underrun_s = 0.0
 
     # --- SessionHandle (event loop thread) -------------------------------------------------
     def push_text(self, text: str, client_time_s: Optional[float] = None, flush: bool = False) -> None:
@@ -196,7 +190,7 @@ class EngineSession:
             start = self.n_chars + len(ids)
             ids.extend(g)
             words.append(Word(w, start, self.n_chars + len(ids)))
-        chunk = Chunk(tc.index, token_ids, len(ids), words, self.step_count, tc.client_time_s)
+        chunk = Chunk(tc.index, token_ids, len(ids), words)
         self.guidance.extend_transcript(ids)
         self.n_chars += len(ids)
         self.chunks.append(chunk)
