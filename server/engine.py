@@ -27,7 +27,6 @@ from livespeech.api.session import (AudioPacket, CapacityError, Failed, Finished
 from livespeech.models.config import FRAME_RATE
 from livespeech.models.loading import ModelBundle
 
-from .chunker import TextChunk
 from .codec_worker import CodecWorker, InFlightDecode
 from .config import EngineConfig
 from .metrics import Metrics
@@ -35,12 +34,9 @@ from .packets import PacketPlan, PacketPolicy, StepClock
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
 from .session import EngineSession, Phase, TextLimits, frames_to_s
+from .text_memory import TextMemory
 
 log = logging.getLogger("livespeech.engine")
-
-
-# a cached chunk is re-placed when its timeline position moved at least this far
-REPLACE_MIN_FRAMES = 3
 
 
 class Engine:
@@ -54,6 +50,7 @@ class Engine:
         self.packets = PacketPolicy(self.clock, config.low_water_steps, self.runner.min_first_frames)
         self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,
                                  threaded=config.codec_thread and self.runner.device.type == "cpu")
+        self.memory = TextMemory(self.runner, bundle.tokenizer, bundle.model.cfg.max_text_tokens, self.metrics)
         self.scheduler = Scheduler(config.max_lead_s, config.yield_lead_s)
         self._text_limits = TextLimits(config.max_text_piece_chars, config.max_session_text_chars, config.max_session_s)
         self._free_slots = list(range(config.max_sessions))
@@ -158,11 +155,11 @@ class Engine:
         waiting = s.waiting_for_text()
         deadline = s.buffer_deadline() if waiting else None
         if deadline is not None and now >= deadline:
-            self._release_chunks(s, s.chunker.flush(now, partial=s.buffer_releases_partial_word(now)))
+            self.memory.release(s, s.chunker.flush(now, partial=s.buffer_releases_partial_word(now)))
             s.waive_lookahead()
             s.run_out()
         else:
-            self._release_chunks(s, s.chunker.poll(now, waiting=waiting))
+            self.memory.release(s, s.chunker.poll(now, waiting=waiting))
 
     def _idle_timeout(self, now: float) -> float:
         deadlines = [d for s in self._sessions.values() if (d := s.chunker.next_deadline()) is not None]
@@ -189,8 +186,8 @@ class Engine:
                 elif kind == "text":
                     self._apply_text(s, cmd)
                 elif kind == "end":
-                    self._release_chunks(s, s.on_end(cmd[1]))
-                    self._maybe_add_eos(s)
+                    self.memory.release(s, s.on_end(cmd[1]))
+                    self.memory.add_eos(s)
                     if not s.chunks:  # nothing to say
                         self._finish(s, cancelled=False)
                 elif kind == "cancel":
@@ -212,7 +209,7 @@ class Engine:
         """A ("text", text, client time, flush, arrival) command: the chunks it releases
         go into the session's memory; a flush waives their lookahead."""
         _, text, ts, flush, at = cmd
-        self._release_chunks(s, s.on_text(text, ts, flush, at))
+        self.memory.release(s, s.on_text(text, ts, flush, at))
         if flush:
             s.waive_lookahead()
 
@@ -231,44 +228,6 @@ class Engine:
         s.slot = slot
         self._sessions[slot] = s
         self.runner.admit(slot, s.voice, s.config.seed)
-
-    # --- text ----------------------------------------------------------------------------------
-    def _release_chunks(self, s: EngineSession, chunks) -> None:
-        tok = self.bundle.tokenizer
-        for tc in chunks:
-            first = not s.chunks
-            ids = tok.encode_words(tc.words, first_in_text=first)[: self.bundle.model.cfg.max_text_tokens - 1]
-            ch = s.register_chunk(tc, ids)
-            self.metrics.text_tokens_total.inc(len(ids))
-            s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s)
-        self._fill_memory(s)
-
-    def _maybe_add_eos(self, s: EngineSession) -> None:
-        if s.text_complete and not s.eos_added and s.chunks:
-            eos = s.register_chunk(TextChunk(len(s.chunks), [], time.monotonic()), [self.bundle.tokenizer.eos_id])
-            s.timeline.add(eos.n_chars, s.step_count)
-            s.guidance.input_complete = True
-            s.eos_added = True
-            self._fill_memory(s)
-
-    def _fill_memory(self, s: EngineSession) -> None:
-        """Move chunks into the model's text memory, oldest first, evicting chunks that
-        left the np window for good when memory is full."""
-        for ch in s.chunks:
-            if ch.in_memory:
-                continue
-            if self.runner.text_room(s.slot) < len(ch.token_ids):
-                _, lo, _ = s.window(sum(c.in_memory for c in s.chunks))
-                self.runner.evict_chunks_before(s.slot, lo)
-                if self.runner.text_room(s.slot) < len(ch.token_ids):
-                    # keep at least the current chunk: drop older ones beyond np
-                    cur = s.timeline.current_chunk(s.step_count)
-                    self.runner.evict_chunks_before(s.slot, cur)
-                if self.runner.text_room(s.slot) < len(ch.token_ids):
-                    return  # wait until the speech moves on
-            ch.placed_tau = s.timeline.chunks[ch.index].tau
-            self.runner.add_chunk(s.slot, ch.token_ids, ch.placed_tau, ch.index)
-            ch.in_memory = True
 
     # --- decoding --------------------------------------------------------------------------------
     def _step(self, batch: list[EngineSession]) -> None:
@@ -315,17 +274,12 @@ class Engine:
         s.note_progress()
         s.track_words(s.step_count)  # words are sent once their audio is (_emit_words)
         s.step_count += 1
-        for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count):
-            ch = s.chunks[chunk]
-            # re-rotating keys costs a call per layer: skip sub-frame-scale drift
-            if ch.in_memory and abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:
-                self.runner.place_chunk(s.slot, chunk, tau)
-                ch.placed_tau = tau
+        self.memory.replace(s)
         if r.frame is not None:
             s.pending_frames.append(r.frame)
         if r.done:
             s.done_decoding = True
-        self._evict_past(s)
+        self.memory.evict_past(s)
         if not s.done_decoding and not s.lookahead_ready():
             s.phase = Phase.WAITING  # text ran dry: wait for more
         s.clocked, plan = self.packets.due(s, now)
@@ -344,14 +298,6 @@ class Engine:
             return False
         limit = self.config.max_overrun_s * FRAME_RATE
         return s.step_count > s.timeline.chunks[-1].tau + limit or s.step_count - s.progress_step > limit
-
-    def _evict_past(self, s: EngineSession) -> None:
-        if s.phase is Phase.ENDED or s.config.n_past_chunks < 0:
-            return
-        _, lo, _ = s.window(sum(c.in_memory for c in s.chunks))
-        if lo > 0:
-            self.runner.evict_chunks_before(s.slot, lo)
-        self._fill_memory(s)
 
     def _deliver(self, call: InFlightDecode) -> None:
         planned, n = call.planned, call.frames
