@@ -181,7 +181,7 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
     p.wrap(scopes, "text.evict", r, "evict_chunks_before")
     p.wrap(scopes, "engine.fill_memory", engine.memory, "fill")
     p.wrap(scopes, "engine.evict_past", engine.memory, "evict_past")
-    p.wrap(scopes, "engine.emit_audio", engine, "_emit_audio")
+    p.wrap(scopes, "engine.emit_audio", EngineSession, "send_audio")
     p.wrap(scopes, "words.track", EngineSession, "track_words")
     p.wrap(scopes, "timeline.replace", SpeechTimeline, "replace")
     for name in ("view", "window_mask", "commit", "write_back"):

@@ -22,8 +22,7 @@ from typing import Optional
 import numpy as np
 
 from livespeech.api.audio import pcm16_to_float
-from livespeech.api.session import (AudioPacket, CapacityError, Failed, Finished, SessionConfig,
-                          Sink, Summary, WordTiming)
+from livespeech.api.session import CapacityError, Failed, Finished, SessionConfig, Sink, Summary
 from livespeech.models.config import FRAME_RATE
 from livespeech.models.loading import ModelBundle
 
@@ -33,7 +32,7 @@ from .metrics import Metrics
 from .packets import PacketPlan, PacketPolicy, StepClock
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
-from .session import EngineSession, Phase, TextLimits, frames_to_s
+from .session import EngineSession, Phase, TextLimits
 from .text_memory import TextMemory
 
 log = logging.getLogger("livespeech.engine")
@@ -272,7 +271,7 @@ class Engine:
         """Book one step's result for a session; returns the packet to decode now, if any."""
         s.guidance.observe(r.grapheme)
         s.note_progress()
-        s.track_words(s.step_count)  # words are sent once their audio is (_emit_words)
+        s.track_words(s.step_count)  # words are sent once their audio is (`EngineSession.send_words`)
         s.step_count += 1
         self.memory.replace(s)
         if r.frame is not None:
@@ -314,37 +313,10 @@ class Engine:
                 continue
             with self._isolated(s, "sending audio"):
                 s.compute_s += dt / len(planned)
-                self._emit_audio(s, s.encoder.push(wav, short=short), frames=n)
+                s.send_audio(s.encoder.push(wav, short=short), n, self.metrics)
                 if s.done_decoding and not s.pending_frames:
-                    self._emit_audio(s, s.encoder.flush(), frames=0)
+                    s.send_audio(s.encoder.flush(), 0, self.metrics)
                     self._finish(s, cancelled=False)
-
-    def _emit_audio(self, s: EngineSession, packets, frames: int) -> None:
-        now = time.monotonic()
-        for p in packets:
-            if s.first_packet_at is None:
-                s.first_packet_at = now
-                if s.first_text_at is not None:
-                    self.metrics.ttfa_seconds.observe(now - s.first_text_at)
-                if s.started_at is not None:
-                    self.metrics.compute_fpl_seconds.observe(now - s.started_at)
-            elif now - (s.first_packet_at + p.start_s) > 0:  # late for a listener who started playing at the first packet
-                self.metrics.underruns_total.inc()
-            s.sink(AudioPacket(s.packet_seq, p.data, p.start_s, p.duration_s))
-            s.packet_seq += 1
-            s.audio_sent_s = p.start_s + p.duration_s
-        s.frames_sent += frames
-        self._emit_words(s, final=False)
-
-    def _emit_words(self, s: EngineSession, final: bool) -> None:
-        for w in s.words:
-            if w.sent or w.start_frame is None:
-                continue
-            end = w.end_frame if w.end_frame is not None else (s.frames_done if final else None)
-            if end is None or end > s.frames_sent:
-                break
-            w.sent = True
-            s.sink(WordTiming(w.text, frames_to_s(w.start_frame), frames_to_s(end)))
 
     # --- endings -------------------------------------------------------------------------------
     def _finish(self, s: EngineSession, cancelled: bool) -> None:
@@ -352,7 +324,7 @@ class Engine:
         if s.phase is Phase.ENDED:
             return
         if not cancelled:
-            self._emit_words(s, final=True)
+            s.send_words(final=True)
         summary = self._summary(s, cancelled)
         if summary.unspoken_words and not cancelled:  # the runaway guard ended it: EOS is barred until the text is spoken
             log.warning("session %s ended by the runaway guard with %d of %d words unspoken",
@@ -376,22 +348,10 @@ class Engine:
 
     def _summary(self, s: EngineSession, cancelled: bool) -> Summary:
         """What the session spoke, for its last event; books its audio."""
-        audio_s = s.audio_sent_s
-        unspoken = s.unspoken_words()
-        if audio_s > 0:
-            self.metrics.rtf.observe(s.compute_s / audio_s)
-            self.metrics.audio_seconds_total.inc(audio_s)
-        return Summary(
-            frames=s.frames_done,
-            audio_s=audio_s,
-            ttfa_s=None if s.first_packet_at is None or s.first_text_at is None else s.first_packet_at - s.first_text_at,
-            lookahead_wait_s=None if s.started_at is None or s.first_text_at is None else s.started_at - s.first_text_at,
-            compute_fpl_s=None if s.first_packet_at is None or s.started_at is None else s.first_packet_at - s.started_at,
-            cancelled=cancelled,
-            spoken_text=s.spoken_text(),
-            all_words_spoken=not unspoken,
-            unspoken_words=tuple(unspoken),
-        )
+        if s.audio_sent_s > 0:
+            self.metrics.rtf.observe(s.compute_s / s.audio_sent_s)
+            self.metrics.audio_seconds_total.inc(s.audio_sent_s)
+        return s.summary(cancelled)
 
     def _settle_for(self, s: EngineSession) -> None:
         if s.slot is not None:

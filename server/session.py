@@ -1,4 +1,5 @@
-"""One synthesis session inside the engine: its lifecycle and its text-side state.
+"""One synthesis session inside the engine: its lifecycle, its text-side state and the events
+it sends (audio packets, word timings, its summary).
 
 Lifecycle (like a request in an LLM server):
     WAITING  admitted, holds a slot, waiting for text / lookahead (also after the text
@@ -19,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from livespeech.api.session import ConfigError, LimitError, SessionConfig, Sink, StateError
+from livespeech.api.session import (AudioPacket, ConfigError, LimitError, SessionConfig, Sink, StateError, Summary,
+                                    WordTiming)
 from livespeech.models import graphemes
 from livespeech.models.attention import window_chunk_range
 from livespeech.models.config import FRAME_RATE
@@ -27,6 +29,7 @@ from livespeech.models.guidance import GuidanceState, Temperatures
 
 from .audio import AudioEncoder
 from .chunker import Chunker, TextChunk, ends_with_punctuation
+from .metrics import Metrics
 from .timeline import SpeechTimeline
 
 
@@ -338,6 +341,54 @@ class EngineSession:
         out = [w.text for w in self.words if w.covered_frame is None or w.covered_frame >= self.frames_sent]
         out += [w for w in self.chunker.held_words() if graphemes.word_graphemes(w)]
         return out
+
+    def send_audio(self, packets, frames: int, metrics: Metrics) -> None:
+        """Send encoded packets (`frames` more frames of audio), then the words whose
+        audio is all out; books the first packet's latencies and packets late for a
+        listener who started playing at the first."""
+        now = time.monotonic()
+        for p in packets:
+            if self.first_packet_at is None:
+                self.first_packet_at = now
+                if self.first_text_at is not None:
+                    metrics.ttfa_seconds.observe(now - self.first_text_at)
+                if self.started_at is not None:
+                    metrics.compute_fpl_seconds.observe(now - self.started_at)
+            elif now - (self.first_packet_at + p.start_s) > 0:
+                metrics.underruns_total.inc()
+            self.sink(AudioPacket(self.packet_seq, p.data, p.start_s, p.duration_s))
+            self.packet_seq += 1
+            self.audio_sent_s = p.start_s + p.duration_s
+        self.frames_sent += frames
+        self.send_words(final=False)
+
+    def send_words(self, final: bool) -> None:
+        """Send the timings of the words whose audio is all sent, in order; `final`: the
+        audio has ended, and so has a word still open."""
+        for w in self.words:
+            if w.sent or w.start_frame is None:
+                continue
+            end = w.end_frame if w.end_frame is not None else (self.frames_done if final else None)
+            if end is None or end > self.frames_sent:
+                break
+            w.sent = True
+            self.sink(WordTiming(w.text, frames_to_s(w.start_frame), frames_to_s(end)))
+
+    def summary(self, cancelled: bool) -> Summary:
+        """What the session spoke, for its last event."""
+        unspoken = self.unspoken_words()
+        first_text, started, first_packet = self.first_text_at, self.started_at, self.first_packet_at
+        return Summary(
+            frames=self.frames_done,
+            audio_s=self.audio_sent_s,
+            ttfa_s=None if first_packet is None or first_text is None else first_packet - first_text,
+            lookahead_wait_s=None if started is None or first_text is None else started - first_text,
+            compute_fpl_s=None if first_packet is None or started is None else first_packet - started,
+            cancelled=cancelled,
+            spoken_text=self.spoken_text(),
+            all_words_spoken=not unspoken,
+            unspoken_words=tuple(unspoken),
+        )
 
     def audio_ahead_s(self, now: float) -> float:
         """Seconds of audio the client has buffered (sent minus played)."""
