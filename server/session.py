@@ -63,7 +63,6 @@ class Chunk:
     index: int
     token_ids: list[int]
     n_chars: int
-    words: list[Word]
     in_memory: bool = False
     placed_tau: int = 0  # position its cached keys are rotated to
 
@@ -193,7 +192,7 @@ class EngineSession:
             start = self.n_chars + len(ids)
             ids.extend(g)
             words.append(Word(w, start, self.n_chars + len(ids)))
-        chunk = Chunk(tc.index, token_ids, len(ids), words)
+        chunk = Chunk(tc.index, token_ids, len(ids))
         self.guidance.extend_transcript(ids)
         self.n_chars += len(ids)
         self.chunks.append(chunk)
