@@ -23,7 +23,6 @@ import numpy as np
 
 from livespeech.api.audio import pcm16_to_float
 from livespeech.api.session import CapacityError, Failed, Finished, SessionConfig, Sink, Summary
-from livespeech.models.config import FRAME_RATE
 from livespeech.models.loading import ModelBundle
 
 from .codec_worker import CodecWorker, InFlightDecode
@@ -32,7 +31,7 @@ from .metrics import Metrics
 from .packets import PacketPlan, PacketPolicy, StepClock
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
-from .session import EngineSession, Phase, TextLimits
+from .session import EngineSession, Phase, SessionLimits
 from .text_memory import TextMemory
 
 log = logging.getLogger("livespeech.engine")
@@ -51,7 +50,8 @@ class Engine:
                                  threaded=config.codec_thread and self.runner.device.type == "cpu")
         self.memory = TextMemory(self.runner, bundle.tokenizer, bundle.model.cfg.max_text_tokens, self.metrics)
         self.scheduler = Scheduler(config.max_lead_s, config.yield_lead_s)
-        self._text_limits = TextLimits(config.max_text_piece_chars, config.max_session_text_chars, config.max_session_s)
+        self._session_limits = SessionLimits(config.max_text_piece_chars, config.max_session_text_chars,
+                                             config.max_session_s, config.max_overrun_s)
         self._free_slots = list(range(config.max_sessions))
         self._sessions: dict[int, EngineSession] = {}  # slot -> session
         self._commands: collections.deque = collections.deque()  # text and end of input, in order
@@ -99,7 +99,7 @@ class Engine:
                 self.metrics.sessions_total.labels(outcome="rejected").inc()
                 raise CapacityError(f"all {self.config.max_sessions} session slots are busy")
             self._n_active += 1
-        session = EngineSession(uuid.uuid4().hex[:16], config, voice, sink, self.submit, self._text_limits,
+        session = EngineSession(uuid.uuid4().hex[:16], config, voice, sink, self.submit, self._session_limits,
                                 self.bundle.model.cfg.max_delay)
         self.metrics.active_sessions.inc()
         self.submit(session, ("open",))
@@ -242,7 +242,7 @@ class Engine:
                     self.metrics.lookahead_wait_seconds.observe(now - (s.first_text_at or now))
             _, lo, hi = s.window(sum(c.in_memory for c in s.chunks))
             windows.append((lo, hi))
-            force.append(self._must_end(s))
+            force.append(s.must_end())
         self.codec.deliver_done()
         with self.codec.may_deliver():
             results = self.runner.step(
@@ -287,16 +287,6 @@ class Engine:
         if s.done_decoding:
             self._finish(s, cancelled=False)
         return None
-
-    def _must_end(self, s: EngineSession) -> bool:
-        """Runaway guard once the text is complete: speech running past the (re-placed)
-        end of the text, or no transcript progress for a while, ends with EOS."""
-        if s.step_count >= self.config.max_session_s * FRAME_RATE:
-            return True
-        if not s.eos_added:
-            return False
-        limit = self.config.max_overrun_s * FRAME_RATE
-        return s.step_count > s.timeline.chunks[-1].tau + limit or s.step_count - s.progress_step > limit
 
     def _deliver(self, call: InFlightDecode) -> None:
         planned, n = call.planned, call.frames

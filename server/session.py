@@ -40,11 +40,15 @@ class Phase(enum.Enum):
 
 
 @dataclass(frozen=True)
-class TextLimits:
-    """The engine's limits on a session's text, checked as the text comes in."""
+class SessionLimits:
+    """The engine's limits on a session: its text, checked as the text comes in, and its
+    speech (`EngineSession.must_end`)."""
     max_text_piece_chars: int
     max_session_text_chars: int
-    max_session_s: float  # a speech-time timestamp may not be past the longest session
+    max_session_s: float  # also: a speech-time timestamp may not be past it
+    # once the text is complete, speech may run this long past the expected end of its
+    # text, or this long without transcript progress
+    max_overrun_s: float
 
 
 @dataclass
@@ -71,7 +75,7 @@ class EngineSession:
     """Engine-side state of one session; also the service's `SessionHandle`."""
 
     def __init__(self, session_id: str, config: SessionConfig, voice, sink: Sink,
-                 submit: Callable[["EngineSession", tuple], None], limits: TextLimits, audio_lag_frames: int):
+                 submit: Callable[["EngineSession", tuple], None], limits: SessionLimits, audio_lag_frames: int):
         self.session_id = session_id
         self.config = config
         self.voice = voice
@@ -304,6 +308,16 @@ class EngineSession:
         """Whether a release by the buffer delay now includes the word still being written
         (`_partial_word_deadline`)."""
         return self.last_text_at is not None and now >= self._partial_word_deadline()
+
+    def must_end(self) -> bool:
+        """Runaway guard once the text is complete: speech running past the (re-placed)
+        end of the text, or no transcript progress for a while, ends with EOS."""
+        if self.step_count >= self._limits.max_session_s * FRAME_RATE:
+            return True
+        if not self.eos_added:
+            return False
+        limit = self._limits.max_overrun_s * FRAME_RATE
+        return self.step_count > self.timeline.chunks[-1].tau + limit or self.step_count - self.progress_step > limit
 
     def waiting_for_text(self) -> bool:
         """Whether the speech is held up for want of text (not started, or the text ran dry)."""
