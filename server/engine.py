@@ -289,6 +289,8 @@ class Engine:
         return None
 
     def _deliver(self, call: InFlightDecode) -> None:
+        """A finished codec call's audio to its sessions (`CodecWorker` hands each over in
+        order, under its lock, on either thread); the last packet ends its session."""
         planned, n = call.planned, call.frames
         try:
             wavs, dt = call.future.result()
