@@ -25,7 +25,7 @@ behaves the same. Each scope's exclusive time is reported per step:
       words/timeline       EngineSession.track_words, SpeechTimeline.replace (Python)
       text.add/place/evict ModelRunner.add_chunk (projects a chunk's K/V) / place_chunk
                            (re-rotates cached keys) / evict_chunks_before, via the
-                           engine's _fill_memory / _evict_past
+                           engine's TextMemory.fill / evict_past
       codec                ModelRunner.decode (tensor prep) > codec.decode_step (the codec)
       audio.encode         AudioEncoder.push (PCM packets)
     engine.commands/select the loop's command queue and scheduler
@@ -179,9 +179,9 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
     p.wrap(scopes, "text.add", r, "add_chunk")
     p.wrap(scopes, "text.place", r, "place_chunk")
     p.wrap(scopes, "text.evict", r, "evict_chunks_before")
-    p.wrap(scopes, "engine.fill_memory", engine, "_fill_memory")
-    p.wrap(scopes, "engine.evict_past", engine, "_evict_past")
-    p.wrap(scopes, "engine.emit_audio", engine, "_emit_audio")
+    p.wrap(scopes, "engine.fill_memory", engine.memory, "fill")
+    p.wrap(scopes, "engine.evict_past", engine.memory, "evict_past")
+    p.wrap(scopes, "engine.emit_audio", EngineSession, "send_audio")
     p.wrap(scopes, "words.track", EngineSession, "track_words")
     p.wrap(scopes, "timeline.replace", SpeechTimeline, "replace")
     for name in ("view", "window_mask", "commit", "write_back"):

@@ -37,7 +37,7 @@ from livespeech.api.protocol import SERVICE_NAME, method_handlers
 from livespeech.api.session import ConfigError, EngineAPI
 
 from .auth import AuthInterceptor, load_tokens, server_credentials
-from .config import ServerConfig
+from .config import EngineConfig, ServerConfig
 from .metrics import Metrics
 from .service import LiveSpeechService
 from .voices import VoiceStore
@@ -215,7 +215,6 @@ async def build_server(
 
 def engine_config(config: ServerConfig):
     """The engine's settings that come from the server's."""
-    from livespeech.server.engine import EngineConfig
     from livespeech.server.runner import bf16_matmuls_enabled
 
     return EngineConfig(

@@ -68,7 +68,7 @@ class AudioEncoder:
 
     def push(self, samples: np.ndarray, short: bool = False) -> list[EncodedPacket]:
         """Whole packets of the audio so far; with `short`, also what is left over as
-        one shorter packet if it lasts at least min_packet_ms (`Engine._packet_due`
+        one shorter packet if it lasts at least min_packet_ms (`PacketPolicy.due`
         asks for one)."""
         x = np.asarray(samples, dtype=np.float32).reshape(-1)
         if self._resampler is not None:

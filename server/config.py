@@ -1,4 +1,5 @@
-"""`ServerConfig`: every server setting, validated once at the edge.
+"""`ServerConfig`: every server setting, validated once at the edge; and `EngineConfig`,
+the engine's settings, which default to the server's where the server has them.
 
 Sources, highest precedence first: command-line flags, `LIVESPEECH_<FIELD>` environment
 variables (e.g. `LIVESPEECH_PORT=50051`, `LIVESPEECH_MAX_SESSIONS=8`), defaults.
@@ -233,3 +234,49 @@ def _field_type(f: dataclasses.Field):
         if name in t:
             return kind
     raise TypeError(f"unsupported field type {t}")  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings; those the server also has default to the server's
+    (`ServerConfig`, their one home), which `livespeech.server.app.engine_config` passes on."""
+    max_sessions: int = ServerConfig.max_sessions
+    # a session this far ahead of its playback is skipped for a step (others go first)
+    max_lead_s: float = 2.0
+    # ... and this far ahead while another session is starting (first packet and packet
+    # ramp), so that one steps at a smaller batch (server/scheduler.py)
+    yield_lead_s: float = 0.5
+    # runaway guard: once the text is complete, speech may run this long past the
+    # expected end of its text, or this long without transcript progress
+    max_overrun_s: float = 3.0
+    max_session_s: float = 600.0
+    max_text_piece_chars: int = ServerConfig.max_text_piece_chars
+    max_session_text_chars: int = ServerConfig.max_session_text_chars
+    idle_poll_s: float = 0.01
+    # while a session's packets ramp up to packet_ms, a shorter one goes out as soon as
+    # its listener has less than this many step periods of audio left
+    low_water_steps: float = 3.0
+    # the model step replayed from a CUDA graph over every slot (models/step_graph.py)
+    cuda_graphs: bool = ServerConfig.cuda_graphs
+    # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
+    frozen_step: bool = ServerConfig.frozen_step
+    # on the CPU, the step's widest matmuls in bfloat16 from 2 sessions (server/runner.py)
+    bf16_matmuls: bool = False
+    # on the CPU, packets after a session's first are decoded on a codec thread while the
+    # next model step runs on the other core (their audio goes out a step later; a
+    # session's first and last packets stay on the engine thread). On 2 cores it cut the
+    # starved audio at four sessions four- to sevenfold (docs/loadtest.md); its memory
+    # cost was within the soak's noise (docs/reliability.md, section 4). CUDA devices
+    # keep the codec on the engine thread (unmeasured there).
+    codec_thread: bool = ServerConfig.codec_thread
+
+    def validate(self) -> "EngineConfig":
+        if not 1 <= self.max_sessions <= 4096:
+            raise ConfigError("max_sessions must be in [1, 4096]")
+        if self.max_lead_s <= 0 or self.max_overrun_s <= 0 or self.max_session_s <= 0:
+            raise ConfigError("engine time limits must be positive")
+        if self.yield_lead_s <= 0:
+            raise ConfigError("yield_lead_s must be positive")
+        if not 0 <= self.low_water_steps <= 100:
+            raise ConfigError("low_water_steps must be in [0, 100]")
+        return self

@@ -5,112 +5,36 @@ timed-out text chunks, ask the scheduler which sessions run, run one batched dec
 step through the model runner, then batch the codec decode of sessions with a packet's
 worth of frames and hand encoded packets to each session's sink. Sessions join and
 leave between steps (continuous batching). The asyncio loop never runs tensor work.
-On the CPU a codec thread decodes most packets beside the next steps and, while the
-engine thread is inside a model step (the one time it does not hold `Engine._lock`),
-sends their audio itself.
+Which packets are due is the packet policy's (server/packets.py); on the CPU a codec
+thread decodes most packets beside the next steps and, while the engine thread is inside
+a model step, sends their audio itself (server/codec_worker.py).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import logging
-import math
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 
 from livespeech.api.audio import pcm16_to_float
-from livespeech.api.session import (AudioPacket, CapacityError, ConfigError, Failed, Finished, SessionConfig,
-                          Sink, Summary, WordTiming)
-from livespeech.models.config import FRAME_RATE
+from livespeech.api.session import CapacityError, Failed, Finished, SessionConfig, Sink, Summary
 from livespeech.models.loading import ModelBundle
 
-from .chunker import TextChunk
-from .config import ServerConfig
+from .codec_worker import CodecWorker, InFlightDecode
+from .config import EngineConfig
 from .metrics import Metrics
+from .packets import PacketPlan, PacketPolicy, StepClock
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
-from .session import EngineSession, Phase, frames_to_s
+from .session import EngineSession, Phase, SessionLimits
+from .text_memory import TextMemory
 
 log = logging.getLogger("livespeech.engine")
-
-
-class InFlightDecode(NamedTuple):
-    """One codec call: its result ((wavs, seconds) or an exception), and for whom."""
-    future: Future
-    planned: list  # (session, short) per row
-    frames: int
-
-    def holds(self, slots: set) -> bool:
-        return any(s.slot in slots for s, _ in self.planned)
-
-
-def _timed(decode, slots, frames):
-    t0 = time.perf_counter()
-    wavs = decode(slots, frames)
-    return wavs, time.perf_counter() - t0
-
-
-class PacketPlan(NamedTuple):
-    """What `Engine._packet_due` decided for a session at this step."""
-    frames: int  # how many of its pending frames to decode
-    short: bool  # the audio left over after whole packets goes out too (>= min_packet_ms)
-    clocked: bool = False  # a full packet on the packet clock's tick (`Engine._on_packet_clock`)
-
-
-# a cached chunk is re-placed when its timeline position moved at least this far
-REPLACE_MIN_FRAMES = 3
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's settings; those the server also has default to the server's
-    (`ServerConfig`, their one home), which `livespeech.server.app.engine_config` passes on."""
-    max_sessions: int = ServerConfig.max_sessions
-    # a session this far ahead of its playback is skipped for a step (others go first)
-    max_lead_s: float = 2.0
-    # ... and this far ahead while another session is starting (first packet and packet
-    # ramp), so that one steps at a smaller batch (server/scheduler.py)
-    yield_lead_s: float = 0.5
-    # runaway guard: once the text is complete, speech may run this long past the
-    # expected end of its text, or this long without transcript progress
-    max_overrun_s: float = 3.0
-    max_session_s: float = 600.0
-    max_text_piece_chars: int = ServerConfig.max_text_piece_chars
-    max_session_text_chars: int = ServerConfig.max_session_text_chars
-    idle_poll_s: float = 0.01
-    # while a session's packets ramp up to packet_ms, a shorter one goes out as soon as
-    # its listener has less than this many step periods of audio left
-    low_water_steps: float = 3.0
-    # the model step replayed from a CUDA graph over every slot (models/step_graph.py)
-    cuda_graphs: bool = ServerConfig.cuda_graphs
-    # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
-    frozen_step: bool = ServerConfig.frozen_step
-    # on the CPU, the step's widest matmuls in bfloat16 from 2 sessions (server/runner.py)
-    bf16_matmuls: bool = False
-    # on the CPU, packets after a session's first are decoded on a codec thread while the
-    # next model step runs on the other core (their audio goes out a step later; a
-    # session's first and last packets stay on the engine thread). On 2 cores it cut the
-    # starved audio at four sessions four- to sevenfold (docs/loadtest.md); its memory
-    # cost was within the soak's noise (docs/reliability.md, section 4). CUDA devices
-    # keep the codec on the engine thread (unmeasured there).
-    codec_thread: bool = ServerConfig.codec_thread
-
-    def validate(self) -> "EngineConfig":
-        if not 1 <= self.max_sessions <= 4096:
-            raise ConfigError("max_sessions must be in [1, 4096]")
-        if self.max_lead_s <= 0 or self.max_overrun_s <= 0 or self.max_session_s <= 0:
-            raise ConfigError("engine time limits must be positive")
-        if self.yield_lead_s <= 0:
-            raise ConfigError("yield_lead_s must be positive")
-        if not 0 <= self.low_water_steps <= 100:
-            raise ConfigError("low_water_steps must be in [0, 100]")
-        return self
 
 
 class Engine:
@@ -120,14 +44,14 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs,
                                   frozen_step=config.frozen_step, bf16_matmuls=config.bf16_matmuls)
-        self._codec_pool = (ThreadPoolExecutor(1, thread_name_prefix="livespeech-codec")
-                            if config.codec_thread and self.runner.device.type == "cpu" else None)
-        # calls on the codec thread, in submission order (the thread runs them in that order)
-        self._in_flight: collections.deque[InFlightDecode] = collections.deque()
-        # held by the engine thread for all its work on sessions but the model step: during
-        # that step the codec thread delivers the calls it finishes (`_on_codec_done`)
-        self._lock = threading.Lock()
+        self.clock = StepClock()
+        self.packets = PacketPolicy(self.clock, config.low_water_steps, self.runner.min_first_frames)
+        self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,
+                                 threaded=config.codec_thread and self.runner.device.type == "cpu")
+        self.memory = TextMemory(self.runner, bundle.tokenizer, bundle.model.cfg.max_text_tokens, self.metrics)
         self.scheduler = Scheduler(config.max_lead_s, config.yield_lead_s)
+        self._session_limits = SessionLimits(config.max_text_piece_chars, config.max_session_text_chars,
+                                             config.max_session_s, config.max_overrun_s)
         self._free_slots = list(range(config.max_sessions))
         self._sessions: dict[int, EngineSession] = {}  # slot -> session
         self._commands: collections.deque = collections.deque()  # text and end of input, in order
@@ -137,14 +61,6 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._admit_lock = threading.Lock()
         self._n_active = 0
-        # time from one step's start to the next (EMA): what a listener waits for the next
-        # frames of its session. Gaps under 0.5 s count, waits for text included: that
-        # makes a first packet after such waits 3-4 frames, not 2, and dropping them
-        # (first packet 15-20 ms sooner) starved listeners at the ramp's end through
-        # gRPC, even at one session (docs/loadtest.md, "Measured choices")
-        self._step_period_s = 0.02
-        self._last_step_at: Optional[float] = None
-        self._steps = 0  # decode steps run: the packet clock (`_on_packet_clock`)
 
     # --- EngineAPI ---------------------------------------------------------------------------
     @property
@@ -170,8 +86,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
-        if self._codec_pool is not None:
-            self._codec_pool.shutdown(wait=True)
+        self.codec.shutdown()
 
     def make_voice(self, voice_id: str, audio, sample_rate: int) -> Voice:
         samples = pcm16_to_float(audio) if isinstance(audio, (bytes, bytearray)) else np.asarray(audio, dtype=np.float32)
@@ -184,7 +99,8 @@ class Engine:
                 self.metrics.sessions_total.labels(outcome="rejected").inc()
                 raise CapacityError(f"all {self.config.max_sessions} session slots are busy")
             self._n_active += 1
-        session = EngineSession(self, uuid.uuid4().hex[:16], config, voice, sink)
+        session = EngineSession(uuid.uuid4().hex[:16], config, voice, sink, self.submit, self._session_limits,
+                                self.bundle.model.cfg.max_delay)
         self.metrics.active_sessions.inc()
         self.submit(session, ("open",))
         return session
@@ -199,7 +115,7 @@ class Engine:
 
     # --- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
-        with self._lock:
+        with self.codec.lock:
             self._loop()
 
     def _loop(self) -> None:
@@ -214,14 +130,14 @@ class Engine:
                 if batch:
                     self._step(batch)
                 else:
-                    self._settle_decode()  # nothing to overlap with: its audio goes out now
+                    self.codec.settle()  # nothing to overlap with: its audio goes out now
                     self._wake.wait(self._idle_timeout(now))
                     self._wake.clear()
             except Exception:  # never let one bad iteration kill the engine
                 log.exception("engine iteration failed")
                 for s in list(self._sessions.values()):
                     self._fail(s, "INTERNAL", "engine error")
-        self._settle_decode()
+        self.codec.settle()
         for s in list(self._sessions.values()):
             self._fail(s, "UNAVAILABLE", "server is shutting down")
         # sessions whose open command never ran
@@ -238,11 +154,11 @@ class Engine:
         waiting = s.waiting_for_text()
         deadline = s.buffer_deadline() if waiting else None
         if deadline is not None and now >= deadline:
-            self._release_chunks(s, s.chunker.flush(now, partial=s.buffer_releases_partial_word(now)))
+            self.memory.release(s, s.chunker.flush(now, partial=s.buffer_releases_partial_word(now)))
             s.waive_lookahead()
             s.run_out()
         else:
-            self._release_chunks(s, s.chunker.poll(now, waiting=waiting))
+            self.memory.release(s, s.chunker.poll(now, waiting=waiting))
 
     def _idle_timeout(self, now: float) -> float:
         deadlines = [d for s in self._sessions.values() if (d := s.chunker.next_deadline()) is not None]
@@ -269,8 +185,8 @@ class Engine:
                 elif kind == "text":
                     self._apply_text(s, cmd)
                 elif kind == "end":
-                    self._release_chunks(s, s.on_end(cmd[1]))
-                    self._maybe_add_eos(s)
+                    self.memory.release(s, s.on_end(cmd[1]))
+                    self.memory.add_eos(s)
                     if not s.chunks:  # nothing to say
                         self._finish(s, cancelled=False)
                 elif kind == "cancel":
@@ -283,7 +199,6 @@ class Engine:
                 elif kind == "stop":
                     self._stop_with_status(s, cmd[1], cmd[2])
                 elif kind == "close":
-                    s.closed = True
                     self._end(s, cmd[1])
             except Exception as exc:
                 log.exception("session %s: command %s failed", s.session_id, kind)
@@ -293,7 +208,7 @@ class Engine:
         """A ("text", text, client time, flush, arrival) command: the chunks it releases
         go into the session's memory; a flush waives their lookahead."""
         _, text, ts, flush, at = cmd
-        self._release_chunks(s, s.on_text(text, ts, flush, at))
+        self.memory.release(s, s.on_text(text, ts, flush, at))
         if flush:
             s.waive_lookahead()
 
@@ -308,56 +223,15 @@ class Engine:
 
     def _admit(self, s: EngineSession) -> None:
         slot = self._free_slots.pop(0)
-        self._settle_decode({slot})  # the slot's codec state is reset below: no call may hold it
+        self.codec.settle({slot})  # the slot's codec state is reset below: no call may hold it
         s.slot = slot
         self._sessions[slot] = s
         self.runner.admit(slot, s.voice, s.config.seed)
 
-    # --- text ----------------------------------------------------------------------------------
-    def _release_chunks(self, s: EngineSession, chunks) -> None:
-        tok = self.bundle.tokenizer
-        for tc in chunks:
-            first = not s.chunks
-            ids = tok.encode_words(tc.words, first_in_text=first)[: self.bundle.model.cfg.max_text_tokens - 1]
-            ch = s.register_chunk(tc, ids)
-            self.metrics.text_tokens_total.inc(len(ids))
-            s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s)
-        self._fill_memory(s)
-
-    def _maybe_add_eos(self, s: EngineSession) -> None:
-        if s.text_complete and not s.eos_added and s.chunks:
-            eos = s.register_chunk(TextChunk(len(s.chunks), [], time.monotonic()), [self.bundle.tokenizer.eos_id])
-            s.timeline.add(eos.n_chars, s.step_count)
-            s.guidance.input_complete = True
-            s.eos_added = True
-            self._fill_memory(s)
-
-    def _fill_memory(self, s: EngineSession) -> None:
-        """Move chunks into the model's text memory, oldest first, evicting chunks that
-        left the np window for good when memory is full."""
-        for ch in s.chunks:
-            if ch.in_memory:
-                continue
-            if self.runner.text_room(s.slot) < len(ch.token_ids):
-                _, lo, _ = s.window(sum(c.in_memory for c in s.chunks))
-                self.runner.evict_chunks_before(s.slot, lo)
-                if self.runner.text_room(s.slot) < len(ch.token_ids):
-                    # keep at least the current chunk: drop older ones beyond np
-                    cur = s.timeline.current_chunk(s.step_count)
-                    self.runner.evict_chunks_before(s.slot, cur)
-                if self.runner.text_room(s.slot) < len(ch.token_ids):
-                    return  # wait until the speech moves on
-            ch.placed_tau = s.timeline.chunks[ch.index].tau
-            self.runner.add_chunk(s.slot, ch.token_ids, ch.placed_tau, ch.index)
-            ch.in_memory = True
-
     # --- decoding --------------------------------------------------------------------------------
     def _step(self, batch: list[EngineSession]) -> None:
         t0 = time.perf_counter()
-        self._steps += 1
-        if self._last_step_at is not None and t0 - self._last_step_at < 0.5:  # not after idling
-            self._step_period_s += 0.1 * (t0 - self._last_step_at - self._step_period_s)
-        self._last_step_at = t0
+        self.clock.step(t0)
         now = time.monotonic()
         windows, force = [], []
         for s in batch:
@@ -368,9 +242,9 @@ class Engine:
                     self.metrics.lookahead_wait_seconds.observe(now - (s.first_text_at or now))
             _, lo, hi = s.window(sum(c.in_memory for c in s.chunks))
             windows.append((lo, hi))
-            force.append(self._must_end(s))
-        self._deliver_done()
-        with self._codec_may_deliver():
+            force.append(s.must_end())
+        self.codec.deliver_done()
+        with self.codec.may_deliver():
             results = self.runner.step(
                 [s.slot for s in batch], windows, [s.guidance for s in batch],
                 [s.config.guidance_lambda for s in batch], [s.config.top_k for s in batch], force,
@@ -391,240 +265,32 @@ class Engine:
             with self._isolated(s, "decoding"):
                 if plan := self._after_step(s, r, now):
                     to_decode.append((s, plan))
-        self._decode(to_decode)
+        self.codec.decode(to_decode)
 
     def _after_step(self, s: EngineSession, r, now: float) -> Optional[PacketPlan]:
         """Book one step's result for a session; returns the packet to decode now, if any."""
         s.guidance.observe(r.grapheme)
         s.note_progress()
-        s.track_words(s.step_count)  # words are sent once their audio is (_emit_words)
+        s.track_words(s.step_count)  # words are sent once their audio is (`EngineSession.send_words`)
         s.step_count += 1
-        for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count):
-            ch = s.chunks[chunk]
-            # re-rotating keys costs a call per layer: skip sub-frame-scale drift
-            if ch.in_memory and abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:
-                self.runner.place_chunk(s.slot, chunk, tau)
-                ch.placed_tau = tau
+        self.memory.replace(s)
         if r.frame is not None:
             s.pending_frames.append(r.frame)
         if r.done:
             s.done_decoding = True
-        self._evict_past(s)
+        self.memory.evict_past(s)
         if not s.done_decoding and not s.lookahead_ready():
             s.phase = Phase.WAITING  # text ran dry: wait for more
-        if plan := self._packet_due(s, now):
+        s.clocked, plan = self.packets.due(s, now)
+        if plan:
             return plan
         if s.done_decoding:
             self._finish(s, cancelled=False)
         return None
 
-    def _packet_due(self, s: EngineSession, now: float) -> Optional[PacketPlan]:
-        """The packet to decode from the session's pending frames now, if any.
-
-        A full packet when packet_ms of frames are pending; once the ramp below is over,
-        on the shared packet clock (`_on_packet_clock`). Shorter ones (at least
-        min_packet_ms) only where they buy latency without costing capacity (every codec
-        call has a fixed cost, ~2 ms on the CPU default model): the first audio (at
-        least `low_water_steps` step periods of it, so it lasts until the next); the
-        ramp after it (a packet may be as long as all the audio sent before it, so the
-        listener's buffer covers its making; sooner if it would run dry first), which
-        ends as `_ramp_over` says, at a tick, with all pending frames: the first clocked
-        packet then follows `full` steps later, where ending it between ticks left the
-        listener up to 2 x full - 1 steps to wait (at 16-20 sessions the stalls 0.19 and
-        0.32 s into the audio, docs/loadtest.md "Measured choices"); and when the
-        text ran dry."""
-        n = len(s.pending_frames)
-        full = self._packet_frames(s)
-        tick = self._on_packet_clock(full)
-        handoff = not s.clocked and tick and self._ramp_over(s, full, now)
-        s.clocked = s.clocked or handoff
-        ramp = not s.clocked
-        waiting = s.phase is Phase.WAITING
-        if n == 0:
-            return None
-        if s.frames_done == 0 and n < self.runner.min_first_frames and not s.done_decoding:
-            return None  # a reflect-padded codec reads that far ahead at a stream's start
-        if s.done_decoding:
-            return PacketPlan(n, False)
-        if waiting and s.ran_out():  # the audio of all the text so far goes out
-            return PacketPlan(n, True)
-        shortest = self._frames(s.config.min_packet_ms)
-        if handoff:  # all pending frames now, so the next tick, `full` steps on, finds a full packet
-            return PacketPlan(n, True) if n >= shortest else None
-        if not ramp and not waiting:
-            return PacketPlan(full, False, clocked=True) if n >= full and tick else None
-        if n >= full:
-            return PacketPlan(n, waiting)  # when waiting, frames held for the clock go out too
-        if s.frames_done == 0:
-            # the first packet must also last until the next one is made: longer under load
-            shortest = max(shortest, self.runner.min_first_frames, math.ceil(self._low_water_s * FRAME_RATE))
-        if n < shortest:
-            return None
-        if (s.frames_done == 0 or waiting
-                or (ramp and (n >= s.frames_done or s.audio_ahead_s(now) < self._low_water_s))):
-            return PacketPlan(n, True)
-        return None
-
-    def _ramp_over(self, s: EngineSession, full: int, now: float) -> bool:
-        """Whether a session's packets leave the ramp for the packet clock (for good; asked
-        at the clock's ticks only, see `_packet_due`). After two full packets' worth, and
-        then only once its listener holds a clocked packet's longest wait (2 x full
-        steps; at the hand-off it is `full` steps, but the step period measured in the
-        ramp, while others sit out, is shorter than after it), or after four: a listener
-        left with less at the ramp's end ran dry before its first clocked packet (the
-        N=1 stalls 0.16-0.19 s into the audio, docs/loadtest.md "Measured choices")."""
-        if s.frames_done < 2 * full:
-            return False
-        return s.frames_done >= 4 * full or s.audio_ahead_s(now) >= 2 * full * self._step_period_s
-
-    def _on_packet_clock(self, full: int) -> bool:
-        """Whether steady sessions' full packets are decoded at this step: every `full`
-        engine steps, the same steps for every session, so their codec calls batch (a
-        call's cost is mostly fixed: CPU default model, 6 frames, 6.3 ms for one session,
-        10.9 ms for four together). A session holds its frames for the tick (at most
-        full - 1 steps), even when its listener runs low: a first version let such a
-        session decode at once, and under load, when every listener runs low, the calls
-        stopped batching (at 6 sessions on 2 cores: 32-40 s of starved audio in 20 s of
-        turns against 3.8 s without that exception, docs/loadtest.md). One that sat steps
-        out (ahead of its lead) has less than a packet at a tick and waits for a later
-        one, then decodes one packet's worth and keeps the rest: so every call on a tick
-        takes the same frame count."""
-        return self._steps % full == 0
-
-    @property
-    def _low_water_s(self) -> float:
-        """Audio a listener needs in hand to outlast the making of the next packet."""
-        return self.config.low_water_steps * self._step_period_s
-
-    def _must_end(self, s: EngineSession) -> bool:
-        """Runaway guard once the text is complete: speech running past the (re-placed)
-        end of the text, or no transcript progress for a while, ends with EOS."""
-        if s.step_count >= self.config.max_session_s * FRAME_RATE:
-            return True
-        if not s.eos_added:
-            return False
-        limit = self.config.max_overrun_s * FRAME_RATE
-        return s.step_count > s.timeline.chunks[-1].tau + limit or s.step_count - s.progress_step > limit
-
-    def _packet_frames(self, s: EngineSession) -> int:
-        return self._frames(s.config.packet_ms)
-
-    @staticmethod
-    def _frames(ms: int) -> int:
-        return max(1, math.ceil(ms * FRAME_RATE / 1000))
-
-    def _evict_past(self, s: EngineSession) -> None:
-        if s.phase is Phase.ENDED or s.config.n_past_chunks < 0:
-            return
-        _, lo, _ = s.window(sum(c.in_memory for c in s.chunks))
-        if lo > 0:
-            self.runner.evict_chunks_before(s.slot, lo)
-        self._fill_memory(s)
-
-    def _decode(self, due: list[tuple[EngineSession, PacketPlan]]) -> None:
-        """Decode each session's planned packet: one batched codec call per distinct
-        frame count (usually one: see `_on_packet_clock`). Calls go to the codec thread,
-        overlapping the next model steps (delivered as they finish, `_on_codec_done`),
-        except those `_decode_here` keeps (a session's first or last packet; a ramp
-        packet that cannot wait for a busy codec thread): those are decoded and
-        delivered now, beside whatever the codec thread runs. Ramp packets otherwise go
-        to the thread: on the engine thread each cost the engine a codec call, and its
-        2-frame packets came about as fast as they played (docs/loadtest.md, "Measured
-        choices"). The thread's calls queue in order, the most urgent (least audio in its
-        listeners' hands) first; the engine waits only for calls holding a slot whose
-        codec state it is about to use. Waiting for every call
-        before the next cost a ramp packet queued behind a clocked call that whole call,
-        at 16 sessions up to 9 ms of its listener's 27 (docs/loadtest.md, "Measured
-        choices"); and waiting with nothing new to decode cost the step after each
-        threaded call the rest of that call (~3.5 ms of a 5.5 ms step at one session)."""
-        self._deliver_done()
-        # one call per frame count, with packets off the clock (the ramp, a text that ran
-        # dry) apart from the tick's: joined to it, a ramp packet waited for all of it
-        # (16 sessions: 15-19 ms of the ~20 its listener held; docs/loadtest.md)
-        # and first packets apart from all others: joined to another session's packet, a
-        # first packet waited for any codec-thread call holding that session's slot
-        groups: dict[tuple[int, bool, bool], list[tuple[EngineSession, bool]]] = collections.defaultdict(list)
-        for s, plan in due:
-            groups[plan.frames, plan.clocked, s.frames_done == 0].append((s, plan.short))
-        calls = []  # (threaded, urgency, n, planned): the engine thread's calls first, then the least audio in hand
-        now = time.monotonic()
-        for (n, clocked, _), planned in groups.items():
-            in_hand = min(s.audio_ahead_s(now) for s, _ in planned)
-            calls.append((not self._decode_here(planned, clocked, in_hand), in_hand, n, planned))
-        for threaded, _, n, planned in sorted(calls, key=lambda c: c[:2]):
-            group = [s for s, _ in planned]
-            if not threaded:  # an earlier call's audio for these sessions goes out first
-                self._settle_decode({s.slot for s in group})
-            frames = [s.pending_frames[:n] for s in group]
-            for s in group:  # taken now: the next step's packet plans must not see them
-                s.frames_done += n
-                del s.pending_frames[:n]
-            call = (self.runner.decode, [s.slot for s in group], frames)
-            if threaded:
-                future = self._codec_pool.submit(_timed, *call)
-                self._in_flight.append(InFlightDecode(future, planned, n))
-                future.add_done_callback(self._on_codec_done)
-                continue
-            future: Future = Future()
-            try:
-                future.set_result(_timed(*call))
-            except Exception as exc:
-                future.set_exception(exc)
-            self._deliver(InFlightDecode(future, planned, n))
-
-    def _decode_here(self, planned: list[tuple[EngineSession, bool]], clocked: bool, in_hand: float) -> bool:
-        """Whether a codec call runs on the engine thread, at once: with no codec thread;
-        with a session's first packet (its TTFA) or its last (its end follows); and off
-        the clock, when its listeners hold less than the low water while the codec thread
-        is still busy with calls of other sessions. Queued behind those (up to a clocked
-        call of 16 sessions), a 2-frame second packet was the last of the stalls at 16-20
-        sessions; at once it costs the engine ~2 ms, a few times per session start."""
-        if self._codec_pool is None or any(s.frames_done == 0 or s.done_decoding for s, _ in planned):
-            return True
-        if clocked or in_hand >= self._low_water_s:
-            return False
-        slots = {s.slot for s, _ in planned}
-        # a call holding one of these sessions would have to be waited for first
-        return (any(not c.future.done() for c in self._in_flight)
-                and not any(c.holds(slots) for c in self._in_flight))
-
-    def _deliver_done(self, on_codec_thread: bool = False) -> None:
-        """Deliver the codec thread's finished calls, in order, without waiting. On the
-        codec thread, not a call that may end a session: `_finish` waits for calls."""
-        while self._in_flight and self._in_flight[0].future.done():
-            if on_codec_thread and any(s.done_decoding for s, _ in self._in_flight[0].planned):
-                return
-            self._deliver(self._in_flight.popleft())
-
-    def _on_codec_done(self, _future: Future) -> None:
-        """As the codec thread finishes a call: if the engine thread is in its model step,
-        deliver the call's audio now, not after that step (up to a step later: at 16
-        sessions a step is ~a third of a 2-frame ramp packet's 27 ms). Otherwise the
-        engine thread delivers it before its next step."""
-        if not self._lock.acquire(blocking=False):
-            return
-        try:
-            self._deliver_done(on_codec_thread=True)
-        finally:
-            self._lock.release()
-
-    @contextlib.contextmanager
-    def _codec_may_deliver(self):
-        """Tensor work that touches no session state: the codec thread may deliver meanwhile."""
-        self._lock.release()
-        try:
-            yield
-        finally:
-            self._lock.acquire()
-
-    def _settle_decode(self, slots: Optional[set] = None) -> None:
-        """Deliver the codec thread's calls in order, waiting for them: all of them, or
-        up to the last one holding one of `slots`."""
-        held = [c for c in self._in_flight if slots is None or c.holds(slots)]
-        while held and any(c is held[-1] for c in self._in_flight):  # a delivery may settle others
-            self._deliver(self._in_flight.popleft())
-
-    def _deliver(self, call: "InFlightDecode") -> None:
+    def _deliver(self, call: InFlightDecode) -> None:
+        """A finished codec call's audio to its sessions (`CodecWorker` hands each over in
+        order, under its lock, on either thread); the last packet ends its session."""
         planned, n = call.planned, call.frames
         try:
             wavs, dt = call.future.result()
@@ -639,41 +305,10 @@ class Engine:
                 continue
             with self._isolated(s, "sending audio"):
                 s.compute_s += dt / len(planned)
-                self._emit_audio(s, s.encoder.push(wav, short=short), frames=n)
+                s.send_audio(s.encoder.push(wav, short=short), n, self.metrics)
                 if s.done_decoding and not s.pending_frames:
-                    self._emit_audio(s, s.encoder.flush(), frames=0)
+                    s.send_audio(s.encoder.flush(), 0, self.metrics)
                     self._finish(s, cancelled=False)
-
-    def _emit_audio(self, s: EngineSession, packets, frames: int) -> None:
-        now = time.monotonic()
-        for p in packets:
-            if s.first_packet_at is None:
-                s.first_packet_at = now
-                if s.first_text_at is not None:
-                    self.metrics.ttfa_seconds.observe(now - s.first_text_at)
-                if s.started_at is not None:
-                    self.metrics.compute_fpl_seconds.observe(now - s.started_at)
-            else:
-                late = now - (s.first_packet_at + p.start_s)
-                if late > 0:
-                    s.underruns += 1
-                    s.underrun_s += late
-                    self.metrics.underruns_total.inc()
-            s.sink(AudioPacket(s.packet_seq, p.data, p.start_s, p.duration_s))
-            s.packet_seq += 1
-            s.audio_sent_s = p.start_s + p.duration_s
-        s.frames_sent += frames
-        self._emit_words(s, final=False)
-
-    def _emit_words(self, s: EngineSession, final: bool) -> None:
-        for w in s.words:
-            if w.sent or w.start_frame is None:
-                continue
-            end = w.end_frame if w.end_frame is not None else (s.frames_done if final else None)
-            if end is None or end > s.frames_sent:
-                break
-            w.sent = True
-            s.sink(WordTiming(w.text, frames_to_s(w.start_frame), frames_to_s(end)))
 
     # --- endings -------------------------------------------------------------------------------
     def _finish(self, s: EngineSession, cancelled: bool) -> None:
@@ -681,7 +316,7 @@ class Engine:
         if s.phase is Phase.ENDED:
             return
         if not cancelled:
-            self._emit_words(s, final=True)
+            s.send_words(final=True)
         summary = self._summary(s, cancelled)
         if summary.unspoken_words and not cancelled:  # the runaway guard ended it: EOS is barred until the text is spoken
             log.warning("session %s ended by the runaway guard with %d of %d words unspoken",
@@ -705,26 +340,14 @@ class Engine:
 
     def _summary(self, s: EngineSession, cancelled: bool) -> Summary:
         """What the session spoke, for its last event; books its audio."""
-        audio_s = s.audio_sent_s
-        unspoken = s.unspoken_words()
-        if audio_s > 0:
-            self.metrics.rtf.observe(s.compute_s / audio_s)
-            self.metrics.audio_seconds_total.inc(audio_s)
-        return Summary(
-            frames=s.frames_done,
-            audio_s=audio_s,
-            ttfa_s=None if s.first_packet_at is None or s.first_text_at is None else s.first_packet_at - s.first_text_at,
-            lookahead_wait_s=None if s.started_at is None or s.first_text_at is None else s.started_at - s.first_text_at,
-            compute_fpl_s=None if s.first_packet_at is None or s.started_at is None else s.first_packet_at - s.started_at,
-            cancelled=cancelled,
-            spoken_text=s.spoken_text(),
-            all_words_spoken=not unspoken,
-            unspoken_words=tuple(unspoken),
-        )
+        if s.audio_sent_s > 0:
+            self.metrics.rtf.observe(s.compute_s / s.audio_sent_s)
+            self.metrics.audio_seconds_total.inc(s.audio_sent_s)
+        return s.summary(cancelled)
 
     def _settle_for(self, s: EngineSession) -> None:
         if s.slot is not None:
-            self._settle_decode({s.slot})
+            self.codec.settle({s.slot})
 
     def _fail(self, s: EngineSession, code: str, message: str) -> None:
         if s.phase is Phase.ENDED:

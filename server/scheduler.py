@@ -8,7 +8,7 @@ others, so a newly started session gets its first packet quickly even under load
 while a session is starting (before its first packet and through its packet ramp,
 `EngineSession.clocked` false), those more than `yield_lead_s` ahead sit out, so it
 steps at a smaller batch, faster, until its listener holds a buffer. A ramp is bounded
-in frames (`Engine._ramp_over`), so the yield is too: a session whose listener runs
+in frames (`PacketPolicy.ramp_over`), so the yield is too: a session whose listener runs
 short for other reasons (a client that stopped reading) never makes others sit out. At
 16-24 sessions on 2 cores it cut TTFA by a fifth to a third and the starved audio at 24
 sessions fourfold (docs/loadtest.md, "Measured choices").

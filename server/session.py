@@ -1,4 +1,5 @@
-"""One synthesis session inside the engine: its lifecycle and its text-side state.
+"""One synthesis session inside the engine: its lifecycle, its text-side state and the events
+it sends (audio packets, word timings, its summary).
 
 Lifecycle (like a request in an LLM server):
     WAITING  admitted, holds a slot, waiting for text / lookahead (also after the text
@@ -17,9 +18,10 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional
 
-from livespeech.api.session import ConfigError, LimitError, SessionConfig, Sink, StateError
+from livespeech.api.session import (AudioPacket, ConfigError, LimitError, SessionConfig, Sink, StateError, Summary,
+                                    WordTiming)
 from livespeech.models import graphemes
 from livespeech.models.attention import window_chunk_range
 from livespeech.models.config import FRAME_RATE
@@ -27,16 +29,26 @@ from livespeech.models.guidance import GuidanceState, Temperatures
 
 from .audio import AudioEncoder
 from .chunker import Chunker, TextChunk, ends_with_punctuation
+from .metrics import Metrics
 from .timeline import SpeechTimeline
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 class Phase(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     ENDED = "ended"
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """The engine's limits on a session: its text, checked as the text comes in, and its
+    speech (`EngineSession.must_end`)."""
+    max_text_piece_chars: int
+    max_session_text_chars: int
+    max_session_s: float  # also: a speech-time timestamp may not be past it
+    # once the text is complete, speech may run this long past the expected end of its
+    # text, or this long without transcript progress
+    max_overrun_s: float
 
 
 @dataclass
@@ -55,9 +67,6 @@ class Chunk:
     index: int
     token_ids: list[int]
     n_chars: int
-    words: list[Word]
-    arrival_frame: int
-    client_time_s: Optional[float]
     in_memory: bool = False
     placed_tau: int = 0  # position its cached keys are rotated to
 
@@ -65,8 +74,8 @@ class Chunk:
 class EngineSession:
     """Engine-side state of one session; also the service's `SessionHandle`."""
 
-    def __init__(self, engine: "Engine", session_id: str, config: SessionConfig, voice, sink: Sink):
-        self.engine = engine
+    def __init__(self, session_id: str, config: SessionConfig, voice, sink: Sink,
+                 submit: Callable[["EngineSession", tuple], None], limits: SessionLimits, audio_lag_frames: int):
         self.session_id = session_id
         self.config = config
         self.voice = voice
@@ -74,6 +83,8 @@ class EngineSession:
         self.phase = Phase.WAITING
         self.slot: Optional[int] = None
         # handle-side bookkeeping (event loop thread)
+        self._submit = submit  # queues a command for the engine thread
+        self._limits = limits
         self._lock = threading.Lock()
         self._input_ended = False
         self._last_client_ts = -math.inf
@@ -103,7 +114,7 @@ class EngineSession:
         self.covered_chars = -1
         self.covered_step = 0
         self.step_count = 0
-        self.audio_lag_frames = engine.bundle.model.cfg.max_delay  # graphemes lead the audio by this
+        self.audio_lag_frames = audio_lag_frames  # graphemes lead the audio by this (the codebook delays)
         self.frames_done = 0
         self.clocked = False  # past the packet ramp: full packets on the packet clock
         self.pending_frames: list[list[int]] = []
@@ -111,20 +122,16 @@ class EngineSession:
         self.packet_seq = 0
         self.audio_sent_s = 0.0
         self.frames_sent = 0  # frames whose audio has been sent
-        self.cancel_requested = False
-        self.closed = False
         self.done_decoding = False
         # latency bookkeeping (monotonic seconds)
         self.first_text_at: Optional[float] = None
         self.started_at: Optional[float] = None
         self.first_packet_at: Optional[float] = None
         self.compute_s = 0.0
-        self.underruns = 0
-        self.underrun_s = 0.0
 
     # --- SessionHandle (event loop thread) -------------------------------------------------
     def push_text(self, text: str, client_time_s: Optional[float] = None, flush: bool = False) -> None:
-        limits = self.engine.config
+        limits = self._limits
         with self._lock:
             if self._input_ended:
                 raise StateError("text after end_of_input")
@@ -144,23 +151,23 @@ class EngineSession:
                         f"text.timestamp_s must not decrease: {client_time_s:g} after {self._last_client_ts:g}")
                 self._last_client_ts = client_time_s
             self._text_chars += len(text)
-        self.engine.submit(self, ("text", text, client_time_s, flush, time.monotonic()))
+        self._submit(self, ("text", text, client_time_s, flush, time.monotonic()))
 
     def end_input(self) -> None:
         with self._lock:
             if self._input_ended:
                 raise StateError("end_of_input received twice")
             self._input_ended = True
-        self.engine.submit(self, ("end", time.monotonic()))
+        self._submit(self, ("end", time.monotonic()))
 
     def cancel(self) -> None:
-        self.engine.submit(self, ("cancel",))
+        self._submit(self, ("cancel",))
 
     def stop(self, code: str, message: str) -> None:
-        self.engine.submit(self, ("stop", code, message))
+        self._submit(self, ("stop", code, message))
 
     def close(self, outcome: str = "disconnected") -> None:
-        self.engine.submit(self, ("close", outcome))
+        self._submit(self, ("close", outcome))
 
     # --- engine thread ---------------------------------------------------------------------
     def on_text(self, text: str, client_time_s: Optional[float], flush: bool, now: float) -> list[TextChunk]:
@@ -189,7 +196,7 @@ class EngineSession:
             start = self.n_chars + len(ids)
             ids.extend(g)
             words.append(Word(w, start, self.n_chars + len(ids)))
-        chunk = Chunk(tc.index, token_ids, len(ids), words, self.step_count, tc.client_time_s)
+        chunk = Chunk(tc.index, token_ids, len(ids))
         self.guidance.extend_transcript(ids)
         self.n_chars += len(ids)
         self.chunks.append(chunk)
@@ -302,6 +309,16 @@ class EngineSession:
         (`_partial_word_deadline`)."""
         return self.last_text_at is not None and now >= self._partial_word_deadline()
 
+    def must_end(self) -> bool:
+        """Runaway guard once the text is complete: speech running past the (re-placed)
+        end of the text, or no transcript progress for a while, ends with EOS."""
+        if self.step_count >= self._limits.max_session_s * FRAME_RATE:
+            return True
+        if not self.eos_added:
+            return False
+        limit = self._limits.max_overrun_s * FRAME_RATE
+        return self.step_count > self.timeline.chunks[-1].tau + limit or self.step_count - self.progress_step > limit
+
     def waiting_for_text(self) -> bool:
         """Whether the speech is held up for want of text (not started, or the text ran dry)."""
         return self.phase is Phase.WAITING and not self.done_decoding and not self.lookahead_ready()
@@ -337,6 +354,54 @@ class EngineSession:
         out = [w.text for w in self.words if w.covered_frame is None or w.covered_frame >= self.frames_sent]
         out += [w for w in self.chunker.held_words() if graphemes.word_graphemes(w)]
         return out
+
+    def send_audio(self, packets, frames: int, metrics: Metrics) -> None:
+        """Send encoded packets (`frames` more frames of audio), then the words whose
+        audio is all out; books the first packet's latencies and packets late for a
+        listener who started playing at the first."""
+        now = time.monotonic()
+        for p in packets:
+            if self.first_packet_at is None:
+                self.first_packet_at = now
+                if self.first_text_at is not None:
+                    metrics.ttfa_seconds.observe(now - self.first_text_at)
+                if self.started_at is not None:
+                    metrics.compute_fpl_seconds.observe(now - self.started_at)
+            elif now - (self.first_packet_at + p.start_s) > 0:
+                metrics.underruns_total.inc()
+            self.sink(AudioPacket(self.packet_seq, p.data, p.start_s, p.duration_s))
+            self.packet_seq += 1
+            self.audio_sent_s = p.start_s + p.duration_s
+        self.frames_sent += frames
+        self.send_words(final=False)
+
+    def send_words(self, final: bool) -> None:
+        """Send the timings of the words whose audio is all sent, in order; `final`: the
+        audio has ended, and so has a word still open."""
+        for w in self.words:
+            if w.sent or w.start_frame is None:
+                continue
+            end = w.end_frame if w.end_frame is not None else (self.frames_done if final else None)
+            if end is None or end > self.frames_sent:
+                break
+            w.sent = True
+            self.sink(WordTiming(w.text, frames_to_s(w.start_frame), frames_to_s(end)))
+
+    def summary(self, cancelled: bool) -> Summary:
+        """What the session spoke, for its last event."""
+        unspoken = self.unspoken_words()
+        first_text, started, first_packet = self.first_text_at, self.started_at, self.first_packet_at
+        return Summary(
+            frames=self.frames_done,
+            audio_s=self.audio_sent_s,
+            ttfa_s=None if first_packet is None or first_text is None else first_packet - first_text,
+            lookahead_wait_s=None if started is None or first_text is None else started - first_text,
+            compute_fpl_s=None if first_packet is None or started is None else first_packet - started,
+            cancelled=cancelled,
+            spoken_text=self.spoken_text(),
+            all_words_spoken=not unspoken,
+            unspoken_words=tuple(unspoken),
+        )
 
     def audio_ahead_s(self, now: float) -> float:
         """Seconds of audio the client has buffered (sent minus played)."""

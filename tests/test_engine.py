@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from livespeech.models.loading import load_bundle
-from livespeech.server.engine import Engine, EngineConfig, PacketPlan
+from livespeech.server.engine import Engine, EngineConfig
+from livespeech.server.packets import PacketPlan, PacketPolicy, frames_for_ms
 from livespeech.server.session import EngineSession
 from livespeech.server.runner import ModelRunner, Voice
 from livespeech.api.session import (AudioPacket, CapacityError, ConfigError, Encoding, Failed, Finished,
@@ -132,13 +133,13 @@ def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice,
     cover that mark (a full packet here) and the ramp's packets go out at min_packet_ms.
     Full packets after the ramp (it ends at a tick); the same audio either way. The listener's buffer is
     pinned, as this machine's timing would otherwise decide when the ramp ends
-    (`Engine._ramp_over`): in the first run between a clocked packet's wait (12 step
+    (`PacketPolicy.ramp_over`): in the first run between a clocked packet's wait (12 step
     periods) and the low-water mark (100), in the second far ahead (a slow machine's
     listener may really run dry, which sends a ramp packet sooner). The lead cap is
     lifted so that it still steps."""
     torch.set_num_threads(1)
     runs = {}
-    for low_water, held in ((100.0, lambda self, now: 30 * self.engine._step_period_s),
+    for low_water, held in ((100.0, lambda self, now: 30 * eng.clock.period_s),
                             (0.0, lambda self, now: 50.0)):
         monkeypatch.setattr(EngineSession, "audio_ahead_s", held)
         eng = Engine(load_bundle(random_init=True),
@@ -212,16 +213,16 @@ def test_steady_packets_of_concurrent_sessions_are_decoded_together(voice, monke
     monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)
     eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3, max_lead_s=100.0))
     steady = []  # (engine step, session) of each steady-state full-packet decode
-    decode = eng._decode
+    decode = eng.codec.decode
 
     def watch(due):
         for s, plan in due:
             n = plan.frames
-            if not s.done_decoding and s.frames_done >= 2 * n == 2 * eng._packet_frames(s):
-                steady.append((eng._steps, s.session_id))
+            if not s.done_decoding and s.frames_done >= 2 * n == 2 * frames_for_ms(s.config.packet_ms):
+                steady.append((eng.clock.steps, s.session_id))
         decode(due)
 
-    monkeypatch.setattr(eng, "_decode", watch)
+    monkeypatch.setattr(eng.codec, "decode", watch)
     eng.start()
     try:
         cs, hs = [], []
@@ -278,14 +279,14 @@ def test_the_packet_ramp_lasts_until_the_listener_holds_a_clocked_packets_wait(v
     worth. The listener's buffer is pinned, so this machine's timing plays no part, and
     the clock ticks at every step, so the ramp may end at any step."""
     torch.set_num_threads(1)
-    monkeypatch.setattr(Engine, "_on_packet_clock", lambda self, full: True)
+    monkeypatch.setattr(PacketPolicy, "on_clock", lambda self, full: True)
     clocked_at = {}
     for held_s in (50.0, 0.0):
         monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: held_s)
         eng = Engine(load_bundle(random_init=True),
                      EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0, codec_thread=False))
-        plans, decode = [], eng._decode  # (frames sent before, clocked) for each packet
-        monkeypatch.setattr(eng, "_decode", lambda due: plans.extend((s.frames_done, s.clocked) for s, _ in due)
+        plans, decode = [], eng.codec.decode  # (frames sent before, clocked) for each packet
+        monkeypatch.setattr(eng.codec, "decode", lambda due: plans.extend((s.frames_done, s.clocked) for s, _ in due)
                             or decode(due))
         c = speak_alone(eng, voice, "The ramp of this session lasts as long as its listener runs short of audio. " * 2)
         assert c.of(Finished)[0].summary.frames > 5 * 6, "the speech ended inside the ramp"
@@ -307,8 +308,8 @@ def test_the_ramp_hands_off_to_the_packet_clock_without_a_longer_wait(voice, mon
                  "And this one too, after a different first chunk of text. " * 2):
         eng = Engine(load_bundle(random_init=True),
                      EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0, codec_thread=False))
-        at_step, decode = [], eng._decode  # the engine's step count at each packet
-        monkeypatch.setattr(eng, "_decode", lambda due: at_step.extend(eng._steps for _ in due) or decode(due))
+        at_step, decode = [], eng.codec.decode  # the engine's step count at each packet
+        monkeypatch.setattr(eng.codec, "decode", lambda due: at_step.extend(eng.clock.steps for _ in due) or decode(due))
         c = speak_alone(eng, voice, text)
         assert c.of(Finished)[0].summary.frames > 5 * full, "the speech ended inside the ramp"
         gaps[text] = [b - a for a, b in zip(at_step[1:-2], at_step[2:-1])]  # from the second packet to the last but one
@@ -369,7 +370,7 @@ def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
         session = next(iter(eng._sessions.values()))
         steps, full = session.step_count, 6  # 80 ms at 75 Hz
         wait_until(lambda: session.step_count - steps >= 3 * full)  # three more packets' worth of steps
-        ran, queued = session.step_count - steps, len(eng._in_flight)
+        ran, queued = session.step_count - steps, len(eng.codec.in_flight)
         release.set()
         assert c.done.wait(60)
     finally:
@@ -469,14 +470,14 @@ def test_the_codec_thread_takes_the_call_of_the_listener_with_least_audio_first(
     codec thread; the one whose listeners hold the least audio goes first."""
     torch.set_num_threads(1)
     eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=2))  # not started: driven here
-    order, submit = [], eng._codec_pool.submit
-    monkeypatch.setattr(eng._codec_pool, "submit",
+    order, submit = [], eng.codec.pool.submit
+    monkeypatch.setattr(eng.codec.pool, "submit",
                         lambda fn, decode, slots, frames: order.append(len(frames[0])) or submit(fn, decode, slots, frames))
     sessions = [s for s, _ in driven_sessions(eng, voice, (0.5, 0.01), monkeypatch)]
     try:
-        with eng._lock:  # as the engine thread: the codec thread delivers only while it steps
-            eng._decode([(sessions[0], PacketPlan(6, False, clocked=True)), (sessions[1], PacketPlan(2, True))])
-            eng._settle_decode()
+        with eng.codec.lock:  # as the engine thread: the codec thread delivers only while it steps
+            eng.codec.decode([(sessions[0], PacketPlan(6, False, clocked=True)), (sessions[1], PacketPlan(2, True))])
+            eng.codec.settle()
     finally:
         eng.stop()
     assert order == [2, 6]
@@ -488,15 +489,15 @@ def test_a_ramp_packet_does_not_join_the_ticks_call(voice, monkeypatch):
     not a row in the tick's call (whose whole length it would wait for)."""
     torch.set_num_threads(1)
     eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3))  # not started: driven here
-    rows, submit = [], eng._codec_pool.submit
-    monkeypatch.setattr(eng._codec_pool, "submit",
+    rows, submit = [], eng.codec.pool.submit
+    monkeypatch.setattr(eng.codec.pool, "submit",
                         lambda fn, decode, slots, frames: rows.append(len(slots)) or submit(fn, decode, slots, frames))
     (a, _), (b, _), (ramp, _) = driven_sessions(eng, voice, (0.5, 0.5, 0.4), monkeypatch)
     try:
-        with eng._lock:
-            eng._decode([(a, PacketPlan(6, False, clocked=True)), (b, PacketPlan(6, False, clocked=True)),
+        with eng.codec.lock:
+            eng.codec.decode([(a, PacketPlan(6, False, clocked=True)), (b, PacketPlan(6, False, clocked=True)),
                          (ramp, PacketPlan(6, True))])
-            eng._settle_decode()
+            eng.codec.settle()
     finally:
         eng.stop()
     assert rows == [1, 2]  # the ramp's (least audio in hand) first, then the tick's
@@ -516,14 +517,14 @@ def test_a_low_listeners_ramp_packet_skips_a_busy_codec_thread(voice, monkeypatc
     release, began = hold_codec_thread(eng)
     (busy, _), (ramp, heard) = driven_sessions(eng, voice, (0.5, in_hand_s), monkeypatch)
     try:
-        with eng._lock:
-            eng._decode([(busy, PacketPlan(6, False, clocked=True))]
+        with eng.codec.lock:
+            eng.codec.decode([(busy, PacketPlan(6, False, clocked=True))]
                         + ([(ramp, PacketPlan(2, True))] if own_call_queued else []))
             assert began.wait(30), "no call went to the codec thread"
-            eng._decode([(ramp, PacketPlan(2, True))])
+            eng.codec.decode([(ramp, PacketPlan(2, True))])
             heard_while_busy = len(heard.of(AudioPacket))
             release.set()
-            eng._settle_decode()
+            eng.codec.settle()
     finally:
         release.set()
         eng.stop()

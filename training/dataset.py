@@ -1,6 +1,6 @@
 """Training data: the corpus manifest, audio crops for the codec, and LiveSpeech 2
 decoder examples built exactly the way the server lays out a session at inference
-(server/engine.py `_release_chunks` / `_maybe_add_eos`).
+(server/text_memory.py `TextMemory.release` / `add_eos`).
 
 Decoder example (one utterance, T = len(graphemes) frames):
 - codebook rows: grapheme row = manifest `graphemes` + one EOS frame at frame T;

@@ -220,7 +220,7 @@ def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int =
         a = sample_top_k(logits.acoustic.float(), [top_k], gens)
         if force_g:
             g[:] = int(gt[0, min(t, T)])  # frame t; EOS at T (later steps: none ids in commit)
-        elif t > T + max_overrun:  # the engine's runaway guard (server/engine.py _must_end)
+        elif t > T + max_overrun:  # the engine's runaway guard (server/session.py EngineSession.must_end)
             g[:] = G.EOS
         for k in range(1, 1 + n_ac):  # codebook k at step t carries frame t - delay_k
             if 0 <= t - delays[k] < T:

@@ -1,0 +1,75 @@
+"""A session's text in the model's text memory (`ModelRunner`): released chunks tokenized,
+placed on the session's speech timeline, moved in oldest first, re-placed as the timeline
+moves and evicted once they left the np window."""
+from __future__ import annotations
+
+import time
+
+from .chunker import TextChunk
+from .metrics import Metrics
+from .session import EngineSession, Phase
+
+# a cached chunk is re-placed when its timeline position moved at least this far
+REPLACE_MIN_FRAMES = 3
+
+
+class TextMemory:
+    def __init__(self, runner, tokenizer, max_text_tokens: int, metrics: Metrics):
+        self.runner = runner
+        self._tokenizer = tokenizer
+        self._max_text_tokens = max_text_tokens
+        self._metrics = metrics
+
+    def release(self, s: EngineSession, chunks) -> None:
+        for tc in chunks:
+            first = not s.chunks
+            ids = self._tokenizer.encode_words(tc.words, first_in_text=first)[: self._max_text_tokens - 1]
+            ch = s.register_chunk(tc, ids)
+            self._metrics.text_tokens_total.inc(len(ids))
+            s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s)
+        self.fill(s)
+
+    def add_eos(self, s: EngineSession) -> None:
+        """The end of the text, once all of it was released."""
+        if s.text_complete and not s.eos_added and s.chunks:
+            eos = s.register_chunk(TextChunk(len(s.chunks), [], time.monotonic()), [self._tokenizer.eos_id])
+            s.timeline.add(eos.n_chars, s.step_count)
+            s.guidance.input_complete = True
+            s.eos_added = True
+            self.fill(s)
+
+    def fill(self, s: EngineSession) -> None:
+        """Move chunks into the model's text memory, oldest first, evicting chunks that
+        left the np window for good when memory is full."""
+        for ch in s.chunks:
+            if ch.in_memory:
+                continue
+            if self.runner.text_room(s.slot) < len(ch.token_ids):
+                _, lo, _ = s.window(sum(c.in_memory for c in s.chunks))
+                self.runner.evict_chunks_before(s.slot, lo)
+                if self.runner.text_room(s.slot) < len(ch.token_ids):
+                    # keep at least the current chunk: drop older ones beyond np
+                    cur = s.timeline.current_chunk(s.step_count)
+                    self.runner.evict_chunks_before(s.slot, cur)
+                if self.runner.text_room(s.slot) < len(ch.token_ids):
+                    return  # wait until the speech moves on
+            ch.placed_tau = s.timeline.chunks[ch.index].tau
+            self.runner.add_chunk(s.slot, ch.token_ids, ch.placed_tau, ch.index)
+            ch.in_memory = True
+
+    def replace(self, s: EngineSession) -> None:
+        """Re-place the chunks the timeline moved (after a step)."""
+        for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count):
+            ch = s.chunks[chunk]
+            # re-rotating keys costs a call per layer: skip sub-frame-scale drift
+            if ch.in_memory and abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:
+                self.runner.place_chunk(s.slot, chunk, tau)
+                ch.placed_tau = tau
+
+    def evict_past(self, s: EngineSession) -> None:
+        if s.phase is Phase.ENDED or s.config.n_past_chunks < 0:
+            return
+        _, lo, _ = s.window(sum(c.in_memory for c in s.chunks))
+        if lo > 0:
+            self.runner.evict_chunks_before(s.slot, lo)
+        self.fill(s)
