@@ -41,3 +41,15 @@ def test_no_tracked_file_points_outside_the_repository() -> None:
     if out.returncode not in (0, 1):  # 1: no match; anything else: not a git checkout
         pytest.skip(f"git grep failed: {out.stderr.strip()}")
     assert out.stdout == "", "references to files outside the repository:\n" + out.stdout
+
+
+def test_the_architecture_names_real_files_and_walks_in_eight() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"\b((?:server|models|protos|clients|training|loadtest|tests)/[\w/]+\.(?:py|proto))\b", text))
+    assert named and not [f for f in sorted(named) if not (ROOT / f).is_file()]
+    walk = text.split("## The path, in eight files", 1)[1].split("\n## ", 1)[0]
+    walked = set(re.findall(r"\*\*`([\w/.]+)`\*\*", walk))
+    assert 0 < len(walked) <= 8 and walked <= named, walked
+    # the diagram above it names no other file
+    diagram = text.split("```", 2)[1]
+    assert set(re.findall(r"\b(?:server|models|protos)/[\w/]+\.py\b", diagram)) <= walked
