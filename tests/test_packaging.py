@@ -119,3 +119,45 @@ def test_the_command_without_the_server_says_so_and_still_speaks_to_one(monkeypa
     with pytest.raises(SystemExit) as e:
         cli.main(["say", "--help"])
     assert e.value.code == 0 and "--voice" in capsys.readouterr().out
+
+
+def _server_imports() -> dict[str, set[str]]:
+    """server module -> the server modules it imports (at run time: not under TYPE_CHECKING)."""
+    mods = {p.stem for p in (ROOT / "server").glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name in mods:
+        tree = ast.parse((ROOT / "server" / f"{name}.py").read_text())
+        hidden = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                  for n in ast.walk(node)}
+        deps = set()
+        for node in ast.walk(tree):
+            if id(node) in hidden or not isinstance(node, ast.ImportFrom):
+                continue
+            module = node.module or ""
+            if node.level == 1:
+                target = module.split(".")[0] if module else None
+                deps |= {target} if target else {a.name for a in node.names}
+            elif module.startswith("livespeech.server."):
+                deps.add(module.split(".")[2])
+            elif module == "livespeech.server":
+                deps |= {a.name for a in node.names}
+        graph[name] = deps & mods - {name}
+    return graph
+
+
+def test_no_import_cycle_among_server_modules() -> None:
+    graph = _server_imports()
+    assert graph["engine"] and graph["service"], "the graph reads the imports"
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            pytest.fail("import cycle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, path + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
