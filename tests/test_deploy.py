@@ -239,7 +239,8 @@ def test_dockerignore() -> None:
     for path in (".venv/bin/python", "data/corpus/x.wav", "runs/exp1/ckpt.pt", ".git/HEAD", "protos/gen/x.py",
                  "tests/test_deploy.py", "server/__pycache__/app.cpython-311.pyc"):
         assert _dockerignored(path, patterns), f"{path} should not be in the build context"
-    for path in ("scripts/install.sh", "pyproject.toml", "README.md", "server/app.py", "clients/cli.py",
+    for path in ("scripts/install.sh", "pyproject.toml", "README.md", "livespeech/__init__.py", "livespeech/server",
+                 "clients/pyproject.toml", "protos/protocol.py", "server/app.py", "clients/cli.py",
                  "models/loading.py", "models/weights/default/decoder.pt", "protos/livespeech/v1/livespeech.proto",
                  "deploy/docker/grpc_health_check.py"):
         assert not _dockerignored(path, patterns), f"{path} is needed by the image build"
