@@ -233,16 +233,10 @@ class Engine:
         t0 = time.perf_counter()
         self.clock.step(t0)
         now = time.monotonic()
-        windows, force = [], []
         for s in batch:
-            if s.phase is Phase.WAITING:
-                s.phase = Phase.RUNNING
-                if s.started_at is None:
-                    s.started_at = now
-                    self.metrics.lookahead_wait_seconds.observe(now - (s.first_text_at or now))
-            _, lo, hi = s.window(sum(c.in_memory for c in s.chunks))
-            windows.append((lo, hi))
-            force.append(s.must_end())
+            if (waited := s.begin_step(now)) is not None:
+                self.metrics.lookahead_wait_seconds.observe(waited)
+        windows, force = [s.window() for s in batch], [s.must_end() for s in batch]
         self.codec.deliver_done()
         with self.codec.may_deliver():
             results = self.runner.step(

@@ -207,11 +207,12 @@ class EngineSession:
     def text_complete(self) -> bool:
         return self.input_ended and self.chunker.pending_words == 0
 
-    def window(self, n_memory_chunks: int) -> tuple[int, int, int]:
-        """(current chunk, first, last) chunk of the np/nf window at this step."""
+    def window(self) -> tuple[int, int]:
+        """First and last chunk of the np/nf window at this step, among the chunks in the
+        model's text memory."""
         c = self.timeline.current_chunk(self.step_count)
         n_past = None if self.config.n_past_chunks < 0 else self.config.n_past_chunks
-        return (c, *window_chunk_range(c, n_past, self.config.n_future_chunks, n_memory_chunks))
+        return window_chunk_range(c, n_past, self.config.n_future_chunks, sum(ch.in_memory for ch in self.chunks))
 
     def lookahead_ready(self) -> bool:
         """The start policy: current chunk c is spoken once min(nf, start_future_chunks + c)
@@ -308,6 +309,17 @@ class EngineSession:
         """Whether a release by the buffer delay now includes the word still being written
         (`_partial_word_deadline`)."""
         return self.last_text_at is not None and now >= self._partial_word_deadline()
+
+    def begin_step(self, now: float) -> Optional[float]:
+        """The session steps (again, after waiting for text); on its first step, how long
+        it waited for its lookahead."""
+        if self.phase is not Phase.WAITING:
+            return None
+        self.phase = Phase.RUNNING
+        if self.started_at is not None:
+            return None
+        self.started_at = now
+        return now - (self.first_text_at or now)
 
     def must_end(self) -> bool:
         """Runaway guard once the text is complete: speech running past the (re-placed)

@@ -45,8 +45,7 @@ class TextMemory:
             if ch.in_memory:
                 continue
             if self.runner.text_room(s.slot) < len(ch.token_ids):
-                _, lo, _ = s.window(sum(c.in_memory for c in s.chunks))
-                self.runner.evict_chunks_before(s.slot, lo)
+                self.runner.evict_chunks_before(s.slot, s.window()[0])
                 if self.runner.text_room(s.slot) < len(ch.token_ids):
                     # keep at least the current chunk: drop older ones beyond np
                     cur = s.timeline.current_chunk(s.step_count)
@@ -69,7 +68,7 @@ class TextMemory:
     def evict_past(self, s: EngineSession) -> None:
         if s.phase is Phase.ENDED or s.config.n_past_chunks < 0:
             return
-        _, lo, _ = s.window(sum(c.in_memory for c in s.chunks))
+        lo = s.window()[0]
         if lo > 0:
             self.runner.evict_chunks_before(s.slot, lo)
         self.fill(s)
