@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import math
 import threading
 import traceback
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from torch.overrides import TorchFunctionMode
 
@@ -49,19 +50,13 @@ class HostReads(TorchFunctionMode):
             self.sites[f"{site} {name}"] += 1
         return func(*args, **(kwargs or {}))
 
-    def paused(self) -> "_Paused":
-        return _Paused(self)
-
-
-class _Paused:
-    def __init__(self, reads: HostReads) -> None:
-        self.reads = reads
-
-    def __enter__(self) -> None:
-        self.reads._paused += 1
-
-    def __exit__(self, *exc: Any) -> None:
-        self.reads._paused -= 1
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
 
 def engine_step_reads(bundle: Any, batch: int, steps: int = 40, warmup: int = 10, guidance_lambda: float = 1.0,
