@@ -71,7 +71,10 @@ class CrossAttention(nn.Module):
         txt_k: torch.Tensor, txt_v: torch.Tensor,  # [B, H, L, hd], unrotated
         txt_pos: torch.Tensor,  # [B, L] assigned positions
         txt_mask: torch.Tensor,  # [B, L] or [B, T, L] bool: key visible
+        text_weights: Optional[list] = None,
     ) -> torch.Tensor:
+        """``text_weights``: a list the text keys' attention weights [B, H, T, L] are
+        appended to (training's reading loss; out of the softmax over all keys)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         qc, qs = rope_angles(query_pos, self.head_dim, self.rope_base)
@@ -86,6 +89,8 @@ class CrossAttention(nn.Module):
         s_txt = s_txt.masked_fill(~mask.unsqueeze(1), float("-inf"))
         w = torch.softmax(torch.cat((s_enr, s_txt), dim=-1), dim=-1)
         n = enr_k.shape[2]
+        if text_weights is not None:
+            text_weights.append(w[..., n:])
         out = torch.matmul(w[..., :n], enr_v) + torch.matmul(w[..., n:], txt_v)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 

@@ -39,9 +39,9 @@ class DecoderLayer(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.xattn = CrossAttention(cfg.d_model, cfg.n_heads, cfg.rope_base)
 
-    def forward(self, h, qpos, enr_kv, txt_kv, txt_pos, txt_mask):
+    def forward(self, h, qpos, enr_kv, txt_kv, txt_pos, txt_mask, text_weights=None):
         h = h + self.mamba(self.norm1(h))
-        a = self.xattn.attend(self.norm2(h), qpos, *enr_kv, *txt_kv, txt_pos, txt_mask)
+        a = self.xattn.attend(self.norm2(h), qpos, *enr_kv, *txt_kv, txt_pos, txt_mask, text_weights)
         return h + a
 
     def step(self, h, conv_state, ssm_state, q_cos, q_sin, mem_k, mem_v, bias, matmul_dtype=None):
@@ -118,8 +118,11 @@ class LiveSpeech2(nn.Module):
         text_ids: torch.Tensor,  # [B, L]
         text_pos: torch.Tensor,  # [B, L]
         text_mask: torch.Tensor,  # [B, L] or [B, S, L] bool
+        text_weights: Optional[list] = None,
     ) -> list[torch.Tensor]:
-        """Teacher-forced logits, one [B, S, V_k] tensor per codebook (grapheme first)."""
+        """Teacher-forced logits, one [B, S, V_k] tensor per codebook (grapheme first).
+        ``text_weights``: a list each layer appends its text attention weights
+        [B, H, S, L] to, in layer order."""
         b, _, s = inputs.shape
         h = self.embed_inputs(inputs)
         qpos = torch.arange(s, device=inputs.device).unsqueeze(0).expand(b, s)
@@ -128,7 +131,7 @@ class LiveSpeech2(nn.Module):
 
         def run(h, ids):
             for i in ids:
-                h = self.layers[i](h, qpos, enr[i], txt[i], text_pos, text_mask)
+                h = self.layers[i](h, qpos, enr[i], txt[i], text_pos, text_mask, text_weights)
             return h
 
         return self._grouped_logits(h, run)

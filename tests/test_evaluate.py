@@ -1,5 +1,6 @@
 """livespeech.training.eval.evaluate: error rates, normalisation, report tables, corpus selection and a
 tiny end-to-end run (random model, metric backends skipped) on a synthetic corpus."""
+import argparse
 import json
 import math
 import sys
@@ -174,20 +175,21 @@ def test_end_to_end_random_model_without_backends(tmp_path, monkeypatch):
     out = tmp_path / "docs" / "eval.md"
     made = []
 
-    class Recording(SessionConfig):  # the sessions get the --top-k given
+    class Recording(SessionConfig):  # the sessions get the --sampling given, the defaults otherwise
         def __init__(self, **kw):
-            made.append(kw["top_k"])
+            made.append((kw.get("top_k"), kw.get("first_codebook_temperature")))
             super().__init__(**kw)
     monkeypatch.setattr(evaluate, "SessionConfig", Recording)
     rc = evaluate.main([
         "--corpus", str(tmp_path / "corpus"), "--model", "random:tiny", "--out", str(out), "--limit", "2",
         "--modes", "online", "--lambdas", "1", "--skip", "all", "--threads", "1", "--max-overrun-s", "0.5",
-        "--top-k", "3", "--quiet",
+        "--sampling", "top_k=3,first_codebook_temperature=0.5", "--quiet",
     ])
     assert rc == 0
-    assert made == [3, 3]
+    assert made[:2] == [(3, 0.5), (3, 0.5)]
     md = out.read_text()
-    assert "python -m livespeech.training.eval --corpus" in md and "random:tiny" in md and "top-k 3 sampling" in md
+    assert "python -m livespeech.training.eval --corpus" in md and "random:tiny" in md
+    assert "sampling: top_k 3, grapheme_top_k 3, grapheme_temperature 1, first_codebook_temperature 0.5" in md
     assert "load average" in md
     for label in ("| ground truth |", "| codec resynthesis |", "| online (λ=1) |"):
         assert label in md
@@ -201,6 +203,14 @@ def test_end_to_end_random_model_without_backends(tmp_path, monkeypatch):
     assert len(model) == 2 and not any(r.get("error") for r in model)
     assert all(r["audio_s"] > 0 and r["compute_s"] > 0 and r["ttfa_s"] is not None for r in model)
     assert data["meta"]["n_heldout"] == 1
+
+
+def test_sampling_settings_are_validated_where_sessions_validate_them():
+    assert evaluate.parse_sampling("acoustic_temperature=0,grapheme_top_k=5") == {
+        "acoustic_temperature": 0.0, "grapheme_top_k": 5}
+    for bad in ("top_k=0", "top_p=0.9", "top_k=x", "first_codebook_temperature", "grapheme_temperature=-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            evaluate.parse_sampling(bad)
 
 
 class _Fake:

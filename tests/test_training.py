@@ -339,7 +339,7 @@ def test_decoder_loss_decreases_on_a_repeated_batch(pipeline):
     losses = []
     for step in range(20):
         mask = train.text_mask_for(batch, step % 2 == 1, gen, 1, 2)
-        total, per_cb, accs = train.forward_loss(model, batch, mask, lw.weights())
+        total, per_cb, accs, _ = train.forward_loss(model, batch, mask, lw.weights())
         opt.zero_grad()
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -561,3 +561,85 @@ def test_history_noise_replaces_only_acoustic_history_at_the_chosen_steps(pipeli
     assert train.main(_decoder_args(corpus, codes, clean_dir, "--steps", "4")) == 0
     clean = torch.load(os.path.join(clean_dir, "last.pt"), weights_only=False)["model"]
     assert any(not torch.allclose(a[k], clean[k]) for k in a)  # the same run without noise ends elsewhere
+
+
+def test_reading_targets_name_the_spoken_word_the_next_in_pauses_and_the_end_key_after():
+    from livespeech.training.dataset import reading_targets, word_token_ranges
+
+    tok = get_tokenizer()
+    # 2 chunks; "Hello" 0.1-0.5 s, pause, "wonderful" 0.6-1.0, "world." 1.0-1.4; 1.6 s = 120 frames
+    rec = {"words": [["Hello", 0.1, 0.5], ["wonderful", 0.6, 1.0], ["world.", 1.0, 1.4]],
+           "chunks": [[0, 2, 0], [2, 1, 75]], "graphemes": [0] * 120}
+    ids, _pos = text_tokens(rec, tok, 75, 99)
+    ranges = word_token_ranges(rec, tok)
+    # each word's own tokens, in the order text_tokens lays them out
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(ids) - 1
+    assert [tok.decode(ids[a:b]) for a, b in ranges] == ["Hello", " wonderful", " world."]
+    r = reading_targets(rec, ranges, 120, len(ids) - 1)
+    assert r.shape == (2, 121)
+    at = lambda t: tuple(int(x) for x in r[:, t])  # noqa: E731
+    assert at(0) == at(20) == ranges[0]  # the silence before the first word reads it
+    assert at(40) == ranges[1]  # the pause after "Hello" reads what comes next
+    assert at(60) == ranges[1] and at(80) == ranges[2]
+    assert at(110) == at(120) == (len(ids) - 1, len(ids))  # after the last word: the end-of-text key
+
+
+def test_reading_loss_rewards_attention_on_the_spoken_word(pipeline):
+    _, corpus, _, codes = pipeline
+    torch.manual_seed(0)
+    cfg = train.preset("tiny", **train.parse_overrides(SMALL))
+    model = train.build_model(cfg, "cpu")
+    data = DecoderData(corpus, codes, cfg, "train")
+    b = collate([data.example(i, random.Random(i)) for i in range(2)], model)
+    assert (b.reading[:, 0] >= 0).any()
+    # each layer hands its text attention out; asking for it leaves the logits as they are
+    weights: list = []
+    enroll = model.encode_enrollment(b.enroll_codes, b.enroll_len)
+    with torch.no_grad():
+        with_w = model(b.inputs, enroll, b.text_ids, b.text_pos, b.text_valid, weights)
+        plain = model(b.inputs, enroll, b.text_ids, b.text_pos, b.text_valid)
+    assert len(weights) == model.n_layers
+    assert weights[0].shape == (2, cfg.n_heads, b.inputs.shape[2], b.text_ids.shape[1])
+    for x, y in zip(with_w, plain):
+        torch.testing.assert_close(x, y)
+    # attention all on the target scores mass 1 and a low loss; spread over the text, more
+    s, ln = b.inputs.shape[2], b.text_ids.shape[1]
+    idx = torch.arange(ln)
+    on = ((idx >= b.reading[:, 0, :, None]) & (idx < b.reading[:, 1, :, None])).float()
+    on = on / on.sum(-1, keepdim=True).clamp(min=1)
+    spread = b.text_valid[:, None, :].float().expand(2, s, ln) / b.text_valid.sum(-1)[:, None, None]
+    as_heads = lambda w: [w[:, None].expand(2, cfg.n_heads, s, ln)]  # noqa: E731
+    loss_on, mass_on = train.reading_loss(as_heads(on), b.reading, b.text_valid, 1)
+    loss_spread, mass_spread = train.reading_loss(as_heads(spread), b.reading, b.text_valid, 1)
+    assert float(mass_on) == pytest.approx(1.0) and float(mass_spread) < 0.6
+    assert float(loss_on) < 1e-3 < float(loss_spread)
+    # a step whose target tokens are all masked out is not scored
+    hidden = b.text_valid.clone()
+    hidden[:] = False
+    assert float(train.reading_loss(as_heads(spread), b.reading, hidden, 1)[0]) == 0.0
+    # trained on it, the reading head moves its attention onto the spoken word
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    masses = []
+    for _ in range(15):
+        _, _, _, (loss, mass) = train.forward_loss(model, b, b.text_valid, torch.ones(cfg.n_codebooks), read_heads=1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        masses.append(float(mass))
+    assert masses[-1] > 2 * masses[0], masses
+
+
+def test_the_reading_loss_trains_logs_and_resumes_exactly(pipeline):
+    root, corpus, _, codes = pipeline
+    straight, split = str(root / "read_straight"), str(root / "read_split")
+    extra = ("--steps", "4", "--read-weight", "1", "--read-heads", "2")
+    assert train.main(_decoder_args(corpus, codes, straight, *extra)) == 0
+    assert train.main(_decoder_args(corpus, codes, split, *extra, "--stop-at", "2")) == 0
+    assert train.main(_decoder_args(corpus, codes, split, *extra, "--resume")) == 0
+    a = torch.load(os.path.join(straight, "last.pt"), weights_only=False)
+    b = torch.load(os.path.join(split, "last.pt"), weights_only=False)
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-5, atol=1e-6)
+    rows = _log(os.path.join(straight, "log.jsonl"))
+    assert all(0 <= r["read_mass"] <= 1 and r["read_loss"] > 0 for r in rows if not r.get("eval"))
+    assert all(0 <= r["dev_read_mass"] <= 1 for r in rows if r.get("eval"))

@@ -161,6 +161,40 @@ def text_tokens(rec: dict, tokenizer, max_tokens: int, eos_id: int) -> Optional[
     return ids, pos
 
 
+def word_token_ranges(rec: dict, tokenizer) -> Optional[list[tuple[int, int]]]:
+    """Each word's [first, end) among the utterance's text tokens as `text_tokens` lays
+    them out (chunk by chunk), or None where a word's own tokens do not add up to its
+    chunk's (a merge across words)."""
+    words = [w[0] for w in rec["words"]]
+    out: list[tuple[int, int]] = []
+    n = 0
+    for i, (first, k, _tau) in enumerate(rec["chunks"]):
+        own = [tokenizer.encode_words([w], first_in_text=(i == 0 and j == 0))
+               for j, w in enumerate(words[first:first + k])]
+        if [t for ids in own for t in ids] != tokenizer.encode_words(words[first:first + k], first_in_text=(i == 0)):
+            return None
+        for ids in own:
+            out.append((n, n + len(ids)))
+            n += len(ids)
+    return out
+
+
+def reading_targets(rec: dict, token_ranges: list[tuple[int, int]], T: int, eos_index: int) -> np.ndarray:
+    """[2, T + 1] the text tokens [first, end) a frame reads: the word spoken at it, in a
+    pause the word that comes next, after the last word (and at the EOS column) the
+    end-of-text token. The reading loss (`train --read-weight`) pulls attention there."""
+    from livespeech.training.corpus.plan import spans_to_frames
+
+    spans = spans_to_frames([(a, b) for _, a, b in rec["words"]], T)
+    out = np.empty((2, T + 1), np.int64)
+    out[0], out[1] = eos_index, eos_index + 1
+    start = 0
+    for (a, b), (lo, hi) in zip(spans, token_ranges):
+        out[0, start:b], out[1, start:b] = lo, hi
+        start = b
+    return out
+
+
 @dataclass
 class Example:
     codes: np.ndarray  # [K, T + 1] int64: grapheme row (with EOS at T) + acoustic rows (padded)
@@ -170,6 +204,7 @@ class Example:
     enroll: np.ndarray  # [Q, E]
     n_frames: int  # T + 1 (columns of codes)
     phones: Optional[np.ndarray] = None  # [T + 1] phone class of each frame (livespeech.training.phones), IGNORE where none
+    reading: Optional[np.ndarray] = None  # [2, T + 1] text tokens each frame reads (reading_targets)
 
 
 class DecoderData:
@@ -215,7 +250,8 @@ class DecoderData:
                 continue
             g = phone_letters(r) if letters == "phones" and r.get("phones") else r["graphemes"]
             self.items.append({"rec": {**r, "id": id_prefix + r["id"]} if id_prefix else r, "text": tt,
-                               "T": len(r["graphemes"]), "graphemes": g, "codes": (codes_dir, r["id"])})
+                               "T": len(r["graphemes"]), "graphemes": g, "codes": (codes_dir, r["id"]),
+                               "words_tokens": word_token_ranges(r, self.tok)})
         self.by_voice: dict[str, list[int]] = {}
         for i, it in enumerate(self.items):
             self.by_voice.setdefault(it["rec"]["voice"], []).append(i)
@@ -272,7 +308,9 @@ class DecoderData:
 
             phones = np.full(T + 1, IGNORE, np.int64)  # the EOS column has no phone
             phones[:T] = self.phone_vocab.frame_labels(rec, 0, T, SAMPLE_RATE // FRAME_RATE, SAMPLE_RATE)
-        return Example(codes, last, ids, pos, enroll, T + 1, phones)
+        ranges = it["words_tokens"]
+        reading = None if ranges is None else reading_targets(rec, ranges, T, len(ids) - 1)
+        return Example(codes, last, ids, pos, enroll, T + 1, phones, reading)
 
     def enrollment(self, idx: int, rng: random.Random) -> np.ndarray:
         rec = self.items[idx]["rec"]
@@ -315,6 +353,8 @@ class Batch:
     text_valid: torch.Tensor  # [B, L]
     # [B, S] the phone class of the frame codebook 1 predicts at each step (livespeech.training.phones.IGNORE where none)
     phones: torch.Tensor
+    # [B, 2, S] the text tokens [first, end) read at the step that predicts each frame's letter (-1: none)
+    reading: torch.Tensor
 
     def to(self, device) -> "Batch":
         return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
@@ -357,7 +397,12 @@ def collate(examples: Sequence[Example], model) -> Batch:
     for i, e in enumerate(examples):
         if e.phones is not None:
             phones[i, d1:d1 + e.n_frames] = torch.from_numpy(e.phones)
-    return Batch(inputs, targets, valid, enroll, elen, tid, tpos, tval, phones)
+    d0 = cfg.delays[0]
+    reading = torch.full((b, 2, inputs.shape[2]), -1, dtype=torch.long)
+    for i, e in enumerate(examples):
+        if e.reading is not None:
+            reading[i, :, d0:d0 + e.n_frames] = torch.from_numpy(e.reading)
+    return Batch(inputs, targets, valid, enroll, elen, tid, tpos, tval, phones, reading)
 
 
 def n_frames_for(duration_s: float) -> int:

@@ -137,12 +137,42 @@ def text_mask_for(batch: Batch, stream: bool, gen: torch.Generator, r1: int, r2:
     return streaming_dropout_mask(qpos, batch.text_pos, batch.text_valid, r1, r2, generator=gen)
 
 
-def forward_loss(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, weights: torch.Tensor):
+def forward_loss(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, weights: torch.Tensor,
+                 read_heads: int = 0):
+    """(weighted codebook loss, CE per codebook, accuracy per codebook, reading) where
+    reading is `reading_loss` of the first ``read_heads`` heads of every layer (None at 0)."""
     enroll = model.encode_enrollment(batch.enroll_codes, batch.enroll_len)
-    logits = model(batch.inputs, enroll, batch.text_ids, batch.text_pos, text_mask)
+    text_weights: Optional[list] = [] if read_heads > 0 else None
+    logits = model(batch.inputs, enroll, batch.text_ids, batch.text_pos, text_mask, text_weights)
     losses, accs = codebook_losses(logits, batch.targets, batch.valid)
     total = (weights.to(losses.device) * losses).sum()
-    return total, losses, accs
+    reading = None if text_weights is None else reading_loss(text_weights, batch.reading, text_mask, read_heads)
+    return total, losses, accs, reading
+
+
+def reading_loss(text_weights: list[torch.Tensor], reading: torch.Tensor, text_mask: torch.Tensor,
+                 heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, mean mass) of the reading heads' attention on the tokens each step reads.
+
+    text_weights: per layer [B, H, S, L] (softmax over enrollment and text keys);
+    reading [B, 2, S] the tokens [first, end) each step reads (-1: none; dataset.reading_targets);
+    the loss is -log of the attention mass the first ``heads`` heads put there, over the
+    steps whose tokens are visible under ``text_mask``. The synthesisers' word timings
+    tell which word is spoken at each frame; without this the cross-attention must find
+    that alignment from the codebook losses alone, which the CPU-scale runs never did."""
+    ln = text_weights[0].shape[-1]
+    idx = torch.arange(ln, device=reading.device)
+    target = (idx >= reading[:, 0, :, None]) & (idx < reading[:, 1, :, None])  # [B, S, L]
+    mask = text_mask if text_mask.dim() == 3 else text_mask[:, None, :]
+    target = target & mask
+    keep = target.any(-1)  # [B, S]
+    if not keep.any():
+        zero = text_weights[0].sum() * 0.0
+        return zero, zero.detach()
+    w = torch.stack([tw[:, :heads] for tw in text_weights], 1)  # [B, layers, heads, S, L]
+    mass = (w * target[:, None, None].to(w.dtype)).sum(-1).float()  # [B, layers, heads, S]
+    mass = mass.permute(0, 3, 1, 2)[keep]  # [N, layers, heads]
+    return -torch.log(mass + 1e-4).mean(), mass.mean().detach()
 
 
 class PhoneHead(torch.nn.Module):
@@ -203,18 +233,21 @@ def _rotate_texts(b: Batch) -> Batch:
 
 
 @torch.no_grad()
-def evaluate(model: LiveSpeech2, batches: list[Batch], device, phone_head: Optional[PhoneHead] = None) -> dict:
+def evaluate(model: LiveSpeech2, batches: list[Batch], device, phone_head: Optional[PhoneHead] = None,
+             read_heads: int = 1) -> dict:
     """Dev losses and accuracies with the full text context, and reading: next-letter
-    accuracy at letter changes with the true text and with another utterance's text;
-    with a phone head, its accuracy."""
+    accuracy at letter changes with the true text and with another utterance's text, and
+    the attention mass the first ``read_heads`` heads of each layer put on the word being
+    spoken (`reading_loss`); with a phone head, its accuracy."""
     model.eval()
     k = model.cfg.n_codebooks
     sl, sa, n = torch.zeros(k), torch.zeros(k), 0
-    phone_acc = []
+    phone_acc, read_mass = [], []
     read = {"true": [0, 0], "other": [0, 0]}
     for b in batches:
         b = b.to(device)
-        _, losses, accs = forward_loss(model, b, b.text_valid, torch.ones(k))
+        _, losses, accs, reading = forward_loss(model, b, b.text_valid, torch.ones(k), read_heads)
+        read_mass.append(float(reading[1]))
         if phone_head is not None:
             phone_acc.append(float(phone_head.loss(b.phones)[1]))
         sl += losses.cpu()
@@ -232,6 +265,7 @@ def evaluate(model: LiveSpeech2, batches: list[Batch], device, phone_head: Optio
     return {"dev_loss": float(sl.sum()), "dev_loss_graph": float(sl[0]), "dev_loss_acoustic": float(sl[1:].mean()),
             "dev_acc_graph": float(sa[0]), "dev_acc_acoustic": float(sa[1:].mean()),
             "dev_read_acc": round(acc["true"], 4), "dev_read_acc_other_text": round(acc["other"], 4),
+            "dev_read_mass": round(float(np.mean(read_mass)), 4),
             "dev_loss_k": [round(float(x), 4) for x in sl], "dev_acc_k": [round(float(x), 4) for x in sa],
             **({"dev_phone_acc": round(float(np.mean(phone_acc)), 4)} if phone_acc else {})}
 
@@ -352,6 +386,10 @@ def main(argv=None) -> int:
                         "codebook), before the weights are normalised to mean 1. Default 0:3,1:3: the "
                         "accuracy-based weights alone give the letters and codebook 1, which carry what "
                         "is said, the least; '' for none")
+    p.add_argument("--read-weight", type=float, default=0.0,
+                   help="weight of the reading loss (reading_loss): the first --read-heads heads of every layer's "
+                        "cross-attention are pulled onto the word each frame speaks (corpus word timings); 0: off")
+    p.add_argument("--read-heads", type=int, default=1, help="heads per layer the reading loss trains (and dev measures)")
     p.add_argument("--ckpt-minutes", type=float, default=3.0)
     p.add_argument("--ckpt-every", type=int, default=None, help="also checkpoint every N steps")
     p.add_argument("--eval-every", type=int, default=100)
@@ -507,7 +545,11 @@ def main(argv=None) -> int:
             g["lr"] = sched.lr(step, train_s)
         w = lw.weights()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            total, losses, accs = forward_loss(model, batch, mask, w)
+            total, losses, accs, reading = forward_loss(model, batch, mask, w, a.read_heads if a.read_weight > 0 else 0)
+            if reading is not None:
+                total = total + a.read_weight * reading[0]
+                accum["read_loss"] = accum.get("read_loss", 0.0) + float(reading[0].detach())
+                accum["read_mass"] = accum.get("read_mass", 0.0) + float(reading[1])
             if phone_head is not None:
                 phone_ce, phone_acc = phone_head.loss(batch.phones)
                 total = total + a.phone_weight * phone_ce
@@ -540,7 +582,7 @@ def main(argv=None) -> int:
         done = (sched.finished(step, train_s) or bool(stop_at and step >= stop_at)
                 or (a.max_minutes is not None and time.time() - t0 > a.max_minutes * 60))
         if step % a.eval_every == 0 or done:
-            ev = evaluate(model, devb, device, phone_head)
+            ev = evaluate(model, devb, device, phone_head, a.read_heads)
             is_best = ev["dev_loss"] < best
             if is_best:
                 best = ev["dev_loss"]

@@ -23,10 +23,11 @@
 # its manifest.jsonl and codes/) in the training data, on training sentences the committed
 # decoder has not seen ($NEXT/TRAINED_BEFORE); export it. The CANDIDATES (candidate_args)
 # train side by side: by default the recipe, and the recipe with the auxiliary phone loss
-# (--phone-weight PHONE_WEIGHT, 1); the _noise variants add --history-noise HISTORY_NOISE.
+# (--phone-weight PHONE_WEIGHT, 1); the _noise variants add --history-noise HISTORY_NOISE, the
+# _read variants the reading loss (--read-weight READ_WEIGHT, 1).
 # $OUT holds, for each NAME in CANDIDATES, NAME.pt.partNN (cat them), NAME_log.jsonl and
 # NAME_MODEL_CARD.md, and TRAINED_BEFORE (commit it with the decoder kept).
-# Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3),
+# Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3), READ_WEIGHT (1),
 # CANDIDATES ("decoder decoder_phone"),
 # BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s, the decoder stage 90, kept for the
 # probe or export and the copy back).
@@ -49,6 +50,8 @@ candidate_args() {
     decoder_phone) echo --phone-weight "${PHONE_WEIGHT:-1}" ;;
     decoder_noise) echo --history-noise "${HISTORY_NOISE:-0.3}" ;;
     decoder_phone_noise) echo --phone-weight "${PHONE_WEIGHT:-1}" --history-noise "${HISTORY_NOISE:-0.3}" ;;
+    decoder_read) echo --read-weight "${READ_WEIGHT:-1}" ;;
+    decoder_phone_read) echo --phone-weight "${PHONE_WEIGHT:-1}" --read-weight "${READ_WEIGHT:-1}" ;;
     *) echo "unknown candidate $1" >&2; return 2 ;;
   esac
 }

@@ -146,7 +146,7 @@ def teacher_forced(model, prep: Prepared, n_past: int, n_future: int) -> dict:
     n = batch.valid.sum((0, 2)).tolist()
     out = {}
     for name, mask in (("full", batch.text_valid), ("window", win.to(batch.inputs.device))):
-        _, losses, accs = forward_loss(model, batch, mask, torch.ones(model.cfg.n_codebooks))
+        _, losses, accs, _ = forward_loss(model, batch, mask, torch.ones(model.cfg.n_codebooks))
         out[name] = {"ce": [round(float(x), 4) for x in losses], "acc": [round(float(x), 4) for x in accs], "n": n}
     return out
 

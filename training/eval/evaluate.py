@@ -48,7 +48,7 @@ from typing import Optional
 
 import numpy as np
 
-from livespeech.api.session import SessionConfig
+from livespeech.api.session import TEMPERATURES, ConfigError, SessionConfig
 from livespeech.training.eval import report
 from livespeech.training.eval.backends import Backend, cosine, make_backends
 from livespeech.training.dataset import read_manifest
@@ -256,16 +256,51 @@ def session_audio(events: list) -> np.ndarray:
     return pcm16_to_float(b"".join(e.data for e in events if isinstance(e, AudioPacket)))
 
 
+SAMPLING_FIELDS = ("top_k", "grapheme_top_k", *TEMPERATURES)
+
+
+def parse_sampling(s: str) -> dict:
+    """'first_codebook_temperature=0.7,top_k=10' -> the sessions' sampling settings
+    (SessionConfig's fields, validated there; --sampling)."""
+    out: dict = {}
+    for part in filter(None, (x.strip() for x in s.split(","))):
+        k, sep, v = part.partition("=")
+        if not sep or k not in SAMPLING_FIELDS:
+            raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of {', '.join(SAMPLING_FIELDS)}; got {part!r}")
+        try:
+            out[k] = int(v) if k.endswith("top_k") else float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: not a number") from None
+    try:
+        SessionConfig(**out).validate()
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return out
+
+
+def _sampling_meta(sampling: dict) -> dict:
+    """Every sampling setting the sessions ran with (the server's defaults where not asked)."""
+    cfg = SessionConfig(**sampling)
+    return {k: getattr(cfg, k) for k in SAMPLING_FIELDS}
+
+
+def _sampling_text(meta: dict) -> str:
+    if "sampling" not in meta:  # reports made before the sampling settings were recorded
+        return f"top-k {meta.get('top_k', 20)}"
+    return ", ".join(f"{k} {v:g}" for k, v in meta["sampling"].items())
+
+
 def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int, pacing: str,
-               timeout_s: float, top_k: int = SessionConfig.top_k) -> SynthResult:
+               timeout_s: float, sampling: Optional[dict] = None) -> SynthResult:
     """Stream the utterance's text into an engine session chunk by chunk (the whole text
     at once, as a fast upstream LLM would; with pacing='speech-time' each chunk carries the
-    time it is spoken in the ground truth, as in the paper's simulated streams)."""
+    time it is spoken in the ground truth, as in the paper's simulated streams).
+    ``sampling``: SessionConfig's sampling fields (parse_sampling); the server's defaults otherwise."""
     from livespeech.api.session import ChunkingConfig, Failed, Finished, WordTiming
 
     speech_time = pacing == "speech-time"
     cfg = SessionConfig(
-        n_past_chunks=mode.n_past, n_future_chunks=mode.n_future, guidance_lambda=lam, seed=seed, top_k=top_k,
+        n_past_chunks=mode.n_past, n_future_chunks=mode.n_future, guidance_lambda=lam, seed=seed, **(sampling or {}),
         sample_rate=SR, timestamps_are_speech_time=speech_time,
         # chunks are cut here and flushed explicitly, so the chunker passes them through
         chunking=ChunkingConfig(min_words=1, max_words=1 if mode.one_word else 16, timer_ms=10_000,
@@ -399,7 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="selection shuffle and sampling seed offset")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-overrun-s", type=float, default=3.0, help="engine runaway guard past the text's end")
-    p.add_argument("--top-k", type=int, default=SessionConfig.top_k, help="sessions' top-k (the server's default)")
+    p.add_argument("--sampling", type=parse_sampling, default={}, metavar="NAME=VALUE[,...]",
+                   help=f"the sessions' sampling settings where they differ from the server's defaults "
+                        f"(SessionConfig: {', '.join(SAMPLING_FIELDS)}), e.g. first_codebook_temperature=0.7")
     p.add_argument("--save-audio", default=None, help="folder for the generated WAVs")
     p.add_argument("--quiet", action="store_true")
     return p
@@ -493,7 +530,7 @@ def main(argv=None) -> int:
                 for m in modes:
                     for lam in lambdas:
                         r = synthesize(engine, voice, u, MODES[m], lam, seed, a.pacing,
-                                       timeout_s=max(120.0, 30.0 * u.duration_s), top_k=a.top_k)
+                                       timeout_s=max(120.0, 30.0 * u.duration_s), sampling=a.sampling)
                         rec = {**base, "system": report.MODEL, "mode": m, "lambda": _json_lambda(lam),
                                "audio_s": len(r.audio) / SR, "compute_s": r.compute_s, "wall_s": round(r.wall_s, 4),
                                "ttfa_s": r.ttfa_s, "model_words": r.words, "seed": seed}
@@ -530,7 +567,7 @@ def main(argv=None) -> int:
         n_heldout=sum(u.heldout for u in utts), n_voices=len({u.voice for u in utts}),
         n_heldout_refs=len(scorer.heldout_refs),
         modes={m: MODES[m].description for m in modes}, lambdas=[_json_lambda(x) for x in lambdas],
-        pacing=a.pacing, top_k=a.top_k, normalizer=normalizer.name, normalizer_note=normalizer.note,
+        pacing=a.pacing, sampling=_sampling_meta(a.sampling), normalizer=normalizer.name, normalizer_note=normalizer.note,
         backends={k: (b.description if b.available() else b.reason) for k, b in backends.items()},
         threads=a.threads, torch=torch.__version__, python=platform.python_version(), host_cpus=os.cpu_count(),
         loadavg_start=[round(x, 2) for x in load_before], loadavg_end=[round(x, 2) for x in os.getloadavg()],
@@ -601,7 +638,7 @@ def render(meta: dict, main_rows, ablation, na: dict, json_path: Path) -> str:
         f"{meta['n_voices']} voices). Enrollment: another utterance of the same voice.",
         f"- Text stream: pacing `{meta['pacing']}`; modes: "
         + ("; ".join(f"`{k}` = {v}" for k, v in meta["modes"].items()) or "none")
-        + f"; top-k {meta.get('top_k', 20)} sampling.",
+        + f"; sampling: {_sampling_text(meta)}.",
         f"- WER/CER: {meta['backends']['asr']}; normaliser: {meta['normalizer']}"
         + (f" ({meta['normalizer_note']})" if meta["normalizer_note"] else "") + "; corpus-level (errors / reference words).",
         f"- SIM: {meta['backends']['sim']}; held-out ID = share of held-out-voice clips closer to their own "
