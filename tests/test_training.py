@@ -643,3 +643,25 @@ def test_the_reading_loss_trains_logs_and_resumes_exactly(pipeline):
     rows = _log(os.path.join(straight, "log.jsonl"))
     assert all(0 <= r["read_mass"] <= 1 and r["read_loss"] > 0 for r in rows if not r.get("eval"))
     assert all(0 <= r["dev_read_mass"] <= 1 for r in rows if r.get("eval"))
+
+
+def test_the_reading_report_compares_own_and_other_text_and_attention_per_head(pipeline, capsys):
+    from livespeech.training.eval import reading
+
+    root, corpus, _, codes = pipeline
+    out = str(root / "read_report")
+    assert train.main(_decoder_args(corpus, codes, out, "--steps", "2")) == 0
+    model = reading.load_decoder(os.path.join(out, "last.pt"))
+    data = DecoderData(corpus, codes, model.cfg, "train", letters="phones")
+    b = collate([data.example(i, random.Random(i)) for i in range(3)], model)
+    s = reading.reading_stats(model, [b])
+    assert s["mass"].shape == (model.n_layers, model.cfg.n_heads)
+    assert ((s["mass"] >= 0) & (s["mass"] <= 1)).all()
+    for name in ("true", "other"):
+        ce, acc = s[name]
+        assert ce > 0 and 0 <= acc <= 1
+    # another utterance's text changes what the model is given, so its figures differ
+    assert s["true"] != s["other"]
+    assert reading.main(["--model", os.path.join(out, "last.pt"), "--corpus", corpus, "--codes", codes,
+                         "--split", "train", "--batches", "1"]) == 0
+    assert "another utterance's" in capsys.readouterr().out
