@@ -92,6 +92,8 @@ NO_SERVER = "not in this installation (livespeech-client is the client alone; th
 
 
 def _parser() -> argparse.ArgumentParser:
+    from livespeech.api.session import SessionConfig
+
     parser = argparse.ArgumentParser(prog="livespeech", description="LiveSpeech streaming TTS")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -125,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     say.add_argument("--grapheme-top-k", type=int, default=None, help="top-k of the graphemes (server default 3)")
     for name in ("grapheme", "first-codebook", "acoustic"):
         say.add_argument(f"--{name}-temperature", type=float, default=None,
-                         help=f"{name.replace('-', ' ')} sampling temperature (server default 1; 0: greedy)"
+                         help=f"{name.replace('-', ' ')} sampling temperature (server default "
+                              f"{getattr(SessionConfig, name.replace('-', '_') + '_temperature'):g}; 0: greedy)"
                          + (" (codebooks 2-8)" if name == "acoustic" else ""))
     say.add_argument("--llm-rate", type=float, default=None, metavar="TOKENS_PER_S",
                      help="send ~4-char pieces at this rate, like an LLM (default: all at once)")

@@ -205,14 +205,14 @@ def test_explicit_end_of_input_and_unbounded_past(srv) -> None:
 
 
 def test_sampling_settings_cross_the_wire() -> None:
-    """Unset: the defaults (graphemes top-k 3, temperatures 1); set: the same values back,
+    """Unset: the defaults (graphemes top-k 3, codebook 1's temperature 0.5, the others 1); set: the same values back,
     temperature 0 (greedy) included; out of range: a ConfigError naming the field."""
     from livespeech.api.protocol import config_from_proto, config_to_proto
     from livespeech.api.session import ConfigError, SessionConfig
 
     d = config_from_proto(pb.SynthesizeConfig())[0]
     assert (d.grapheme_top_k, d.grapheme_temperature, d.first_codebook_temperature, d.acoustic_temperature,
-            d.top_k) == (3, 1.0, 1.0, 1.0, 20)
+            d.top_k) == (3, 1.0, 0.5, 1.0, 20)
     cfg = SessionConfig(top_k=50, grapheme_top_k=1, grapheme_temperature=0.0, first_codebook_temperature=0.7,
                         acoustic_temperature=1.3)
     names = ("top_k", "grapheme_top_k", "grapheme_temperature", "first_codebook_temperature", "acoustic_temperature")
@@ -222,7 +222,7 @@ def test_sampling_settings_cross_the_wire() -> None:
 
     assert sampling(config_from_proto(config_to_proto(cfg))[0]) == (50, 1, 0.0, 0.7, 1.3)
     wire = pb.SynthesizeConfig(grapheme_top_k=5, acoustic_temperature=0.0)
-    assert sampling(config_from_proto(wire)[0]) == (20, 5, 1.0, 1.0, 0.0)
+    assert sampling(config_from_proto(wire)[0]) == (20, 5, 1.0, 0.5, 0.0)
     for field, value in [("grapheme_top_k", 0), ("grapheme_top_k", 1025), ("grapheme_temperature", -1.0),
                          ("first_codebook_temperature", 0.005), ("acoustic_temperature", float("nan")),
                          ("grapheme_temperature", 1e3)]:

@@ -159,7 +159,7 @@ def reading_loss(text_weights: list[torch.Tensor], reading: torch.Tensor, text_m
     the loss is -log of the attention mass the first ``heads`` heads put there, over the
     steps whose tokens are visible under ``text_mask``. The synthesisers' word timings
     tell which word is spoken at each frame; without this the cross-attention must find
-    that alignment from the codebook losses alone, which the CPU-scale runs never did."""
+    that alignment from the codebook losses alone (slowly: docs/training.md)."""
     ln = text_weights[0].shape[-1]
     idx = torch.arange(ln, device=reading.device)
     target = (idx >= reading[:, 0, :, None]) & (idx < reading[:, 1, :, None])  # [B, S, L]
@@ -442,6 +442,8 @@ def main(argv=None) -> int:
     torch.manual_seed(a.seed)
     model = build_model(cfg, device)
     n_params = sum(x.numel() for x in model.parameters())
+    if not 1 <= a.read_heads <= cfg.n_heads:
+        raise SystemExit(f"--read-heads {a.read_heads}: the model has {cfg.n_heads} heads a layer")
     phone_head = phone_vocab = None
     if a.phone_weight > 0:
         phone_vocab = phone_vocab_for([a.corpus, *(c for c, _ in a.extra_corpus)],
