@@ -651,7 +651,7 @@ def test_the_reading_report_compares_own_and_other_text_and_attention_per_head(p
     root, corpus, _, codes = pipeline
     out = str(root / "read_report")
     assert train.main(_decoder_args(corpus, codes, out, "--steps", "2")) == 0
-    model = reading.load_decoder(os.path.join(out, "last.pt"))
+    model = train.load_trained_decoder(os.path.join(out, "last.pt"))
     data = DecoderData(corpus, codes, model.cfg, "train", letters="phones")
     b = collate([data.example(i, random.Random(i)) for i in range(3)], model)
     s = reading.reading_stats(model, [b])

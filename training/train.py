@@ -323,6 +323,15 @@ def choose_scan(want: str, model: torch.nn.Module, device: torch.device) -> str:
     return f"triton ({use_triton_scan(model)} blocks; matches the PyTorch scan to {err:.1e}; {speed})"
 
 
+def load_trained_decoder(path: str) -> LiveSpeech2:
+    """The decoder of an exported decoder.pt or of a run's own checkpoint (last.pt /
+    best.pt: our file, which also holds the optimizer state, so not loadable weights-only)."""
+    from livespeech.models.loading import decoder_from_weights
+
+    obj = torch.load(path, map_location="cpu", weights_only=False)
+    return decoder_from_weights(obj if "state_dict" in obj else {"config": obj["config"], "state_dict": obj["model"]})
+
+
 def build_model(cfg: ModelConfig, device) -> LiveSpeech2:
     # the device goes to the constructor too: make_mamba picks mamba-ssm's kernels from it
     return LiveSpeech2(cfg, device=device).to(device)
@@ -421,12 +430,7 @@ def main(argv=None) -> int:
     if a.resume and os.path.exists(last_path):
         st = torch.load(last_path, map_location="cpu", weights_only=False)
     elif a.init:
-        from livespeech.models.loading import decoder_from_weights
-
-        # an exported decoder, or a run's own checkpoint (last.pt/best.pt: our file, which
-        # also holds the optimizer state, so not loadable weights-only)
-        obj = torch.load(a.init, map_location="cpu", weights_only=False)
-        init = decoder_from_weights(obj if "state_dict" in obj else {"config": obj["config"], "state_dict": obj["model"]})
+        init = load_trained_decoder(a.init)
     if a.text_embedding or init is None:
         overrides.setdefault("text_embedding", a.text_embedding or "spelling")
     else:

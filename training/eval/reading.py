@@ -25,14 +25,6 @@ from livespeech.training import train
 from livespeech.training.dataset import Batch, DecoderData
 
 
-def load_decoder(path: str):
-    from livespeech.models.loading import decoder_from_weights
-
-    obj = torch.load(path, map_location="cpu", weights_only=False)
-    # an exported decoder, or a run's own checkpoint (model weights under "model")
-    return decoder_from_weights(obj if "state_dict" in obj else {"config": obj["config"], "state_dict": obj["model"]})
-
-
 @torch.no_grad()
 def reading_stats(model, batches: list[Batch]) -> dict:
     """{"true"/"other": (grapheme CE, next-letter accuracy at changes)} and "mass": [layers, heads]."""
@@ -75,7 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    model = load_decoder(a.model)
+    model = train.load_trained_decoder(a.model)
     data = DecoderData(a.corpus, a.codes, model.cfg, a.split, letters="phones")
     if len(data) < 2:
         print(f"fewer than 2 {a.split} utterances with codes in {a.corpus}", file=sys.stderr)
