@@ -272,3 +272,12 @@ def test_compare_pairs_clips_and_bootstraps_the_difference(tmp_path, capsys) -> 
     assert same["diff"] == 0 and same["ci"] == (0.0, 0.0)
     assert compare.main([str(a), str(b), "--mode", "online", "--lambda", "1"]) == 0
     assert "B - A -12.5" in capsys.readouterr().out
+    # one setting against another on the same clips: B's rows at lambda 0 of one run
+    both = json.loads(a.read_text())
+    both["utterances"] += [{**u, "lambda": 0.0, "word_errors": u["word_errors"] + 1}
+                           for u in both["utterances"] if u["system"] == "model"]
+    (tmp_path / "both.json").write_text(json.dumps(both))
+    both_path = str(tmp_path / "both.json")
+    assert compare.main([both_path, both_path, "--mode", "online", "--lambda", "1", "--lambda-b", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "online lambda 1, B = " in out and "online lambda 0" in out and "B - A +10.0" in out

@@ -1,10 +1,12 @@
 """Two evaluations of the same clips, compared clip by clip.
 
     python -m livespeech.training.eval.compare runs/a.json runs/b.json --mode online --lambda 1
+    python -m livespeech.training.eval.compare runs/a.json runs/b.json --mode online --lambda 1 --lambda-b 0
 
 Reads the per-utterance JSON of two `python -m livespeech.training.eval` runs, pairs the
 rows of one system (the model in a mode at a guidance lambda, or `--system "ground
-truth"`) by utterance, and prints WER and CER of each and of B minus A, with a 95 %
+truth"`) by utterance (B's rows in another mode or at another lambda with `--mode-b`,
+`--lambda-b`: one setting against another on the same clips), and prints WER and CER of each and of B minus A, with a 95 %
 paired bootstrap interval over the clips (the corpus rate: errors over reference words
 or characters, resampled by clip) and how many clips got better or worse. A difference
 whose interval holds 0 is not shown to be one.
@@ -58,12 +60,20 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--system", default="model", help='the rows to compare (default: model; or "ground truth", ...)')
     p.add_argument("--mode", default=None, help="the model's mode (online, offline, 1word)")
     p.add_argument("--lambda", dest="lam", type=float, default=None, help="the guidance lambda")
+    p.add_argument("--mode-b", default=None, help="B's mode where it differs from --mode")
+    p.add_argument("--lambda-b", dest="lam_b", type=float, default=None, help="B's lambda where it differs from --lambda")
     a = p.parse_args(argv)
-    mode = a.mode if a.system == "model" else None
-    lam = a.lam if a.system == "model" else None
-    ra, rb = rows(a.a, a.system, mode, lam), rows(a.b, a.system, mode, lam)
-    print(f"{a.system}{f' {mode}' if mode else ''}{f' lambda {lam:g}' if lam is not None else ''}: "
-          f"A = {a.a}, B = {a.b}")
+    model = a.system == "model"
+    mode, lam = (a.mode, a.lam) if model else (None, None)
+    mode_b = (a.mode_b or a.mode) if model else None
+    lam_b = (a.lam if a.lam_b is None else a.lam_b) if model else None
+    ra, rb = rows(a.a, a.system, mode, lam), rows(a.b, a.system, mode_b, lam_b)
+
+    def setting(m, x):
+        return f"{f' {m}' if m else ''}{f' lambda {x:g}' if x is not None else ''}"
+    same = (mode, lam) == (mode_b, lam_b)
+    print(f"{a.system}{setting(mode, lam)}: A = {a.a}, B = {a.b}" if same else
+          f"{a.system}: A = {a.a}{setting(mode, lam)}, B = {a.b}{setting(mode_b, lam_b)}")
     for name, errors, ref in (("WER", "word_errors", "ref_words"), ("CER", "char_errors", "ref_chars")):
         r = paired(ra, rb, errors, ref)
         lo, hi = r["ci"]
