@@ -751,13 +751,15 @@ def test_start_policy_speaks_the_first_chunk_without_waiting_for_lookahead(engin
 def test_a_session_waiting_for_lookahead_has_sent_the_audio_before_that_chunk(engine, voice):
     """The graphemes lead the audio by the codebook delays. When the speech reaches a
     chunk whose lookahead has not arrived, it waits with the audio of everything before
-    that chunk sent, and the words in it timed: the policy counts chunks at the audio."""
+    that chunk sent, and the words in it timed: the policy counts chunks at the audio.
+    (Packets of at least min_packet_ms: a shorter remnant waits for more frames, so
+    this test's 10 ms lets every frame out.)"""
     from livespeech.api.session import ChunkingConfig
 
     c = Collector()
     chunking = ChunkingConfig(min_words=2, max_words=2, timer_ms=10_000)
-    h = engine.open_session(SessionConfig(**HARD, n_future_chunks=2, start_future_chunks=1, chunking=chunking),
-                            voice, c)
+    h = engine.open_session(SessionConfig(**HARD, n_future_chunks=2, start_future_chunks=1, chunking=chunking,
+                                          min_packet_ms=10), voice, c)
     h.push_text("Hello there my friend ")  # chunk 1 ("my friend") waits for two chunks after it
     deadline, s, sent = time.monotonic() + 20, None, -1
     while time.monotonic() < deadline:  # until it waits for text with its audio all out
