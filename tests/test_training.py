@@ -404,7 +404,7 @@ def test_streaming_mask_only_in_the_late_phase(tmp_path):
 
 
 def test_reading_is_scored_at_letter_changes_with_the_true_and_another_text(pipeline):
-    from livespeech.training.train import _rotate_texts, letter_change_hits
+    from livespeech.training.train import _rotate_texts, grapheme_logits, letter_change_hits
 
     _, corpus, _, codes_dir = pipeline
     torch.manual_seed(0)
@@ -415,7 +415,7 @@ def test_reading_is_scored_at_letter_changes_with_the_true_and_another_text(pipe
     other = _rotate_texts(b)
     assert torch.equal(other.text_ids[1], b.text_ids[0]) and torch.equal(other.inputs, b.inputs)
     with torch.no_grad():
-        right, total = letter_change_hits(model, b, b)
+        right, total = letter_change_hits(grapheme_logits(model, b, b), b)
     # one change per letter boundary of each utterance's grapheme row (previous letter != letter)
     expected = sum(int(((b.targets[i, 0] != b.inputs[i, 0]) & b.valid[i, 0]).sum()) for i in range(3))
     assert total == expected > 0 and 0 <= right <= total

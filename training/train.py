@@ -150,16 +150,13 @@ def forward_loss(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, weig
     return total, losses, accs, reading
 
 
-def reading_loss(text_weights: list[torch.Tensor], reading: torch.Tensor, text_mask: torch.Tensor,
-                 heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, mean mass) of the reading heads' attention on the tokens each step reads.
-
-    text_weights: per layer [B, H, S, L] (softmax over enrollment and text keys);
-    reading [B, 2, S] the tokens [first, end) each step reads (-1: none; dataset.reading_targets);
-    the loss is -log of the attention mass the first ``heads`` heads put there, over the
-    steps whose tokens are visible under ``text_mask``. The synthesisers' word timings
-    tell which word is spoken at each frame; without this the cross-attention must find
-    that alignment from the codebook losses alone (slowly: docs/training.md)."""
+def spoken_word_mass(text_weights: list[torch.Tensor], reading: torch.Tensor, text_mask: torch.Tensor,
+                     heads: int) -> Optional[torch.Tensor]:
+    """[N, layers, heads] the attention mass the first ``heads`` heads of each layer put on
+    the tokens each step reads, over the N steps whose tokens are visible under
+    ``text_mask`` (None when there is none). text_weights: per layer [B, H, S, L] (softmax
+    over enrollment and text keys); reading [B, 2, S] the tokens [first, end) each step
+    reads (-1: none; dataset.reading_targets)."""
     ln = text_weights[0].shape[-1]
     idx = torch.arange(ln, device=reading.device)
     target = (idx >= reading[:, 0, :, None]) & (idx < reading[:, 1, :, None])  # [B, S, L]
@@ -167,11 +164,22 @@ def reading_loss(text_weights: list[torch.Tensor], reading: torch.Tensor, text_m
     target = target & mask
     keep = target.any(-1)  # [B, S]
     if not keep.any():
-        zero = text_weights[0].sum() * 0.0
-        return zero, zero.detach()
+        return None
     w = torch.stack([tw[:, :heads] for tw in text_weights], 1)  # [B, layers, heads, S, L]
     mass = (w * target[:, None, None].to(w.dtype)).sum(-1).float()  # [B, layers, heads, S]
-    mass = mass.permute(0, 3, 1, 2)[keep]  # [N, layers, heads]
+    return mass.permute(0, 3, 1, 2)[keep]
+
+
+def reading_loss(text_weights: list[torch.Tensor], reading: torch.Tensor, text_mask: torch.Tensor,
+                 heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, mean mass): -log of `spoken_word_mass`, the reading heads' attention on the
+    word each step speaks. The synthesisers' word timings tell which word is spoken at
+    each frame; without this the cross-attention must find that alignment from the
+    codebook losses alone (slowly: docs/training.md)."""
+    mass = spoken_word_mass(text_weights, reading, text_mask, heads)
+    if mass is None:
+        zero = text_weights[0].sum() * 0.0
+        return zero, zero.detach()
     return -torch.log(mass + 1e-4).mean(), mass.mean().detach()
 
 
@@ -213,14 +221,22 @@ def phone_vocab_for(corpora: list[str], saved: Optional[list[str]] = None, min_c
                                     if r["split"] == "train" and r.get("phones")], min_count)
 
 
-def letter_change_hits(model: LiveSpeech2, b: Batch, text: Batch) -> tuple[int, int]:
-    """(right, total) teacher-forced next-letter predictions of batch ``b`` at the frames
-    where its letter changes, reading the text of ``text`` (b itself, or b with the
-    utterances' texts rotated: how much the letters come from reading)."""
+def grapheme_logits(model: LiveSpeech2, b: Batch, text: Batch, text_weights: Optional[list] = None) -> torch.Tensor:
+    """Teacher-forced grapheme logits [B, S, G] of batch ``b`` reading the text of ``text``
+    (b itself, or b with the utterances' texts rotated: how much the letters come from
+    reading); ``text_weights`` as `LiveSpeech2.forward` takes it."""
     enroll = model.encode_enrollment(b.enroll_codes, b.enroll_len)
-    logits = model(b.inputs, enroll, text.text_ids, text.text_pos, text.text_valid)[0]
-    target = b.targets[:, 0]
-    change = b.valid[:, 0] & (target != b.inputs[:, 0])  # the grapheme row's input is the previous letter
+    return model(b.inputs, enroll, text.text_ids, text.text_pos, text.text_valid, text_weights)[0]
+
+
+def letter_change_hits(logits: torch.Tensor, b: Batch, bar_current: bool = False) -> tuple[int, int]:
+    """(right, total) next-letter predictions (`grapheme_logits`) of batch ``b`` at the
+    frames where its letter changes. ``bar_current``: the argmax over the letters other
+    than the current one (which letter comes next, not when)."""
+    target, current = b.targets[:, 0], b.inputs[:, 0]  # the grapheme row's input is the previous letter
+    change = b.valid[:, 0] & (target != current)
+    if bar_current:
+        logits = logits.scatter(-1, current.clamp(max=logits.shape[-1] - 1).unsqueeze(-1), float("-inf"))
     right = (logits.argmax(-1) == target) & change
     return int(right.sum()), int(change.sum())
 
@@ -256,7 +272,7 @@ def evaluate(model: LiveSpeech2, batches: list[Batch], device, phone_head: Optio
         for name, text in (("true", b), ("other", _rotate_texts(b))):
             if name == "other" and b.text_ids.shape[0] < 2:
                 continue
-            r, t = letter_change_hits(model, b, text)
+            r, t = letter_change_hits(grapheme_logits(model, b, text), b)
             read[name][0] += r
             read[name][1] += t
     model.train()

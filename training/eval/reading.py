@@ -35,22 +35,17 @@ def reading_stats(model, batches: list[Batch]) -> dict:
     for name in ("true", "other"):
         ce = n = hits = changes = 0
         for b in batches:
-            text = b if name == "true" else train._rotate_texts(b)
             weights: list = []
-            enroll = model.encode_enrollment(b.enroll_codes, b.enroll_len)
-            logits = model(b.inputs, enroll, text.text_ids, text.text_pos, text.text_valid, weights)[0]
-            target, valid, current = b.targets[:, 0], b.valid[:, 0], b.inputs[:, 0]
+            logits = train.grapheme_logits(model, b, b if name == "true" else train._rotate_texts(b), weights)
+            target, valid = b.targets[:, 0], b.valid[:, 0]
             ce += float(F.cross_entropy(logits[valid].float(), target[valid], reduction="sum"))
             n += int(valid.sum())
-            change = valid & (target != current)
-            # the current letter barred: which letter comes next, not when
-            other = logits.scatter(-1, current.clamp(max=logits.shape[-1] - 1).unsqueeze(-1), float("-inf"))
-            hits += int(((other.argmax(-1) == target) & change).sum())
-            changes += int(change.sum())
+            right, total = train.letter_change_hits(logits, b, bar_current=True)
+            hits, changes = hits + right, changes + total
             if name == "true":
-                for layer, w in enumerate(weights):
-                    for h in range(heads):
-                        mass[layer, h] += float(train.reading_loss([w[:, h:h + 1]], b.reading, b.text_valid, 1)[1])
+                m = train.spoken_word_mass(weights, b.reading, b.text_valid, heads)
+                if m is not None:
+                    mass += m.mean(0)
         out[name] = (ce / max(n, 1), hits / max(changes, 1))
     out["mass"] = mass / max(len(batches), 1)
     return out
