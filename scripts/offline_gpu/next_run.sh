@@ -24,7 +24,8 @@
 # decoder has not seen ($NEXT/TRAINED_BEFORE); export it. The CANDIDATES (candidate_args)
 # train side by side: by default the recipe, and the recipe with the auxiliary phone loss
 # (--phone-weight PHONE_WEIGHT, 1); the _noise variants add --history-noise HISTORY_NOISE, the
-# _read variants the reading loss (--read-weight READ_WEIGHT, 1).
+# _read variants the reading loss (--read-weight READ_WEIGHT, 1); decoder_bf16 is the recipe
+# under bfloat16 autocast (its steps a minute against the recipe's measure what it buys).
 # $OUT holds, for each NAME in CANDIDATES, NAME.pt.partNN (cat them), NAME_log.jsonl and
 # NAME_MODEL_CARD.md, and TRAINED_BEFORE (commit it with the decoder kept).
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3), READ_WEIGHT (1),
@@ -52,6 +53,7 @@ candidate_args() {
     decoder_phone_noise) echo --phone-weight "${PHONE_WEIGHT:-1}" --history-noise "${HISTORY_NOISE:-0.3}" ;;
     decoder_read) echo --read-weight "${READ_WEIGHT:-1}" ;;
     decoder_phone_read) echo --phone-weight "${PHONE_WEIGHT:-1}" --read-weight "${READ_WEIGHT:-1}" ;;
+    decoder_bf16) echo --autocast bf16 ;;
     *) echo "unknown candidate $1" >&2; return 2 ;;
   esac
 }
