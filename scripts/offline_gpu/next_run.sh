@@ -22,14 +22,14 @@
 # committed, with the Piper voice's codes of models/weights/next/piper.tar.gz (made here:
 # its manifest.jsonl and codes/) in the training data, on training sentences the committed
 # decoder has not seen ($NEXT/TRAINED_BEFORE); export it. The CANDIDATES (candidate_args)
-# train side by side: by default the recipe, and the recipe with the auxiliary phone loss
-# (--phone-weight PHONE_WEIGHT, 1); the _noise variants add --history-noise HISTORY_NOISE, the
-# _read variants the reading loss (--read-weight READ_WEIGHT, 1); decoder_bf16 is the recipe
-# under bfloat16 autocast (its steps a minute against the recipe's measure what it buys).
+# train side by side: by default the recipe, and the recipe under bfloat16 autocast
+# (decoder_bf16: its steps against the recipe's measure what bf16 buys); decoder_phone adds
+# the auxiliary phone loss (--phone-weight PHONE_WEIGHT, 1), the _noise variants
+# --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1).
 # $OUT holds, for each NAME in CANDIDATES, NAME.pt.partNN (cat them), NAME_log.jsonl and
 # NAME_MODEL_CARD.md, and TRAINED_BEFORE (commit it with the decoder kept).
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3), READ_WEIGHT (1),
-# CANDIDATES ("decoder decoder_phone"),
+# CANDIDATES ("decoder decoder_bf16"),
 # BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s, the decoder stage 90, kept for the
 # probe or export and the copy back).
 set -uo pipefail
@@ -44,7 +44,7 @@ export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$R/.dev/multilingual.tiktoken
 export LIVESPEECH_FLITE=$FL/usr/bin/flite LD_LIBRARY_PATH=$FL/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 STAGE=$(cat $NEXT/STAGE 2>/dev/null || echo codec)
 # the decoder stage's candidates: the recipe (training/train.py's defaults) and its variants
-CANDIDATES=${CANDIDATES:-decoder decoder_phone}
+CANDIDATES=${CANDIDATES:-decoder decoder_bf16}
 candidate_args() {
   case $1 in
     decoder) ;;
