@@ -185,6 +185,8 @@ class DecodeState(DecodeStateView):
     def evict_chunks_before(self, slot: int, chunk: int) -> None:
         """Drop cached tokens of chunks < `chunk` (they left the np window for good)."""
         ids = self.chunk_ids[slot]
+        if not ids or ids[0] >= chunk:  # chunks are cached in order: nothing older is here
+            return
         kept = [i for i, c in enumerate(ids) if c >= chunk]
         n, e = len(kept), self.n_enroll
         if n == len(ids):

@@ -67,7 +67,6 @@ class Chunk:
     index: int
     token_ids: list[int]
     n_chars: int
-    in_memory: bool = False
     placed_tau: int = 0  # position its cached keys are rotated to
 
 
@@ -96,7 +95,13 @@ class EngineSession:
         self.temperatures = Temperatures(config.grapheme_temperature, config.first_codebook_temperature,
                                          config.acoustic_temperature)
         self.chunks: list[Chunk] = []
+        # chunks move into the model's text memory oldest first (`TextMemory.fill`): the
+        # first n_in_memory of them are there (or were, and left the np window)
+        self.n_in_memory = 0
         self.words: list[Word] = []
+        # words end, and are sent, in order: the ones before these indices are done with
+        self._first_open_word = 0
+        self._first_unsent_word = 0
         self.n_chars = 0  # collapsed transcript length so far
         self.input_ended = False  # engine's view (after the queued command ran)
         self.last_text_at: Optional[float] = None  # when the last text piece arrived
@@ -212,7 +217,7 @@ class EngineSession:
         model's text memory."""
         c = self.timeline.current_chunk(self.step_count)
         n_past = None if self.config.n_past_chunks < 0 else self.config.n_past_chunks
-        return window_chunk_range(c, n_past, self.config.n_future_chunks, sum(ch.in_memory for ch in self.chunks))
+        return window_chunk_range(c, n_past, self.config.n_future_chunks, self.n_in_memory)
 
     def lookahead_ready(self) -> bool:
         """The start policy: current chunk c is spoken once min(nf, start_future_chunks + c)
@@ -229,7 +234,7 @@ class EngineSession:
 
         Past the text only to finish its audio once the buffer delay expired
         (`running_out`)."""
-        n = sum(1 for ch in self.chunks if ch.in_memory)
+        n = self.n_in_memory
         if n == 0:
             return False
         if self.eos_added:
@@ -329,7 +334,8 @@ class EngineSession:
         if not self.eos_added:
             return False
         limit = self._limits.max_overrun_s * FRAME_RATE
-        return self.step_count > self.timeline.chunks[-1].tau + limit or self.step_count - self.progress_step > limit
+        end = self.timeline.last_tau()  # None: the end of the text is still ahead of the speech
+        return (end is not None and self.step_count > end + limit) or self.step_count - self.progress_step > limit
 
     def waiting_for_text(self) -> bool:
         """Whether the speech is held up for want of text (not started, or the text ran dry)."""
@@ -340,7 +346,11 @@ class EngineSession:
         passes its first grapheme, is spoken in full once it reaches its last, and ends
         once it reaches the next word (its start, after the space)."""
         progress = self.guidance.progress
-        for w in self.words:
+        words = self.words
+        while self._first_open_word < len(words) and words[self._first_open_word].end_frame is not None:
+            self._first_open_word += 1
+        for i in range(self._first_open_word, len(words)):
+            w = words[i]
             if w.end_frame is not None:
                 continue
             if w.start_frame is None and progress > w.char_start:
@@ -390,7 +400,11 @@ class EngineSession:
     def send_words(self, final: bool) -> None:
         """Send the timings of the words whose audio is all sent, in order; `final`: the
         audio has ended, and so has a word still open."""
-        for w in self.words:
+        words = self.words
+        while self._first_unsent_word < len(words) and words[self._first_unsent_word].sent:
+            self._first_unsent_word += 1
+        for i in range(self._first_unsent_word, len(words)):
+            w = words[i]
             if w.sent or w.start_frame is None:
                 continue
             end = w.end_frame if w.end_frame is not None else (self.frames_done if final else None)

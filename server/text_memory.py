@@ -41,9 +41,8 @@ class TextMemory:
     def fill(self, s: EngineSession) -> None:
         """Move chunks into the model's text memory, oldest first, evicting chunks that
         left the np window for good when memory is full."""
-        for ch in s.chunks:
-            if ch.in_memory:
-                continue
+        while s.n_in_memory < len(s.chunks):
+            ch = s.chunks[s.n_in_memory]
             if self.runner.text_room(s.slot) < len(ch.token_ids):
                 self.runner.evict_chunks_before(s.slot, s.window()[0])
                 if self.runner.text_room(s.slot) < len(ch.token_ids):
@@ -54,14 +53,15 @@ class TextMemory:
                     return  # wait until the speech moves on
             ch.placed_tau = s.timeline.chunks[ch.index].tau
             self.runner.add_chunk(s.slot, ch.token_ids, ch.placed_tau, ch.index)
-            ch.in_memory = True
+            s.n_in_memory += 1
 
     def replace(self, s: EngineSession) -> None:
         """Re-place the chunks the timeline moved (after a step)."""
-        for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count):
+        # the window reaches nf chunks past the current one; one more may become current
+        for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count, horizon=s.config.n_future_chunks + 2):
             ch = s.chunks[chunk]
             # re-rotating keys costs a call per layer: skip sub-frame-scale drift
-            if ch.in_memory and abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:
+            if chunk < s.n_in_memory and abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:
                 self.runner.place_chunk(s.slot, chunk, tau)
                 ch.placed_tau = tau
 

@@ -4,13 +4,14 @@ The model was trained with tau_i = the frame where chunk i's speech starts. An L
 sends text much faster than it is spoken, so arrival times would cram the speech;
 instead a chunk is placed no earlier than its arrival and no earlier than where the
 speech of the chunks before it should end. Once speech runs, the model's own grapheme
-progress (how many transcript characters have been spoken) re-places every chunk not
-yet reached: the next chunk starts where the current one's remaining characters end,
+progress (how many transcript characters have been spoken) re-places the chunks not
+yet reached, the next few at each step (`SpeechTimeline.replace`): the next chunk starts where the current one's remaining characters end,
 at the speaking rate measured so far. Clients whose timestamps already are speech time
 (e.g. a streaming translator) set the positions themselves.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,9 +31,20 @@ class PlacedChunk:
 
 @dataclass
 class SpeechTimeline:
+    """The chunks' first frames. Per step it costs O(log chunks) plus the chunks it
+    re-places: those reached, and the next `horizon` that move (`replace`); the text
+    held far ahead (a whole LLM answer at once) is not walked at every step."""
     frames_per_char: float = DEFAULT_FRAMES_PER_CHAR
     client_speech_time: bool = False
     chunks: list[PlacedChunk] = field(default_factory=list)
+    _char_starts: list[int] = field(init=False)  # chunks[i].char_start, for bisect
+    _taus: list[int] = field(init=False)  # chunks[i].tau, as current_chunk reads them
+    _fixed_below: int = field(init=False, default=0)  # every chunk before this index is fixed
+    _placed_through: int = field(init=False, default=-1)  # the last chunk the last `replace` brought up to date
+
+    def __post_init__(self) -> None:
+        self._char_starts = [ch.char_start for ch in self.chunks]
+        self._taus = [ch.tau for ch in self.chunks]
 
     @property
     def n_chars(self) -> int:
@@ -43,22 +55,40 @@ class SpeechTimeline:
         start = self.n_chars
         if self.client_speech_time and client_time_s is not None:
             tau = max(int(round(client_time_s * FRAME_RATE)), self.chunks[-1].tau if self.chunks else 0)
-            self.chunks.append(PlacedChunk(start, n_chars, tau, fixed=True))
-            return tau
+            return self._append(PlacedChunk(start, n_chars, tau, fixed=True))
         natural_end = 0
         if self.chunks:
             prev = self.chunks[-1]
             natural_end = prev.tau + int(round(prev.n_chars * self.frames_per_char))
         tau = max(arrival_frame, natural_end) if self.chunks else 0
-        self.chunks.append(PlacedChunk(start, n_chars, tau))
-        return tau
+        return self._append(PlacedChunk(start, n_chars, tau))
+
+    def _append(self, ch: PlacedChunk) -> int:
+        self.chunks.append(ch)
+        self._char_starts.append(ch.char_start)
+        self._taus.append(ch.tau)
+        return ch.tau
+
+    def _set_tau(self, i: int, tau: int) -> None:
+        self.chunks[i].tau = self._taus[i] = tau
 
     def current_chunk(self, frame: int) -> int:
-        return current_chunk(frame, [ch.tau for ch in self.chunks])
+        return current_chunk(frame, self._taus)
 
-    def replace(self, spoken_chars: int, frame: int) -> list[tuple[int, int]]:
+    def last_tau(self) -> Optional[int]:
+        """The last chunk's tau if it is up to date (fixed, or re-placed by the last
+        `replace`); None while it lies beyond the re-placed chunks, that is, after the
+        speech's next chunks (where its up-to-date tau is later than the frame)."""
+        last = len(self.chunks) - 1
+        if last < 0 or not (self.chunks[last].fixed or last <= self._placed_through):
+            return None
+        return self.chunks[last].tau
+
+    def replace(self, spoken_chars: int, frame: int, horizon: int = 10) -> list[tuple[int, int]]:
         """Re-place the chunks the speech has not reached, given that `spoken_chars`
-        transcript characters were spoken by `frame`. Returns [(chunk, new_tau)]."""
+        transcript characters were spoken by `frame`: the next `horizon` chunks that move
+        (the np/nf window needs at most nf + 1 of them; later ones are placed when they
+        come within reach). Returns [(chunk, new_tau)]."""
         if not self.chunks:
             return []
         if spoken_chars > 0 and frame > 0:
@@ -67,24 +97,28 @@ class SpeechTimeline:
             self.frames_per_char = min(12.0, max(3.0, 0.9 * self.frames_per_char + 0.1 * rate))
         changed = []
         # the chunk being spoken: the last whose first character was reached
-        cur = 0
-        for i, ch in enumerate(self.chunks):
-            if spoken_chars >= ch.char_start:
-                cur = i
-        for i, ch in enumerate(self.chunks[: cur + 1]):
+        cur = max(0, bisect.bisect_right(self._char_starts, spoken_chars) - 1)
+        for i in range(self._fixed_below, cur + 1):
+            ch = self.chunks[i]
             if not ch.fixed and i > 0 and ch.tau > frame:
-                ch.tau = frame  # speech reached it early: it starts now
+                self._set_tau(i, frame)  # speech reached it early: it starts now
                 changed.append((i, frame))
             ch.fixed = ch.fixed or ch.tau <= frame
+        while self._fixed_below < len(self.chunks) and self.chunks[self._fixed_below].fixed:
+            self._fixed_below += 1
         expected = frame + max(0, self.chunks[cur].char_start + self.chunks[cur].n_chars - spoken_chars) * self.frames_per_char
-        for i in range(cur + 1, len(self.chunks)):
+        i, moving = cur + 1, 0
+        while i < len(self.chunks) and moving < horizon:
             ch = self.chunks[i]
             if ch.fixed:
                 expected = ch.tau + ch.n_chars * self.frames_per_char
-                continue
-            tau = max(frame + 1, int(round(expected)))
-            if tau != ch.tau:
-                ch.tau = tau
-                changed.append((i, tau))
-            expected = tau + ch.n_chars * self.frames_per_char
+            else:
+                tau = max(frame + 1, int(round(expected)))
+                if tau != ch.tau:
+                    self._set_tau(i, tau)
+                    changed.append((i, tau))
+                expected = tau + ch.n_chars * self.frames_per_char
+                moving += 1
+            i += 1
+        self._placed_through = i - 1
         return changed

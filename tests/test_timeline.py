@@ -39,3 +39,41 @@ def test_client_speech_time_is_honoured():
     assert tl.add(5, 0, client_time_s=2.0) == 150
     tl.replace(spoken_chars=1, frame=10)
     assert tl.chunks[1].tau == 150
+
+
+def _timeline(sizes, frames_per_char=5.0):
+    tl = SpeechTimeline(frames_per_char=frames_per_char)
+    for n in sizes:
+        tl.add(n, arrival_frame=0)
+    return tl
+
+
+def test_replace_within_its_horizon_equals_a_full_replace():
+    """Re-placing only the next chunks that move gives them the taus a walk over every
+    chunk gives, step after step, and so the same current chunk at the frames a step reads."""
+    import random
+    rng = random.Random(7)
+    sizes = [rng.randint(1, 12) for _ in range(60)]
+    near, full = _timeline(sizes), _timeline(sizes)
+    spoken = 0
+    for frame in range(1, 2000, 3):
+        spoken = min(sum(sizes), max(0, spoken + rng.choice((-1, 0, 1, 1, 2))))
+        near.replace(spoken, frame, horizon=4)
+        full.replace(spoken, frame, horizon=10**9)
+        upto = near._placed_through
+        assert [c.tau for c in near.chunks[: upto + 1]] == [c.tau for c in full.chunks[: upto + 1]]
+        assert near.frames_per_char == full.frames_per_char
+        for t in (frame, frame - 8):
+            assert near.current_chunk(t) == full.current_chunk(t)
+        assert near.last_tau() in (None, full.chunks[-1].tau)
+
+
+def test_text_far_ahead_is_not_walked_at_every_step():
+    """A whole long answer sent at once: a step re-places the chunks it reaches and the
+    next `horizon`, not all of them; the end of the text is not 'passed' meanwhile."""
+    tl = _timeline([6] * 5000)
+    changed = tl.replace(spoken_chars=13, frame=400, horizon=4)
+    assert changed and max(i for i, _ in changed) <= 2 + 4
+    assert tl.last_tau() is None  # the runaway guard cannot see the end as passed
+    near_end = tl.replace(spoken_chars=6 * 4998, frame=90000, horizon=4)
+    assert near_end and tl.last_tau() == tl.chunks[-1].tau > 90000
