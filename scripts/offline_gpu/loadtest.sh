@@ -3,15 +3,21 @@
 # paper preset with random weights (throughput only), on pure PyTorch, each with and
 # without the decode step replayed from a CUDA graph (`--cuda-graphs`), then the same on
 # mamba-ssm's kernels when a build on this machine passed its tests (build_mamba.sh;
-# MAMBA=build builds it first, ~4 minutes). Run from the repository root with the bundle
-# (bundle.sh) at .dev/: it has the wheels the machine's image lacks (grpcio-tools and
-# friends) and Whisper's ranks.
+# MAMBA=build builds it first, ~4 minutes). Run from the repository root with a bundle
+# (bundle.sh; BUNDLE, default .dev): its whl/ has the wheels the machine's image lacks
+# (grpcio-tools and friends) and Whisper's ranks.
 #   scripts/offline_gpu/loadtest.sh [SWEEP]    (default 8,16,32,64; ~1 minute a level a run)
+# After next_run.sh's call, in what is left of the device time (the committed weights stay
+# here: random weights), here:
+#   bash scripts/offline_gpu/bundle.sh .devlt && DEV=.devlt/whl bash scripts/offline_gpu/slim.sh hold loadtest
+# the call (carry [".devlt/whl", ".devlt/multilingual.tiktoken"]):
+#   export OUT; BUNDLE=.devlt EAGER=0 PROFILE=0 DURATION=10 bash scripts/offline_gpu/loadtest.sh 4,16
+# then scripts/offline_gpu/slim.sh restore.
 # $OUT gets loadtest.tgz (a report and JSON per run, the step profile of each:
 # livespeech.loadtest.profile_step, and its host reads per step: livespeech.loadtest.host_reads)
 # and the logs. Knobs: DURATION (20 s a level), MODEL
 # (random:paper/encodec_24khz), DEVICE (cuda), PY (python3), SITE, PROFILE (1; 0: no
-# profiles), PROFILE_BATCH ("1 16 64").
+# profiles), PROFILE_BATCH ("1 16 64"), EAGER (1; 0: only the CUDA-graph runs).
 set -uo pipefail
 D=${BUNDLE:-.dev}; OUT=${OUT:-$PWD/gpu_out}; SITE=${SITE:-/root/mamba_site}; PY=${PY:-python3}
 SWEEP=${1:-8,16,32,64}; W=$(mktemp -d)
@@ -45,8 +51,10 @@ reads() {  # $1: the run's name; $2: PYTHONPATH. Host reads per engine step (sho
 }
 variants() {  # $1: name prefix; $2: PYTHONPATH
   reads "$1" "$2"
-  profile "$1" "$2"
-  run "$1" "$2"
+  if [ "${EAGER:-1}" = 1 ]; then
+    profile "$1" "$2"
+    run "$1" "$2"
+  fi
   if graphs_ok "$2"; then
     profile "$1-graphs" "$2" --cuda-graphs
     run "$1-graphs" "$2" --server-cuda-graphs

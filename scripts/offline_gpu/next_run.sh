@@ -30,7 +30,7 @@
 # NAME_MODEL_CARD.md, and TRAINED_BEFORE (commit it with the decoder kept).
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3), READ_WEIGHT (1),
 # CANDIDATES ("decoder decoder_bf16"),
-# BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s, the decoder stage 90, kept for the
+# BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s, the decoder stage 60, kept for the
 # probe or export and the copy back).
 set -uo pipefail
 LIMIT=${1:?usage: next_run.sh SECONDS}
@@ -139,8 +139,10 @@ decoder)
     mkdir -p $W/piper && tar xzf $NEXT/piper.tar.gz -C $W/piper && EXTRA=(--extra-corpus $W/piper:$W/piper/codes)
   fi
   # CANDIDATES train side by side on the one GPU, the same data order; the better one by
-  # dev codebook-1 CE (then livespeech.training.eval.diagnose here) is committed
-  MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-90}) / 60), 2))")
+  # dev codebook-1 CE (then livespeech.training.eval.diagnose here) is committed. The
+  # margin: the trainers' start-up and last evaluation (~30 s past their minutes on an
+  # H100) and the two exports (~12 s)
+  MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-60}) / 60), 2))")
   stamp "decoder: $MIN min ${INIT[*]:-from scratch}; candidates: $CANDIDATES"
   pids=()
   for v in $CANDIDATES; do

@@ -1,36 +1,43 @@
 #!/usr/bin/env bash
-# Make the working tree fit one call of the device tool (64 MiB with .dev/): the large
-# files next_run.sh does not read move to $HOLD, leaving nothing behind (the tool sizes the
-# tracked paths through a symbolic link, so a link left in their place does not shrink the
-# call); `restore` puts them back. Between the two the tree lacks them: run nothing else.
-#   scripts/offline_gpu/slim.sh hold       before the call
-#   scripts/offline_gpu/slim.sh restore    after it (also safe to run twice)
+# Make the working tree fit one call of the device tool (64 MiB with what it carries): the
+# large files the call does not read move to $HOLD, leaving nothing behind (the tool sizes
+# the tracked paths through a symbolic link, so a link left in their place does not shrink
+# the call); `restore` puts back whatever is held. Between the two the tree lacks them:
+# run nothing else.
+#   scripts/offline_gpu/slim.sh hold [train]   before next_run.sh's call (it carries .dev/)
+#   scripts/offline_gpu/slim.sh hold loadtest  before loadtest.sh's (random weights: the
+#                                              committed ones stay here too; it carries $DEV)
+#   scripts/offline_gpu/slim.sh restore        after either (also safe to run twice)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HOLD=${HOLD:-/work/.slim_hold}
-paths=(models/weights/default/decoder.pt docs/loadtest-results docs/eval-runs)
+train=(models/weights/default/decoder.pt docs/loadtest-results docs/eval-runs)
 # the shipped codec is read only while no codec v2 is committed (the codec stage starts from it)
-[ -e models/weights/next/codec.pt ] && paths+=(models/weights/default/codec.pt)
-case ${1:?usage: slim.sh hold|restore} in
+[ -e models/weights/next/codec.pt ] || [ -e "$HOLD/models/weights/next/codec.pt" ] && train+=(models/weights/default/codec.pt)
+loadtest=("${train[@]}" models/weights/default/codec.pt models/weights/next/codec.pt models/weights/next/decoder.pt
+          models/weights/next/piper.tar.gz)
+case ${1:?usage: slim.sh hold [train|loadtest] | restore} in
 hold)
+  case ${2:-train} in train) paths=("${train[@]}") ;; loadtest) paths=("${loadtest[@]}") ;; *) exit 2 ;; esac
   for p in "${paths[@]}"; do
-    [ -e "$HOLD/$p" ] && continue
+    [ -e "$HOLD/$p" ] || [ ! -e "$p" ] && continue
     mkdir -p "$HOLD/$(dirname "$p")" && mv "$p" "$HOLD/$p"
   done
   ;;
 restore)
-  for p in "${paths[@]}"; do
-    if [ -e "$HOLD/$p" ] && [ ! -e "$p" ]; then rm -f "$p" && mv "$HOLD/$p" "$p"; fi
+  for p in "${loadtest[@]}"; do
+    if [ -e "$HOLD/$p" ] && [ ! -e "$p" ]; then mv "$HOLD/$p" "$p"; fi
   done
   ;;
 esac
 # what a call carries: the files git sees (tracked, and untracked but not ignored) that are
-# there, and .dev/
-python3 - <<'PY'
+# there, and $DEV (.dev/)
+DEV=${DEV:-.dev} python3 - <<'PY'
 import os, subprocess
 paths = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                        capture_output=True, text=True, check=True).stdout.split("\0")
 n = sum(os.path.getsize(p) for p in paths if p and os.path.exists(p))
-n += sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(".dev") for f in fs)
-print(f"the tree and .dev: {n / 2**20:.1f} MiB (a call carries 64 MiB)")
+dev = os.environ["DEV"]
+n += sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dev) for f in fs)
+print(f"the tree and {dev}: {n / 2**20:.1f} MiB (a call carries 64 MiB)")
 PY
