@@ -5,9 +5,10 @@ sends text much faster than it is spoken, so arrival times would cram the speech
 instead a chunk is placed no earlier than its arrival and no earlier than where the
 speech of the chunks before it should end. Once speech runs, the model's own grapheme
 progress (how many transcript characters have been spoken) re-places the chunks not
-yet reached, the next few at each step (`SpeechTimeline.replace`): the next chunk starts where the current one's remaining characters end,
-at the speaking rate measured so far. Clients whose timestamps already are speech time
-(e.g. a streaming translator) set the positions themselves.
+yet reached, the next few at each step (`SpeechTimeline.replace`): the next chunk
+starts where the current one's remaining characters end, at the speaking rate measured
+so far. Clients whose timestamps already are speech time (e.g. a streaming translator)
+set the positions themselves.
 """
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ class PlacedChunk:
 
 @dataclass
 class SpeechTimeline:
-    """The chunks' first frames. Per step it costs O(log chunks) plus the chunks it
-    re-places: those reached, and the next `horizon` that move (`replace`); the text
-    held far ahead (a whole LLM answer at once) is not walked at every step."""
+    """The chunks' first frames. `replace`, once a step, costs O(log chunks) plus the
+    chunks it re-places: those reached, and the next `horizon` that move; the text held
+    far ahead (a whole LLM answer at once) is not walked at every step."""
     frames_per_char: float = DEFAULT_FRAMES_PER_CHAR
     client_speech_time: bool = False
     chunks: list[PlacedChunk] = field(default_factory=list)
