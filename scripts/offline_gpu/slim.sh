@@ -10,7 +10,7 @@
 #   scripts/offline_gpu/slim.sh restore        after either (also safe to run twice)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-HOLD=${HOLD:-/work/.slim_hold}
+HOLD=${HOLD:-$PWD/.slim_hold}  # ignored by git, so no call carries it
 train=(models/weights/default/decoder.pt docs/loadtest-results docs/eval-runs)
 # the shipped codec is read only while no codec v2 is committed (the codec stage starts from it)
 [ -e models/weights/next/codec.pt ] || [ -e "$HOLD/models/weights/next/codec.pt" ] && train+=(models/weights/default/codec.pt)
