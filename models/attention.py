@@ -8,7 +8,7 @@ attention time so the server can re-place future chunks without re-projecting.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +128,7 @@ def window_chunk_range(c: int, n_past: Optional[int], n_future: int, n_chunks: i
     return lo, hi
 
 
-def current_chunk(t: int, taus: list[int]) -> int:
+def current_chunk(t: int, taus: Iterable[int]) -> int:
     """c(t): index of the last chunk whose start tau_i <= t (0 before the first)."""
     c = 0
     for i, tau in enumerate(taus):

@@ -38,14 +38,8 @@ class SpeechTimeline:
     frames_per_char: float = DEFAULT_FRAMES_PER_CHAR
     client_speech_time: bool = False
     chunks: list[PlacedChunk] = field(default_factory=list)
-    _char_starts: list[int] = field(init=False)  # chunks[i].char_start, for bisect
-    _taus: list[int] = field(init=False)  # chunks[i].tau, as current_chunk reads them
     _fixed_below: int = field(init=False, default=0)  # every chunk before this index is fixed
     _placed_through: int = field(init=False, default=-1)  # the last chunk the last `replace` brought up to date
-
-    def __post_init__(self) -> None:
-        self._char_starts = [ch.char_start for ch in self.chunks]
-        self._taus = [ch.tau for ch in self.chunks]
 
     @property
     def n_chars(self) -> int:
@@ -56,25 +50,19 @@ class SpeechTimeline:
         start = self.n_chars
         if self.client_speech_time and client_time_s is not None:
             tau = max(int(round(client_time_s * FRAME_RATE)), self.chunks[-1].tau if self.chunks else 0)
-            return self._append(PlacedChunk(start, n_chars, tau, fixed=True))
+            self.chunks.append(PlacedChunk(start, n_chars, tau, fixed=True))
+            return tau
         natural_end = 0
         if self.chunks:
             prev = self.chunks[-1]
             natural_end = prev.tau + int(round(prev.n_chars * self.frames_per_char))
         tau = max(arrival_frame, natural_end) if self.chunks else 0
-        return self._append(PlacedChunk(start, n_chars, tau))
-
-    def _append(self, ch: PlacedChunk) -> int:
-        self.chunks.append(ch)
-        self._char_starts.append(ch.char_start)
-        self._taus.append(ch.tau)
-        return ch.tau
-
-    def _set_tau(self, i: int, tau: int) -> None:
-        self.chunks[i].tau = self._taus[i] = tau
+        self.chunks.append(PlacedChunk(start, n_chars, tau))
+        return tau
 
     def current_chunk(self, frame: int) -> int:
-        return current_chunk(frame, self._taus)
+        # a generator: the walk stops at the first chunk after the frame
+        return current_chunk(frame, (ch.tau for ch in self.chunks))
 
     def last_tau(self) -> Optional[int]:
         """The last chunk's tau if it is up to date (fixed, or re-placed by the last
@@ -98,11 +86,11 @@ class SpeechTimeline:
             self.frames_per_char = min(12.0, max(3.0, 0.9 * self.frames_per_char + 0.1 * rate))
         changed = []
         # the chunk being spoken: the last whose first character was reached
-        cur = max(0, bisect.bisect_right(self._char_starts, spoken_chars) - 1)
+        cur = max(0, bisect.bisect_right(self.chunks, spoken_chars, key=lambda ch: ch.char_start) - 1)
         for i in range(self._fixed_below, cur + 1):
             ch = self.chunks[i]
             if not ch.fixed and i > 0 and ch.tau > frame:
-                self._set_tau(i, frame)  # speech reached it early: it starts now
+                ch.tau = frame  # speech reached it early: it starts now
                 changed.append((i, frame))
             ch.fixed = ch.fixed or ch.tau <= frame
         while self._fixed_below < len(self.chunks) and self.chunks[self._fixed_below].fixed:
@@ -116,7 +104,7 @@ class SpeechTimeline:
             else:
                 tau = max(frame + 1, int(round(expected)))
                 if tau != ch.tau:
-                    self._set_tau(i, tau)
+                    ch.tau = tau
                     changed.append((i, tau))
                 expected = tau + ch.n_chars * self.frames_per_char
                 moving += 1
