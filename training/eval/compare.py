@@ -6,9 +6,10 @@
 Reads the per-utterance JSON of two `python -m livespeech.training.eval` runs, pairs the
 rows of one system (the model in a mode at a guidance lambda, or `--system "ground
 truth"`) by utterance (B's rows in another mode or at another lambda with `--mode-b`,
-`--lambda-b`: one setting against another on the same clips), and prints WER and CER of each and of B minus A, with a 95 %
-paired bootstrap interval over the clips (the corpus rate: errors over reference words
-or characters, resampled by clip) and how many clips got better or worse. A difference
+`--lambda-b`: one setting against another on the same clips), and prints WER and CER of
+each and of B minus A, with a 95 % paired bootstrap interval over the clips (the corpus
+rate: errors over reference words or characters, resampled by clip) and how many clips
+got better or worse. A difference
 whose interval holds 0 is not shown to be one.
 """
 from __future__ import annotations
