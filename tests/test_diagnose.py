@@ -59,7 +59,7 @@ def test_oracle_modes_emit_the_forced_codes_in_their_frames(setup):
     assert all(np.isfinite(tf[k]["ce"]).all() for k in ("full", "window"))
     # the true history is teacher forcing's own forward; every history scores the same frames
     hist = diagnose.history_reliance(bundle.model, p, table, rec, seed=0)
-    assert [h for h, _ in diagnose.HISTORIES] == list(hist)
+    assert [h[0] for h in diagnose.HISTORIES] == list(hist)
     assert hist["true"]["cb1_hits"] / hist["true"]["cb1_n"] == pytest.approx(tf["full"]["acc"][1], abs=1e-6)
     for h in hist.values():
         assert h["cb1_n"] == T and h["phone_n"] == own["cb1_phone_frames"]

@@ -563,6 +563,60 @@ def test_history_noise_replaces_only_acoustic_history_at_the_chosen_steps(pipeli
     assert any(not torch.allclose(a[k], clean[k]) for k in a)  # the same run without noise ends elsewhere
 
 
+def test_own_history_reads_back_the_models_own_sample_of_the_step_before(pipeline):
+    """own_history: at a share p of the steps the acoustic inputs are what the model sampled
+    for the step before (a model whose every prediction is certain shows which); graphemes,
+    "none" ids and the first step stay; p 0 changes nothing; and a resumed run with
+    --own-history trains what a straight one does."""
+    root, corpus, _, codes = pipeline
+    cfg = train.preset("tiny", **train.parse_overrides(SMALL))
+    model = train.build_model(cfg, "cpu")
+    data = DecoderData(corpus, codes, cfg, "train")
+    batch = collate([data.example(i, random.Random(i)) for i in range(2)], model)
+    v = cfg.codebook_size
+
+    def certain(inputs, *_args):  # codebook j at step t: code (7 t + j) mod V, with certainty
+        b, k, s = inputs.shape
+        t = torch.arange(s)
+        out = [torch.zeros(b, s, model.vocab_sizes[0])]
+        for j in range(k - 1):
+            lg = torch.full((b, s, v), -1e4)
+            lg[:, t, (7 * t + j) % v] = 0.0
+            out.append(lg)
+        return out
+
+    model.forward = certain
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    assert train.own_history(model, batch, batch.text_valid, 0.0, gen()) is batch.inputs
+    out = train.own_history(model, batch, batch.text_valid, 1.0, gen())
+    none = torch.tensor(model.none_ids()).view(1, -1, 1)
+    is_none = batch.inputs == none
+    assert torch.equal(out[:, 0], batch.inputs[:, 0]) and torch.equal(out[is_none], batch.inputs[is_none])
+    assert torch.equal(out[:, :, 0], batch.inputs[:, :, 0])
+    s = batch.inputs.shape[2]
+    want = (7 * (torch.arange(1, s) - 1).view(1, 1, -1) + torch.arange(cfg.n_acoustic_codebooks).view(1, -1, 1)) % v
+    real = ~is_none[:, 1:, 1:]
+    assert real.sum() > 100
+    assert torch.equal(out[:, 1:, 1:][real], want.expand_as(real)[real])
+    half = train.own_history(model, batch, batch.text_valid, 0.5, gen())
+    changed = (half != batch.inputs)[:, 1:].any(1)
+    share = changed[~is_none[:, 1:].all(1)].float().mean()
+    assert 0.3 < share < 0.7, share
+
+    straight, split = str(root / "own_straight"), str(root / "own_split")
+    assert train.main(_decoder_args(corpus, codes, straight, "--steps", "4", "--own-history", "0.5")) == 0
+    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--stop-at", "2", "--own-history", "0.5")) == 0
+    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--resume", "--own-history", "0.5")) == 0
+    a = torch.load(os.path.join(straight, "last.pt"), weights_only=False)["model"]
+    b = torch.load(os.path.join(split, "last.pt"), weights_only=False)["model"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    clean_dir = str(root / "own_off")
+    assert train.main(_decoder_args(corpus, codes, clean_dir, "--steps", "4")) == 0
+    clean = torch.load(os.path.join(clean_dir, "last.pt"), weights_only=False)["model"]
+    assert any(not torch.allclose(a[k], clean[k]) for k in a)
+
+
 def test_reading_targets_name_the_spoken_word_the_next_in_pauses_and_the_end_key_after():
     from livespeech.training.dataset import reading_targets, word_token_ranges
 

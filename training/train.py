@@ -129,6 +129,36 @@ def corrupt_history(inputs: torch.Tensor, p: float, none_ids: list[int], codeboo
     return out
 
 
+def own_history(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, p: float,
+                gen: torch.Generator) -> torch.Tensor:
+    """`batch.inputs` with the acoustic codes read back at a share `p` of the steps (all
+    acoustic codebooks of the step) replaced by the model's own samples: one teacher-forced
+    pass without gradients samples every step's codes (temperature 1), and a chosen step
+    reads back what was sampled for the step before it instead of the truth (parallel
+    scheduled sampling, Duckworth et al. 2019). Random codes (`corrupt_history`) teach the
+    model to ignore history that is implausible; its own samples are the errors decoding
+    feeds it. Graphemes and "none" ids are kept; uniforms come from the CPU generator `gen`."""
+    if p <= 0:
+        return batch.inputs
+    inputs = batch.inputs
+    b, k, s = inputs.shape
+    hit = (torch.rand(b, 1, s, generator=gen) < p).to(inputs.device)
+    u = torch.rand(b, k - 1, s, generator=gen).to(inputs.device)
+    with torch.no_grad():
+        enroll = model.encode_enrollment(batch.enroll_codes, batch.enroll_len)
+        logits = model(inputs, enroll, batch.text_ids, batch.text_pos, text_mask)
+        sampled = []
+        for j, lg in enumerate(logits[1:]):  # inverse CDF, [B, S, V] -> [B, S]
+            cdf = lg.float().softmax(-1).cumsum(-1)
+            sampled.append((cdf < u[:, j, :, None] * cdf[..., -1:]).sum(-1).clamp_max(lg.shape[-1] - 1))
+    read_back = torch.cat((inputs[:, 1:, :1], torch.stack(sampled, 1)[:, :, :-1]), 2)
+    acoustic = inputs[:, 1:]
+    none = torch.tensor(model.none_ids()[1:], device=inputs.device).view(1, k - 1, 1)
+    out = inputs.clone()
+    out[:, 1:] = torch.where(hit & (acoustic != none), read_back, acoustic)
+    return out
+
+
 def text_mask_for(batch: Batch, stream: bool, gen: torch.Generator, r1: int, r2: int) -> torch.Tensor:
     if not stream:
         return batch.text_valid
@@ -400,6 +430,10 @@ def main(argv=None) -> int:
                    help="share of training steps whose acoustic input codes (the previous frames read back) are "
                         "replaced by random codes (corrupt_history): codebook 1 learnt from the text and letters "
                         "rather than copied from the true history teacher forcing gives; 0: off")
+    p.add_argument("--own-history", type=float, default=0.0,
+                   help="share of training steps whose acoustic input codes are the model's own samples from a "
+                        "teacher-forced pass without gradients (own_history, parallel scheduled sampling; ~1.3x "
+                        "the step's time); 0: off")
     p.add_argument("--letters", choices=("even", "phones"), default="phones",
                    help="grapheme targets: a word's letters over its phones with pauses as SPACE, where the corpus "
                         "has phone timelines (phones), or the manifest's even split (even)")
@@ -567,6 +601,9 @@ def main(argv=None) -> int:
             g["lr"] = sched.lr(step, train_s)
         w = lw.weights()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            if a.own_history > 0:  # seeded by the step, as the history noise
+                own_gen = torch.Generator().manual_seed(a.seed * 1_000_033 + step)
+                batch.inputs = own_history(model, batch, mask, a.own_history, own_gen)
             total, losses, accs, reading = forward_loss(model, batch, mask, w, a.read_heads if a.read_weight > 0 else 0)
             if reading is not None:
                 total = total + a.read_weight * reading[0]

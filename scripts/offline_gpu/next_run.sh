@@ -25,10 +25,12 @@
 # train side by side: by default the recipe, and the recipe under bfloat16 autocast
 # (decoder_bf16: its steps against the recipe's measure what bf16 buys); decoder_phone adds
 # the auxiliary phone loss (--phone-weight PHONE_WEIGHT, 1), the _noise variants
-# --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1).
+# --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1),
+# decoder_own its own samples as a share of the history (--own-history OWN_HISTORY, 0.3).
 # $OUT holds, for each NAME in CANDIDATES, NAME.pt.partNN (cat them), NAME_log.jsonl and
 # NAME_MODEL_CARD.md, and TRAINED_BEFORE (commit it with the decoder kept).
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3), READ_WEIGHT (1),
+# OWN_HISTORY (0.3),
 # CANDIDATES ("decoder decoder_bf16"),
 # BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s, the decoder stage 60, kept for the
 # probe or export and the copy back).
@@ -53,6 +55,7 @@ candidate_args() {
     decoder_phone_noise) echo --phone-weight "${PHONE_WEIGHT:-1}" --history-noise "${HISTORY_NOISE:-0.3}" ;;
     decoder_read) echo --read-weight "${READ_WEIGHT:-1}" ;;
     decoder_phone_read) echo --phone-weight "${PHONE_WEIGHT:-1}" --read-weight "${READ_WEIGHT:-1}" ;;
+    decoder_own) echo --own-history "${OWN_HISTORY:-0.3}" ;;
     decoder_bf16) echo --autocast bf16 ;;
     *) echo "unknown candidate $1" >&2; return 2 ;;
   esac

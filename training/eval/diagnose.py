@@ -30,8 +30,9 @@ per-utterance seed), each laid out exactly as training lays it out
 3. how much codebook 1 leans on the acoustic codes read back (teacher forcing, text fully
    visible, true letters): its argmax's accuracy and how often it names the ground-truth
    phone with that history true, with 30 % of its steps random (livespeech.training.train
-   `corrupt_history`) and with none at all. A decoder that names the phone only from a
-   true history drifts once it reads back its own samples.
+   `corrupt_history`), with 30 % and all of its steps the model's own samples from a
+   teacher-forced pass (`own_history`) and with none at all. A decoder that names the
+   phone only from a true history drifts once it reads back its own samples.
 
 Writes a markdown report and, next to it, a JSON with every utterance's numbers.
 """
@@ -151,28 +152,33 @@ def teacher_forced(model, prep: Prepared, n_past: int, n_future: int) -> dict:
     return out
 
 
-HISTORIES = (("true", None), ("30 % random", 0.3), ("none", 1.0))
+# (name, kind, share): the acoustic codes read back, true, random (`corrupt_history`), the
+# model's own samples from a teacher-forced pass (`own_history`), or all the empty id
+HISTORIES = (("true", "true", 0.0), ("30 % random", "random", 0.3), ("30 % own samples", "own", 0.3),
+             ("all own samples", "own", 1.0), ("none", "none", 1.0))
 
 
 @torch.no_grad()
 def history_reliance(model, prep: Prepared, phones: Optional[PhoneTable], rec: dict, seed: int) -> dict:
     """Per history of HISTORIES: codebook-1 argmax hits / scored positions, and (with a
     phone table) frames whose argmax code names the ground-truth phone / labelled frames."""
-    from livespeech.training.train import corrupt_history
+    from livespeech.training.train import corrupt_history, own_history
 
     batch = collate([prep.example], model).to(next(model.parameters()).device)
     enroll = model.encode_enrollment(batch.enroll_codes, batch.enroll_len)
     none = model.none_ids()
     d1, T = model.cfg.delays[1], prep.n_frames
     out = {}
-    for name, p in HISTORIES:
+    for name, kind, p in HISTORIES:
         inputs = batch.inputs
-        if p == 1.0:
+        if kind == "none":
             inputs = inputs.clone()
             inputs[:, 1:] = torch.tensor(none[1:], device=inputs.device).view(1, -1, 1)
-        elif p:
+        elif kind == "random":
             inputs = corrupt_history(inputs.cpu(), p, none, model.cfg.codebook_size,
                                      torch.Generator().manual_seed(seed)).to(inputs.device)
+        elif kind == "own":
+            inputs = own_history(model, batch, batch.text_valid, p, torch.Generator().manual_seed(seed))
         pred = model(inputs, enroll, batch.text_ids, batch.text_pos, batch.text_valid)[1][0].argmax(-1)
         tgt, valid = batch.targets[0, 1], batch.valid[0, 1]
         r = {"cb1_hits": int(((pred == tgt) & valid).sum()), "cb1_n": int(valid.sum())}
@@ -294,7 +300,7 @@ def summarize(records: list[dict], utterances: list[dict]) -> tuple[list[dict], 
         if len(n):
             tf[name] = {"ce": ((ce * n).sum(0) / n.sum(0)).tolist(), "acc": ((acc * n).sum(0) / n.sum(0)).tolist()}
     hist = {}
-    for name, _ in HISTORIES:
+    for name, *_ in HISTORIES:
         hs = [u["history"][name] for u in utterances if "history" in u]
         if not hs:
             continue
@@ -360,7 +366,8 @@ def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
         "## Codebook 1 and the acoustic history it reads back (teacher forcing, text fully visible)",
         "",
         "The acoustic codes of the previous frames as the input: true, 30 % of the steps random "
-        "(livespeech.training.train `corrupt_history`), or none (every acoustic input the empty id).",
+        "(livespeech.training.train `corrupt_history`), 30 % or all of the steps the model's own samples "
+        "from a teacher-forced pass (`own_history`), or none (every acoustic input the empty id).",
         "",
         report.markdown_table(["acoustic history", "codebook 1 accuracy %", "codebook 1 names the GT phone %"],
                               [[name, pct(h["cb1_acc"]), pct(h["cb1_phone"])]
