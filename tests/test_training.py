@@ -520,6 +520,21 @@ def test_the_phone_head_learns_the_phone_of_the_frame_codebook_1_predicts(tmp_pa
         assert b.targets[i, 1, d1:d1 + len(want)].tolist() == e.codes[1, :len(want)].tolist()
 
 
+def _resumes_exactly_and_trains_otherwise(root, corpus, codes, *flag) -> None:
+    """A run with `flag` stopped at step 2 and resumed ends where a straight one does, and
+    elsewhere than the same run without it (the flag is seeded by step, and it matters)."""
+    name = flag[0].strip("-")
+    straight, split, plain = (str(root / f"{name}_{k}") for k in ("straight", "split", "off"))
+    assert train.main(_decoder_args(corpus, codes, straight, "--steps", "4", *flag)) == 0
+    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--stop-at", "2", *flag)) == 0
+    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--resume", *flag)) == 0
+    assert train.main(_decoder_args(corpus, codes, plain, "--steps", "4")) == 0
+    a, b, clean = (torch.load(os.path.join(d, "last.pt"), weights_only=False)["model"] for d in (straight, split, plain))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(a[k], clean[k]) for k in a)
+
+
 def test_history_noise_replaces_only_acoustic_history_at_the_chosen_steps(pipeline):
     """corrupt_history: at about a share p of the steps every acoustic input code becomes a
     random code; graphemes, "none" ids and the targets stay; p 0 changes nothing; and a
@@ -549,18 +564,7 @@ def test_history_noise_replaces_only_acoustic_history_at_the_chosen_steps(pipeli
                                              & ~is_none[:, 1:]]
     assert hit_codes.float().mean() > 0.9
 
-    straight, split = str(root / "noise_straight"), str(root / "noise_split")
-    assert train.main(_decoder_args(corpus, codes, straight, "--steps", "4", "--history-noise", "0.5")) == 0
-    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--stop-at", "2", "--history-noise", "0.5")) == 0
-    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--resume", "--history-noise", "0.5")) == 0
-    a = torch.load(os.path.join(straight, "last.pt"), weights_only=False)["model"]
-    b = torch.load(os.path.join(split, "last.pt"), weights_only=False)["model"]
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
-    clean_dir = str(root / "noise_off")
-    assert train.main(_decoder_args(corpus, codes, clean_dir, "--steps", "4")) == 0
-    clean = torch.load(os.path.join(clean_dir, "last.pt"), weights_only=False)["model"]
-    assert any(not torch.allclose(a[k], clean[k]) for k in a)  # the same run without noise ends elsewhere
+    _resumes_exactly_and_trains_otherwise(root, corpus, codes, "--history-noise", "0.5")
 
 
 def test_own_history_reads_back_the_models_own_sample_of_the_step_before(pipeline):
@@ -603,18 +607,7 @@ def test_own_history_reads_back_the_models_own_sample_of_the_step_before(pipelin
     share = changed[~is_none[:, 1:].all(1)].float().mean()
     assert 0.3 < share < 0.7, share
 
-    straight, split = str(root / "own_straight"), str(root / "own_split")
-    assert train.main(_decoder_args(corpus, codes, straight, "--steps", "4", "--own-history", "0.5")) == 0
-    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--stop-at", "2", "--own-history", "0.5")) == 0
-    assert train.main(_decoder_args(corpus, codes, split, "--steps", "4", "--resume", "--own-history", "0.5")) == 0
-    a = torch.load(os.path.join(straight, "last.pt"), weights_only=False)["model"]
-    b = torch.load(os.path.join(split, "last.pt"), weights_only=False)["model"]
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
-    clean_dir = str(root / "own_off")
-    assert train.main(_decoder_args(corpus, codes, clean_dir, "--steps", "4")) == 0
-    clean = torch.load(os.path.join(clean_dir, "last.pt"), weights_only=False)["model"]
-    assert any(not torch.allclose(a[k], clean[k]) for k in a)
+    _resumes_exactly_and_trains_otherwise(root, corpus, codes, "--own-history", "0.5")
 
 
 def test_reading_targets_name_the_spoken_word_the_next_in_pauses_and_the_end_key_after():
