@@ -120,12 +120,19 @@ def corrupt_history(inputs: torch.Tensor, p: float, none_ids: list[int], codeboo
     if p <= 0:
         return inputs
     b, k, s = inputs.shape
-    hit = (torch.rand(b, 1, s, generator=gen) < p).expand(b, k - 1, s)
+    hit = torch.rand(b, 1, s, generator=gen) < p
     rnd = torch.randint(0, codebook_size, (b, k - 1, s), generator=gen)
+    return _with_acoustic_history(inputs, hit, rnd, none_ids)
+
+
+def _with_acoustic_history(inputs: torch.Tensor, hit: torch.Tensor, codes: torch.Tensor,
+                           none_ids: list[int]) -> torch.Tensor:
+    """`inputs` [B, K, S] with the acoustic rows at the steps `hit` [B, 1, S] taken from
+    `codes` [B, K - 1, S]; the graphemes and the "none" ids of the delay pattern are kept."""
     acoustic = inputs[:, 1:]
-    none = torch.tensor(none_ids[1:]).view(1, k - 1, 1)
+    none = torch.tensor(none_ids[1:], device=inputs.device).view(1, -1, 1)
     out = inputs.clone()
-    out[:, 1:] = torch.where(hit & (acoustic != none), rnd, acoustic)
+    out[:, 1:] = torch.where(hit & (acoustic != none), codes, acoustic)
     return out
 
 
@@ -152,11 +159,7 @@ def own_history(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, p: fl
             cdf = lg.float().softmax(-1).cumsum(-1)
             sampled.append((cdf < u[:, j, :, None] * cdf[..., -1:]).sum(-1).clamp_max(lg.shape[-1] - 1))
     read_back = torch.cat((inputs[:, 1:, :1], torch.stack(sampled, 1)[:, :, :-1]), 2)
-    acoustic = inputs[:, 1:]
-    none = torch.tensor(model.none_ids()[1:], device=inputs.device).view(1, k - 1, 1)
-    out = inputs.clone()
-    out[:, 1:] = torch.where(hit & (acoustic != none), read_back, acoustic)
-    return out
+    return _with_acoustic_history(inputs, hit, read_back, model.none_ids())
 
 
 def text_mask_for(batch: Batch, stream: bool, gen: torch.Generator, r1: int, r2: int) -> torch.Tensor:
