@@ -610,6 +610,40 @@ def test_own_history_reads_back_the_models_own_sample_of_the_step_before(pipelin
     _resumes_exactly_and_trains_otherwise(root, corpus, codes, "--own-history", "0.5")
 
 
+def test_own_history_passes_compound_the_models_errors_step_by_step(pipeline):
+    """own_history with passes: each pass reads back every step's sample of the pass before,
+    so a model that adds 1 to the code it reads back shows, after k passes, the truth of k
+    steps earlier plus k at every step whose chain of k steps holds real codes."""
+    root, corpus, _, codes = pipeline
+    cfg = train.preset("tiny", **train.parse_overrides(SMALL))
+    model = train.build_model(cfg, "cpu")
+    data = DecoderData(corpus, codes, cfg, "train")
+    batch = collate([data.example(i, random.Random(i)) for i in range(2)], model)
+    v = cfg.codebook_size
+
+    def plus_one(inputs, *_args):  # codebook j at step t: its read-back code + 1, with certainty
+        b, k, s = inputs.shape
+        out = [torch.zeros(b, s, model.vocab_sizes[0])]
+        for j in range(1, k):
+            lg = torch.full((b, s, v), -1e4)
+            lg.scatter_(2, ((inputs[:, j] + 1) % v).unsqueeze(-1), 0.0)
+            out.append(lg)
+        return out
+
+    model.forward = plus_one
+    x = batch.inputs[:, 1:]
+    real = x != torch.tensor(model.none_ids()[1:]).view(1, -1, 1)
+    s = x.shape[2]
+    for passes in (1, 3):
+        out = train.own_history(model, batch, batch.text_valid, 1.0, torch.Generator().manual_seed(0), passes)[:, 1:]
+        # step t >= passes whose steps t - passes .. t all hold real codes: truth at t - passes, plus passes
+        chain = torch.stack([real[:, :, passes - i:s - i] for i in range(passes + 1)]).all(0)
+        want = (x[:, :, :s - passes] + passes) % v
+        assert chain.sum() > 100
+        assert torch.equal(out[:, :, passes:][chain], want[chain])
+        assert torch.equal(out[~real], x[~real]) and torch.equal(out[:, :, 0], x[:, :, 0])
+
+
 def test_reading_targets_name_the_spoken_word_the_next_in_pauses_and_the_end_key_after():
     from livespeech.training.dataset import reading_targets, word_token_ranges
 

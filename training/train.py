@@ -137,29 +137,36 @@ def _with_acoustic_history(inputs: torch.Tensor, hit: torch.Tensor, codes: torch
 
 
 def own_history(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, p: float,
-                gen: torch.Generator) -> torch.Tensor:
+                gen: torch.Generator, passes: int = 1) -> torch.Tensor:
     """`batch.inputs` with the acoustic codes read back at a share `p` of the steps (all
-    acoustic codebooks of the step) replaced by the model's own samples: one teacher-forced
-    pass without gradients samples every step's codes (temperature 1), and a chosen step
-    reads back what was sampled for the step before it instead of the truth (parallel
-    scheduled sampling, Duckworth et al. 2019). Random codes (`corrupt_history`) teach the
-    model to ignore history that is implausible; its own samples are the errors decoding
-    feeds it. Graphemes and "none" ids are kept; uniforms come from the CPU generator `gen`."""
+    acoustic codebooks of the step) replaced by the model's own samples: a pass without
+    gradients samples every step's codes (temperature 1), and a chosen step reads back what
+    was sampled for the step before it instead of the truth (parallel scheduled sampling,
+    Duckworth et al. 2019). The first pass is teacher-forced; each further pass reads back
+    every step's sample of the pass before, so after `passes` passes a step's sample follows
+    that many steps of the model's own history, as in decoding, where errors compound.
+    Random codes (`corrupt_history`) teach the model to ignore history that is implausible;
+    its own samples are the errors decoding feeds it. Graphemes, "none" ids and the first
+    step are kept; uniforms come from the CPU generator `gen`."""
     if p <= 0:
         return batch.inputs
     inputs = batch.inputs
     b, k, s = inputs.shape
     hit = (torch.rand(b, 1, s, generator=gen) < p).to(inputs.device)
-    u = torch.rand(b, k - 1, s, generator=gen).to(inputs.device)
+    history = inputs
     with torch.no_grad():
         enroll = model.encode_enrollment(batch.enroll_codes, batch.enroll_len)
-        logits = model(inputs, enroll, batch.text_ids, batch.text_pos, text_mask)
-        sampled = []
-        for j, lg in enumerate(logits[1:]):  # inverse CDF, [B, S, V] -> [B, S]
-            cdf = lg.float().softmax(-1).cumsum(-1)
-            sampled.append((cdf < u[:, j, :, None] * cdf[..., -1:]).sum(-1).clamp_max(lg.shape[-1] - 1))
-    read_back = torch.cat((inputs[:, 1:, :1], torch.stack(sampled, 1)[:, :, :-1]), 2)
-    return _with_acoustic_history(inputs, hit, read_back, model.none_ids())
+        for i in range(passes):
+            u = torch.rand(b, k - 1, s, generator=gen).to(inputs.device)
+            logits = model(history, enroll, batch.text_ids, batch.text_pos, text_mask)
+            sampled = []
+            for j, lg in enumerate(logits[1:]):  # inverse CDF, [B, S, V] -> [B, S]
+                cdf = lg.float().softmax(-1).cumsum(-1)
+                sampled.append((cdf < u[:, j, :, None] * cdf[..., -1:]).sum(-1).clamp_max(lg.shape[-1] - 1))
+            read_back = torch.cat((inputs[:, 1:, :1], torch.stack(sampled, 1)[:, :, :-1]), 2)
+            history = _with_acoustic_history(inputs, hit if i == passes - 1 else torch.ones_like(hit), read_back,
+                                             model.none_ids())
+    return history
 
 
 def text_mask_for(batch: Batch, stream: bool, gen: torch.Generator, r1: int, r2: int) -> torch.Tensor:
@@ -437,6 +444,10 @@ def main(argv=None) -> int:
                    help="share of training steps whose acoustic input codes are the model's own samples from a "
                         "teacher-forced pass without gradients (own_history, parallel scheduled sampling; ~1.3x "
                         "the step's time); 0: off")
+    p.add_argument("--own-passes", type=int, default=1,
+                   help="passes without gradients behind --own-history: each further pass reads back every step's "
+                        "sample of the pass before, so the history holds errors compounded over that many steps "
+                        "(own_history; each pass costs about a third of a training step)")
     p.add_argument("--letters", choices=("even", "phones"), default="phones",
                    help="grapheme targets: a word's letters over its phones with pauses as SPACE, where the corpus "
                         "has phone timelines (phones), or the manifest's even split (even)")
@@ -501,6 +512,8 @@ def main(argv=None) -> int:
     n_params = sum(x.numel() for x in model.parameters())
     if not 1 <= a.read_heads <= cfg.n_heads:
         raise SystemExit(f"--read-heads {a.read_heads}: the model has {cfg.n_heads} heads a layer")
+    if a.own_passes < 1:
+        raise SystemExit(f"--own-passes {a.own_passes}: at least one pass")
     phone_head = phone_vocab = None
     if a.phone_weight > 0:
         phone_vocab = phone_vocab_for([a.corpus, *(c for c, _ in a.extra_corpus)],
@@ -606,7 +619,7 @@ def main(argv=None) -> int:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             if a.own_history > 0:  # seeded by the step, as the history noise
                 own_gen = torch.Generator().manual_seed(a.seed * 1_000_033 + step)
-                batch.inputs = own_history(model, batch, mask, a.own_history, own_gen)
+                batch.inputs = own_history(model, batch, mask, a.own_history, own_gen, a.own_passes)
             total, losses, accs, reading = forward_loss(model, batch, mask, w, a.read_heads if a.read_weight > 0 else 0)
             if reading is not None:
                 total = total + a.read_weight * reading[0]

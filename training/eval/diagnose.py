@@ -31,8 +31,9 @@ per-utterance seed), each laid out exactly as training lays it out
    visible, true letters): its argmax's accuracy and how often it names the ground-truth
    phone with that history true, with 30 % of its steps random (livespeech.training.train
    `corrupt_history`), with 30 % and all of its steps the model's own samples from a
-   teacher-forced pass (`own_history`) and with none at all. A decoder that names the
-   phone only from a true history drifts once it reads back its own samples.
+   teacher-forced pass (`own_history`), all of them its own samples compounded over 4 and
+   16 passes, and with none at all. A decoder that names the phone only from a true
+   history drifts once it reads back its own samples.
 
 Writes a markdown report and, next to it, a JSON with every utterance's numbers.
 """
@@ -152,10 +153,12 @@ def teacher_forced(model, prep: Prepared, n_past: int, n_future: int) -> dict:
     return out
 
 
-# (name, kind, share): the acoustic codes read back, true, random (`corrupt_history`), the
-# model's own samples from a teacher-forced pass (`own_history`), or all the empty id
-HISTORIES = (("true", "true", 0.0), ("30 % random", "random", 0.3), ("30 % own samples", "own", 0.3),
-             ("all own samples", "own", 1.0), ("none", "none", 1.0))
+# (name, kind, share, passes): the acoustic codes read back, true, random (`corrupt_history`),
+# the model's own samples (`own_history`: from a teacher-forced pass, or compounded over
+# further passes), or all the empty id
+HISTORIES = (("true", "true", 0.0, 0), ("30 % random", "random", 0.3, 0), ("30 % own samples", "own", 0.3, 1),
+             ("all own samples", "own", 1.0, 1), ("all own samples, 4 passes", "own", 1.0, 4),
+             ("all own samples, 16 passes", "own", 1.0, 16), ("none", "none", 1.0, 0))
 
 
 @torch.no_grad()
@@ -169,7 +172,7 @@ def history_reliance(model, prep: Prepared, phones: Optional[PhoneTable], rec: d
     none = model.none_ids()
     d1, T = model.cfg.delays[1], prep.n_frames
     out = {}
-    for name, kind, p in HISTORIES:
+    for name, kind, p, passes in HISTORIES:
         inputs = batch.inputs
         if kind == "none":
             inputs = inputs.clone()
@@ -178,7 +181,7 @@ def history_reliance(model, prep: Prepared, phones: Optional[PhoneTable], rec: d
             inputs = corrupt_history(inputs.cpu(), p, none, model.cfg.codebook_size,
                                      torch.Generator().manual_seed(seed)).to(inputs.device)
         elif kind == "own":
-            inputs = own_history(model, batch, batch.text_valid, p, torch.Generator().manual_seed(seed))
+            inputs = own_history(model, batch, batch.text_valid, p, torch.Generator().manual_seed(seed), passes)
         pred = model(inputs, enroll, batch.text_ids, batch.text_pos, batch.text_valid)[1][0].argmax(-1)
         tgt, valid = batch.targets[0, 1], batch.valid[0, 1]
         r = {"cb1_hits": int(((pred == tgt) & valid).sum()), "cb1_n": int(valid.sum())}
@@ -367,7 +370,9 @@ def render(meta: dict, rows: list[dict], tf: dict, json_path: Path) -> str:
         "",
         "The acoustic codes of the previous frames as the input: true, 30 % of the steps random "
         "(livespeech.training.train `corrupt_history`), 30 % or all of the steps the model's own samples "
-        "from a teacher-forced pass (`own_history`), or none (every acoustic input the empty id).",
+        "from a teacher-forced pass (`own_history`), all of them its own samples after 4 or 16 passes (each "
+        "pass reads back the one before: errors compounded over that many steps), or none (every acoustic "
+        "input the empty id).",
         "",
         report.markdown_table(["acoustic history", "codebook 1 accuracy %", "codebook 1 names the GT phone %"],
                               [[name, pct(h["cb1_acc"]), pct(h["cb1_phone"])]
