@@ -22,16 +22,18 @@
 # committed, with the Piper voice's codes of models/weights/next/piper.tar.gz (made here:
 # its manifest.jsonl and codes/) in the training data, on training sentences the committed
 # decoder has not seen ($NEXT/TRAINED_BEFORE); export it. The CANDIDATES (candidate_args)
-# train side by side: by default the recipe, and the recipe under bfloat16 autocast
-# (decoder_bf16: its steps against the recipe's measure what bf16 buys); decoder_phone adds
+# train side by side: by default the recipe, and the recipe with its own samples compounded
+# over OWN_PASSES passes as half of the history (decoder_own: --own-history OWN_HISTORY,
+# 0.5, --own-passes OWN_PASSES, 4; on the CPU it held the phone through its own history and
+# lowered online CER against its control, docs/eval.md); decoder_bf16 the recipe under
+# bfloat16 autocast (its steps against the recipe's measure what bf16 buys); decoder_phone adds
 # the auxiliary phone loss (--phone-weight PHONE_WEIGHT, 1), the _noise variants
-# --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1),
-# decoder_own its own samples as a share of the history (--own-history OWN_HISTORY, 0.3).
+# --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1).
 # $OUT holds, for each NAME in CANDIDATES, NAME.pt.partNN (cat them), NAME_log.jsonl and
 # NAME_MODEL_CARD.md, and TRAINED_BEFORE (commit it with the decoder kept).
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3), READ_WEIGHT (1),
-# OWN_HISTORY (0.3),
-# CANDIDATES ("decoder decoder_bf16"),
+# OWN_HISTORY (0.5), OWN_PASSES (4),
+# CANDIDATES ("decoder decoder_own"),
 # BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s, the decoder stage 60, kept for the
 # probe or export and the copy back).
 set -uo pipefail
@@ -46,7 +48,7 @@ export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$R/.dev/multilingual.tiktoken
 export LIVESPEECH_FLITE=$FL/usr/bin/flite LD_LIBRARY_PATH=$FL/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 STAGE=$(cat $NEXT/STAGE 2>/dev/null || echo codec)
 # the decoder stage's candidates: the recipe (training/train.py's defaults) and its variants
-CANDIDATES=${CANDIDATES:-decoder decoder_bf16}
+CANDIDATES=${CANDIDATES:-decoder decoder_own}
 candidate_args() {
   case $1 in
     decoder) ;;
@@ -55,7 +57,7 @@ candidate_args() {
     decoder_phone_noise) echo --phone-weight "${PHONE_WEIGHT:-1}" --history-noise "${HISTORY_NOISE:-0.3}" ;;
     decoder_read) echo --read-weight "${READ_WEIGHT:-1}" ;;
     decoder_phone_read) echo --phone-weight "${PHONE_WEIGHT:-1}" --read-weight "${READ_WEIGHT:-1}" ;;
-    decoder_own) echo --own-history "${OWN_HISTORY:-0.3}" ;;
+    decoder_own) echo --own-history "${OWN_HISTORY:-0.5}" --own-passes "${OWN_PASSES:-4}" ;;
     decoder_bf16) echo --autocast bf16 ;;
     *) echo "unknown candidate $1" >&2; return 2 ;;
   esac
