@@ -30,6 +30,14 @@ def _threads():
     torch.set_num_threads(n)
 
 
+def _tiny_model_and_batch(corpus: str, codes: str):
+    """(config, a tiny decoder, a training batch of the first two utterances)."""
+    cfg = train.preset("tiny", **train.parse_overrides(SMALL))
+    model = train.build_model(cfg, "cpu")
+    data = DecoderData(corpus, codes, cfg, "train")
+    return cfg, model, collate([data.example(i, random.Random(i)) for i in range(2)], model)
+
+
 def _log(path):
     return [json.loads(line) for line in open(path)]
 
@@ -343,14 +351,10 @@ def test_decoder_train_resumes_exactly(pipeline):
 
 def test_decoder_loss_decreases_on_a_repeated_batch(pipeline):
     _, corpus, _, codes = pipeline
-    from livespeech.models.config import preset
-    from livespeech.models.livespeech import CodebookLossWeights, LiveSpeech2
+    from livespeech.models.livespeech import CodebookLossWeights
 
     torch.manual_seed(0)
-    cfg = preset("tiny", **train.parse_overrides(SMALL))
-    model = LiveSpeech2(cfg)
-    data = DecoderData(corpus, codes, cfg, "train")
-    batch = collate([data.example(i, random.Random(i)) for i in range(2)], model)
+    cfg, model, batch = _tiny_model_and_batch(corpus, codes)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     lw = CodebookLossWeights(cfg.n_codebooks, cfg.cb_loss_lambda)
     gen = torch.Generator().manual_seed(0)
@@ -558,13 +562,7 @@ def test_history_noise_replaces_only_acoustic_history_at_the_chosen_steps(pipeli
     random code; graphemes, "none" ids and the targets stay; p 0 changes nothing; and a
     resumed run with --history-noise trains what a straight one does (noise seeded by step)."""
     root, corpus, _, codes = pipeline
-    from livespeech.models.config import preset
-    from livespeech.models.livespeech import LiveSpeech2
-
-    cfg = preset("tiny", **train.parse_overrides(SMALL))
-    model = LiveSpeech2(cfg)
-    data = DecoderData(corpus, codes, cfg, "train")
-    batch = collate([data.example(i, random.Random(i)) for i in range(2)], model)
+    cfg, model, batch = _tiny_model_and_batch(corpus, codes)
     none = torch.tensor(model.none_ids()).view(1, -1, 1)
     assert train.corrupt_history(batch.inputs, 0.0, model.none_ids(), cfg.codebook_size,
                                  torch.Generator().manual_seed(0)) is batch.inputs
@@ -591,10 +589,7 @@ def test_own_history_reads_back_the_models_own_sample_of_the_step_before(pipelin
     "none" ids and the first step stay; p 0 changes nothing; and a resumed run with
     --own-history trains what a straight one does."""
     root, corpus, _, codes = pipeline
-    cfg = train.preset("tiny", **train.parse_overrides(SMALL))
-    model = train.build_model(cfg, "cpu")
-    data = DecoderData(corpus, codes, cfg, "train")
-    batch = collate([data.example(i, random.Random(i)) for i in range(2)], model)
+    cfg, model, batch = _tiny_model_and_batch(corpus, codes)
     v = cfg.codebook_size
 
     def certain(inputs, *_args):  # codebook j at step t: code (7 t + j) mod V, with certainty
@@ -633,10 +628,7 @@ def test_own_history_passes_compound_the_models_errors_step_by_step(pipeline):
     so a model that adds 1 to the code it reads back shows, after k passes, the truth of k
     steps earlier plus k at every step whose chain of k steps holds real codes."""
     root, corpus, _, codes = pipeline
-    cfg = train.preset("tiny", **train.parse_overrides(SMALL))
-    model = train.build_model(cfg, "cpu")
-    data = DecoderData(corpus, codes, cfg, "train")
-    batch = collate([data.example(i, random.Random(i)) for i in range(2)], model)
+    cfg, model, batch = _tiny_model_and_batch(corpus, codes)
     v = cfg.codebook_size
 
     def plus_one(inputs, *_args):  # codebook j at step t: its read-back code + 1, with certainty
