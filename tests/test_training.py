@@ -627,7 +627,7 @@ def test_own_history_passes_compound_the_models_errors_step_by_step(pipeline):
     """own_history with passes: each pass reads back every step's sample of the pass before,
     so a model that adds 1 to the code it reads back shows, after k passes, the truth of k
     steps earlier plus k at every step whose chain of k steps holds real codes."""
-    root, corpus, _, codes = pipeline
+    _, corpus, _, codes = pipeline
     cfg, model, batch = _tiny_model_and_batch(corpus, codes)
     v = cfg.codebook_size
 
