@@ -376,6 +376,13 @@ def test_smoke_mode_runs(tmp_path):
     assert os.path.exists(tmp_path / "smoke" / "last.pt")
 
 
+@pytest.mark.parametrize("share", ["0", "1.5"])
+def test_a_memory_share_outside_zero_to_one_is_refused(tmp_path, share):
+    with pytest.raises(SystemExit, match="--cuda-memory-share"):
+        train.main(["--smoke", "--out", str(tmp_path / "smoke"), "--steps", "1", "--cuda-memory-share", share])
+    assert not os.path.exists(tmp_path / "smoke")
+
+
 def test_codebook_boost_option():
     assert train.parse_boost("1:3") == {1: 3.0}
     assert train.parse_boost("1:3,0:1.5") == {1: 3.0, 0: 1.5}

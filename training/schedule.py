@@ -46,9 +46,14 @@ class Schedule:
         return step >= self.steps
 
 
-def setup_device(name: str, threads: int) -> torch.device:
+def setup_device(name: str, threads: int, memory_share: float = 1.0) -> torch.device:
     """The training device; on CUDA, TF32 matmuls/convolutions (fp32 accuracy is not
-    needed for training and TF32 is several times faster on Ampere and later)."""
+    needed for training and TF32 is several times faster on Ampere and later), and at most
+    `memory_share` of the GPU's memory for this process: runs side by side on one GPU each
+    take their share, so a caching allocator frees its cache before it takes the memory
+    another run needs (uncapped, one run's cache can starve the other)."""
+    if not 0 < memory_share <= 1:
+        raise SystemExit(f"--cuda-memory-share must be in (0, 1], got {memory_share}")
     torch.set_num_threads(threads)
     device = torch.device(name)
     if device.type == "cuda":
@@ -56,4 +61,6 @@ def setup_device(name: str, threads: int) -> torch.device:
             raise SystemExit("--device cuda: no CUDA device is available")
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        if memory_share < 1:
+            torch.cuda.set_per_process_memory_fraction(memory_share, device)
     return device

@@ -406,6 +406,8 @@ def main(argv=None) -> int:
     p.add_argument("--init", default=None,
                    help="start from these weights (an exported decoder.pt) with a fresh optimizer; ignored on --resume")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cuda-memory-share", type=float, default=1.0,
+                   help="the share of the GPU's memory this run may hold (runs side by side on one GPU)")
     p.add_argument("--steps", type=int, default=2000, help="total steps (also sets the LR schedule)")
     p.add_argument("--stop-at", type=int, default=None, help="stop at this step (schedule still uses --steps)")
     p.add_argument("--smoke", action="store_true", help="tiny synthetic corpus + small model, a few steps")
@@ -476,7 +478,7 @@ def main(argv=None) -> int:
                    help="run length in training minutes instead of --steps (the LR decays over it)")
     a = p.parse_args(argv)
 
-    device = setup_device(a.device, a.threads)
+    device = setup_device(a.device, a.threads, a.cuda_memory_share)
     os.makedirs(a.out, exist_ok=True)
     overrides = parse_overrides(a.model_overrides)
     if a.smoke:

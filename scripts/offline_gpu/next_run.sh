@@ -149,11 +149,14 @@ decoder)
   # H100) and the two exports (~12 s)
   MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-60}) / 60), 2))")
   stamp "decoder: $MIN min ${INIT[*]:-from scratch}; candidates: $CANDIDATES"
+  # each candidate caps its share of the GPU's memory (CUDA contexts take the rest)
+  SHARE=$($PY -c "print(round(0.95 / len('$CANDIDATES'.split()), 3))")
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   pids=()
   for v in $CANDIDATES; do
     $PY -m livespeech.training.train --corpus $W/corpus --codes $W/codes --out $W/$v --device $DEVICE --minutes "$MIN" \
       --steps 1000000 --batch-frames "${BATCH_FRAMES:-80000}" --max-batch 256 --lr 2e-3 --warmup 100 --rescan-every 50 \
-      --eval-every 200 --ckpt-minutes 2 --threads 4 --eos-jitter 0.3 "${INIT[@]}" "${EXTRA[@]}" $(candidate_args $v) \
+      --eval-every 200 --ckpt-minutes 2 --threads 4 --eos-jitter 0.3 --cuda-memory-share "$SHARE" "${INIT[@]}" "${EXTRA[@]}" $(candidate_args $v) \
       > $W/$v.log 2>&1 &
     pids+=($!)
   done
