@@ -4,10 +4,10 @@
 #
 #   scripts/train_gpu.sh WORK_DIR [CORPUS_DEFINITION_DIR]
 #
-# CORPUS_DEFINITION_DIR (optional) holds config.json, sentences.jsonl and voices.json of
-# an existing corpus (data/corpus): the corpus is then re-synthesised from that definition
-# (same sentences, splits and voices), so the machine needs eSpeak NG but not the Debian
-# sentence packages. Every stage resumes: re-running the script continues where it stopped.
+# CORPUS_DEFINITION_DIR (optional; the repository's is training/corpus/definition) holds
+# config.json, voices.json and sentences.jsonl[.gz]: the corpus is then synthesised from
+# that definition (same sentences, splits and voices), so the machine needs eSpeak NG but
+# not the Debian sentence packages. Every stage resumes: re-running the script continues where it stopped.
 # Knobs (environment): HOURS (40), WORKERS (nproc), CODEC_MIN (6.5), DECODER_MIN (10.5),
 # DEVICE (cuda), CODEC_BATCH (32), BATCH_FRAMES (80000), MAX_BATCH (256), ENCODERS (2),
 # ENCODE_BATCH (64), EOS_JITTER (0.3: the decoder's --eos-jitter), LR (the decoder's peak,
@@ -36,13 +36,9 @@ LR=${LR:-2e-3}
 mkdir -p "$W"
 stamp() { echo "[$(date +%T)] $*"; }
 
-if [ -n "$DEF" ] && [ ! -e "$W/corpus/config.json" ]; then
-  mkdir -p "$W/corpus"
-  cp "$DEF"/sentences.jsonl "$DEF"/voices.json "$W/corpus/"
-  cp "$DEF"/config.json "$W/corpus/"  # last: its presence means the definition is complete
-fi
 stamp "corpus: $HOURS h on $WORKERS processes"
-$PY -m livespeech.training.corpus build --out "$W/corpus" --hours "$HOURS" --workers "$WORKERS" --no-progress \
+$PY -m livespeech.training.corpus build --out "$W/corpus" ${DEF:+--definition "$DEF"} --hours "$HOURS" \
+  --workers "$WORKERS" --no-progress \
   > "$W/corpus.log" 2>&1
 tail -n 12 "$W/corpus.log"
 

@@ -542,6 +542,58 @@ def test_cli_parallel_build(tmp_path, capsys):
     assert "seed: corpus has 0, asked for 3" in capsys.readouterr().err
 
 
+@needs_espeak
+def test_a_corpus_built_from_a_saved_definition_has_its_sentences_splits_and_voices(tmp_path, capsys):
+    import gzip
+    import shutil
+
+    from livespeech.training.corpus.cli import main
+
+    first = str(tmp_path / "first")
+    build(first, hours=1.0, config=_config(tmp_path), max_utterances=6, progress=False, log=lambda *a: None)
+    definition = tmp_path / "definition"  # what training/corpus/definition holds: the pool gzipped
+    definition.mkdir()
+    for name in ("config.json", "voices.json"):
+        shutil.copy(os.path.join(first, name), definition / name)
+    with open(os.path.join(first, "sentences.jsonl"), "rb") as f, gzip.open(definition / "sentences.jsonl.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    second = str(tmp_path / "second")
+    args = ["build", "--hours", "1", "--max-utterances", "6", "--no-progress", "--definition", str(definition)]
+    assert main(args + ["--out", second]) == 0
+    key = lambda r: (r["id"], r["text"], r["voice"], r["split"])  # noqa: E731
+    assert sorted(map(key, _check_corpus(second))) == sorted(map(key, read_jsonl(os.path.join(first, "manifest.jsonl"))))
+    assert main(args + ["--out", second, "--max-utterances", "7"]) == 0  # resuming: the same definition
+    assert len(_check_corpus(second)) == 7
+    other = str(tmp_path / "other")  # started from another pool: refused, left as it was
+    f = tmp_path / "other.txt"
+    f.write_text(SENTENCES + "\nThis sentence is only in the other pool.\n")
+    build(other, hours=1.0, config=_config(tmp_path, sentence_file=str(f)), max_utterances=1, progress=False,
+          log=lambda *a: None)
+    capsys.readouterr()
+    assert main(args + ["--out", other]) == 2
+    assert "another sentence pool" in capsys.readouterr().err
+    assert len(read_jsonl(os.path.join(other, "manifest.jsonl"))) == 1
+
+
+def test_the_repositorys_corpus_definition_is_whole():
+    """training/corpus/definition: the pool the evaluation's test split comes from
+    (docs/eval.md) matches the fingerprint its config.json was made with."""
+    import gzip
+
+    from livespeech.training.corpus.sentences import pool_fingerprint
+
+    root = os.path.join(os.path.dirname(__file__), "..", "training", "corpus", "definition")
+    with open(os.path.join(root, "config.json")) as f:
+        cfg = json.load(f)
+    with gzip.open(os.path.join(root, "sentences.jsonl.gz"), "rt") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["index"] for r in rows] == list(range(cfg["n_sentences"]))
+    assert pool_fingerprint([Sentence(r["text"], r["source"]) for r in rows]) == cfg["pool_fingerprint"]
+    assert {r["split"] for r in rows} == {"train", "dev", "test"}
+    with open(os.path.join(root, "voices.json")) as f:
+        assert json.load(f)["voices"]
+
+
 def _one_engine_corpus(out: str, tmp_path, engine: str, n: int) -> tuple[list[dict], dict]:
     """A corpus of ``n`` utterances of one synthesiser, through the common checks:
     (manifest records, voices.json)."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pack what scripts/train_gpu.sh needs on a CUDA machine that reaches no network, into one
 # folder to copy there (default .dev/, ~40 MB): eSpeak NG (library, English data, and a
-# stand-in libpcaudio), Flite (its two Debian packages), the corpus definition, Whisper's
+# stand-in libpcaudio), Flite (its two Debian packages), Whisper's
 # BPE ranks, mamba-ssm's sdist, the wheels loadtest.sh needs (~11 MB); with LEAN=1 only
 # what training needs (scripts/offline_gpu/next_run.sh: ~8 MB).
 # Run from the repository root on a Debian/Ubuntu machine with the corpus packages
@@ -10,14 +10,7 @@
 set -euo pipefail
 D=${1:-.dev}
 PY=${PY:-.venv/bin/python}
-mkdir -p "$D/espeak/lib" "$D/def"
-# the corpus definition (sentence pool, splits, voices): a tiny corpus build writes it
-# (ENGINES: the synthesisers' shares; an existing data/corpus keeps its own)
-[ -e data/corpus/config.json ] || $PY -m livespeech.training.corpus build --out data/corpus --hours 0.01 --no-progress \
-  --engines "${ENGINES:-espeak=0.8,flite=0.2}"
-cp data/corpus/config.json data/corpus/sentences.jsonl data/corpus/voices.json "$D/def/"
-# next_run.sh reads the pool gzipped (12 -> 2.6 MB of the call's 64 MiB)
-[ "${LEAN:-0}" = 1 ] && gzip -nf "$D/def/sentences.jsonl"
+mkdir -p "$D/espeak/lib"
 tmp=$(mktemp -d)
 (cd "$tmp" && apt-get download libespeak-ng1 espeak-ng-data libsonic0 >/dev/null)
 for f in "$tmp"/*.deb; do dpkg -x "$f" "$tmp/x"; done

@@ -40,7 +40,7 @@ export_parts() {  # $1 decoder checkpoint -> exported, then brought back
 pipeline() {  # train_gpu.sh in its own session (its pid is its process group's); its decoder waits for the mamba-ssm build
   setsid nohup env CODEC=/root/codec.pt DECODER_MIN=${DECODER_MIN:-18} HOURS=${HOURS:-40} MAMBA_SITE=$SITE \
     CODEC_FT_MIN=${CODEC_FT_MIN:-0} \
-    bash scripts/train_gpu.sh $W .dev/def >> $W/pipeline.log 2>&1 < /dev/null &
+    bash scripts/train_gpu.sh $W training/corpus/definition >> $W/pipeline.log 2>&1 < /dev/null &
   echo $! > $W/pipeline.pid
 }
 running() { kill -0 "$(cat $W/pipeline.pid 2>/dev/null)" 2>/dev/null; }

@@ -19,9 +19,11 @@ therefore loses only the utterances being synthesised at that moment.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import gzip
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -140,6 +142,31 @@ class Corpus:
     def jobs(self):
         return plan(self.pool, self.splits, self.voices, self.config.seed, self.config.weights,
                     self.config.heldout_eval_share, self.config.engines)
+
+
+def seed_definition(out: str, definition: str) -> None:
+    """Start ``out`` from a saved corpus definition (``definition`` holds config.json,
+    voices.json and sentences.jsonl or sentences.jsonl.gz), so that the same sentences,
+    splits and voices are built on any machine: a pool extracted from Debian's packages
+    changes with their versions. A corpus already started must have been started from
+    this definition."""
+    with open(os.path.join(definition, "config.json")) as f:
+        cfg = json.load(f)
+    cfg_path = os.path.join(out, "config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            have = json.load(f).get("pool_fingerprint")
+        if have != cfg.get("pool_fingerprint"):
+            raise ConfigMismatch(f"{out} was started from another sentence pool ({have}) than "
+                                 f"{definition} ({cfg.get('pool_fingerprint')}); use a new --out")
+        return
+    os.makedirs(out, exist_ok=True)
+    src = os.path.join(definition, "sentences.jsonl")
+    opener = (gzip.open, src + ".gz") if not os.path.exists(src) else (open, src)
+    with opener[0](opener[1], "rt") as f, open(os.path.join(out, "sentences.jsonl"), "w") as g:
+        shutil.copyfileobj(f, g)
+    shutil.copyfile(os.path.join(definition, "voices.json"), os.path.join(out, "voices.json"))
+    _write_json(cfg_path, cfg)  # written last: its presence means the definition is complete
 
 
 def prepare(out: str, config: CorpusConfig, log=_log) -> Corpus:

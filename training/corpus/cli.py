@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from .build import ConfigMismatch, CorpusConfig, build, format_summary, summarize
+from .build import ConfigMismatch, CorpusConfig, build, format_summary, seed_definition, summarize
 
 
 def _csv(s: str | None) -> list[str] | None:
@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--skip-train-before", type=int, default=0, metavar="INDEX",
                    help="leave out the training utterances below this index (u%%08d ids): fresh sentences for "
                         "a model continued from one trained on an earlier corpus; dev and test are unchanged")
+    b.add_argument("--definition", metavar="DIR",
+                   help="start from this saved definition (config.json, voices.json, sentences.jsonl[.gz]): "
+                        "the same sentences, splits and voices on any machine; the repository's is "
+                        "training/corpus/definition")
     g = b.add_argument_group("corpus definition (fixed when the directory is created; a resume "
                              "takes the corpus's own, and refuses values that disagree)",
                              argument_default=argparse.SUPPRESS)
@@ -127,10 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.cmd == "build":
         try:
+            if a.definition:
+                seed_definition(a.out, a.definition)
             config = _config(a, _saved_definition(a.out))
-        except ValueError as e:
+        except (ValueError, ConfigMismatch) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except OSError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         try:
             summary = build(a.out, a.hours, config, workers=a.workers,
                             max_utterances=a.max_utterances, progress=not a.no_progress,
