@@ -630,6 +630,41 @@ def test_own_history_reads_back_the_models_own_sample_of_the_step_before(pipelin
     _resumes_exactly_and_trains_otherwise(root, corpus, codes, "--own-history", "0.5")
 
 
+def test_own_history_samples_with_the_top_k_and_temperatures_it_is_given(pipeline):
+    """own_history's OwnSampling: top-k 1 reads back the most likely code of the step before;
+    top-k 3 only codes among that step's three most likely; temperature 0 for codebook 1
+    alone makes codebook 1 greedy and leaves the others sampled; "session" is what a server
+    session samples by default."""
+    _, corpus, _, codes = pipeline
+    cfg, model, batch = _tiny_model_and_batch(corpus, codes)
+    b, k, s = batch.inputs.shape
+    fixed = [torch.zeros(b, s, model.vocab_sizes[0])] + [torch.randn(b, s, cfg.codebook_size,
+                                                                     generator=torch.Generator().manual_seed(j))
+                                                         for j in range(k - 1)]
+    model.forward = lambda *_args: fixed
+    best = torch.stack([lg.argmax(-1) for lg in fixed[1:]], 1)[:, :, :-1]  # what step t reads back: t - 1's
+    top3 = torch.stack([lg.topk(3, -1).indices for lg in fixed[1:]], 1)[:, :, :-1]
+    real = batch.inputs[:, 1:, 1:] != torch.tensor(model.none_ids()[1:]).view(1, -1, 1)
+    assert real.sum() > 100
+
+    def read_back(sampling):
+        return train.own_history(model, batch, batch.text_valid, 1.0, torch.Generator().manual_seed(0), 1,
+                                 sampling)[:, 1:, 1:]
+
+    assert torch.equal(read_back(train.OwnSampling(top_k=1))[real], best[real])
+    out = read_back(train.OwnSampling(top_k=3))
+    assert (out.unsqueeze(-1) == top3).any(-1)[real].all()
+    assert not torch.equal(out[real], best[real])
+    out = read_back(train.OwnSampling(first_codebook_temperature=0.0))
+    assert torch.equal(out[:, 0][real[:, 0]], best[:, 0][real[:, 0]])
+    assert (out[:, 1:] != best[:, 1:])[real[:, 1:]].float().mean() > 0.5
+    from livespeech.api.session import SessionConfig
+
+    c = SessionConfig()
+    assert train.OwnSampling.named("session") == (c.top_k, c.first_codebook_temperature, c.acoustic_temperature)
+    assert train.OwnSampling.named("full") == train.OwnSampling()
+
+
 def test_own_history_passes_compound_the_models_errors_step_by_step(pipeline):
     """own_history with passes: each pass reads back every step's sample of the pass before,
     so a model that adds 1 to the code it reads back shows, after k passes, the truth of k

@@ -24,11 +24,12 @@ import os
 import random
 import sys
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
+from livespeech.api.session import SessionConfig
 from livespeech.models.attention import streaming_dropout_mask
 from livespeech.models.config import ModelConfig, preset
 from livespeech.models.derived import cpu_has_bf16_dot
@@ -136,11 +137,43 @@ def _with_acoustic_history(inputs: torch.Tensor, hit: torch.Tensor, codes: torch
     return out
 
 
+class OwnSampling(NamedTuple):
+    """How `own_history` samples the model's codes: top-k of each codebook (0: all codes)
+    and softmax temperatures for codebook 1 and codebooks 2..Q (0: greedy)."""
+    top_k: int = 0
+    first_codebook_temperature: float = 1.0
+    acoustic_temperature: float = 1.0
+
+    @classmethod
+    def named(cls, name: str) -> "OwnSampling":
+        """"full": the model's whole distribution; "session": what a server session samples
+        by default (SessionConfig's top_k and temperatures)."""
+        if name == "full":
+            return cls()
+        if name == "session":
+            c = SessionConfig()
+            return cls(c.top_k, c.first_codebook_temperature, c.acoustic_temperature)
+        raise ValueError(f"unknown own sampling {name!r} (full or session)")
+
+
+def _sample_codes(lg: torch.Tensor, u: torch.Tensor, top_k: int, temperature: float) -> torch.Tensor:
+    """[B, S, V] logits -> [B, S] codes by inverse CDF at the uniforms u [B, S], after the
+    temperature and top-k (temperature 0: the most likely code)."""
+    lg = lg.float()
+    if temperature == 0:
+        return lg.argmax(-1)
+    lg = lg / temperature
+    if 0 < top_k < lg.shape[-1]:
+        lg = lg.masked_fill(lg < lg.topk(top_k, -1).values[..., -1:], float("-inf"))
+    cdf = lg.softmax(-1).cumsum(-1)
+    return (cdf < u[..., None] * cdf[..., -1:]).sum(-1).clamp_max(lg.shape[-1] - 1)
+
+
 def own_history(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, p: float,
-                gen: torch.Generator, passes: int = 1) -> torch.Tensor:
+                gen: torch.Generator, passes: int = 1, sampling: OwnSampling = OwnSampling()) -> torch.Tensor:
     """`batch.inputs` with the acoustic codes read back at a share `p` of the steps (all
     acoustic codebooks of the step) replaced by the model's own samples: a pass without
-    gradients samples every step's codes (temperature 1), and a chosen step reads back what
+    gradients samples every step's codes (as `sampling` says), and a chosen step reads back what
     was sampled for the step before it instead of the truth (parallel scheduled sampling,
     Duckworth et al. 2019). The first pass is teacher-forced; each further pass reads back
     every step's sample of the pass before, so after `passes` passes a step's sample follows
@@ -159,10 +192,8 @@ def own_history(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, p: fl
         for i in range(passes):
             u = torch.rand(b, k - 1, s, generator=gen).to(inputs.device)
             logits = model(history, enroll, batch.text_ids, batch.text_pos, text_mask)
-            sampled = []
-            for j, lg in enumerate(logits[1:]):  # inverse CDF, [B, S, V] -> [B, S]
-                cdf = lg.float().softmax(-1).cumsum(-1)
-                sampled.append((cdf < u[:, j, :, None] * cdf[..., -1:]).sum(-1).clamp_max(lg.shape[-1] - 1))
+            sampled = [_sample_codes(lg, u[:, j], sampling.top_k, sampling.first_codebook_temperature if j == 0
+                                     else sampling.acoustic_temperature) for j, lg in enumerate(logits[1:])]
             read_back = torch.cat((inputs[:, 1:, :1], torch.stack(sampled, 1)[:, :, :-1]), 2)
             history = _with_acoustic_history(inputs, hit if i == passes - 1 else torch.ones_like(hit), read_back,
                                              model.none_ids())
@@ -450,6 +481,9 @@ def main(argv=None) -> int:
                    help="passes without gradients behind --own-history: each further pass reads back every step's "
                         "sample of the pass before, so the history holds errors compounded over that many steps "
                         "(own_history; each pass costs about a third of a training step)")
+    p.add_argument("--own-sampling", choices=("full", "session"), default="full",
+                   help="how --own-history samples: the model's whole distribution (full), or as a server session "
+                        "does by default (session: SessionConfig's top-k and codebook temperatures)")
     p.add_argument("--letters", choices=("even", "phones"), default="phones",
                    help="grapheme targets: a word's letters over its phones with pauses as SPACE, where the corpus "
                         "has phone timelines (phones), or the manifest's even split (even)")
@@ -621,7 +655,8 @@ def main(argv=None) -> int:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             if a.own_history > 0:  # seeded by the step, as the history noise
                 own_gen = torch.Generator().manual_seed(a.seed * 1_000_033 + step)
-                batch.inputs = own_history(model, batch, mask, a.own_history, own_gen, a.own_passes)
+                batch.inputs = own_history(model, batch, mask, a.own_history, own_gen, a.own_passes,
+                                           OwnSampling.named(a.own_sampling))
             total, losses, accs, reading = forward_loss(model, batch, mask, w, a.read_heads if a.read_weight > 0 else 0)
             if reading is not None:
                 total = total + a.read_weight * reading[0]

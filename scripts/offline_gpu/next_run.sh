@@ -25,7 +25,8 @@
 # train side by side: by default the recipe, and the recipe with its own samples compounded
 # over OWN_PASSES passes as half of the history (decoder_own: --own-history OWN_HISTORY,
 # 0.5, --own-passes OWN_PASSES, 4; on the CPU it held the phone through its own history and
-# lowered online CER against its control, docs/eval.md); decoder_bf16 the recipe under
+# lowered online CER against its control, docs/eval.md); decoder_own_session samples those
+# passes as a server session does (--own-sampling session); decoder_bf16 the recipe under
 # bfloat16 autocast (its steps against the recipe's measure what bf16 buys); decoder_phone adds
 # the auxiliary phone loss (--phone-weight PHONE_WEIGHT, 1), the _noise variants
 # --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1).
@@ -58,6 +59,7 @@ candidate_args() {
     decoder_read) echo --read-weight "${READ_WEIGHT:-1}" ;;
     decoder_phone_read) echo --phone-weight "${PHONE_WEIGHT:-1}" --read-weight "${READ_WEIGHT:-1}" ;;
     decoder_own) echo --own-history "${OWN_HISTORY:-0.5}" --own-passes "${OWN_PASSES:-4}" ;;
+    decoder_own_session) echo --own-history "${OWN_HISTORY:-0.5}" --own-passes "${OWN_PASSES:-4}" --own-sampling session ;;
     decoder_bf16) echo --autocast bf16 ;;
     *) echo "unknown candidate $1" >&2; return 2 ;;
   esac
