@@ -6,8 +6,9 @@
 # the call (device tool run: carry [".dev"], timeout_s 600, any kind):
 #   set -o pipefail; export OUT; HOURS=30 bash scripts/offline_gpu/next_run.sh 530 2>&1 | tee $OUT/run.log
 # after it: scripts/offline_gpu/slim.sh restore. The command is idempotent: after a failed
-# start, run it again as it is. Every stage first re-synthesises the corpus from the repository's definition
-# (training/corpus/definition, with phone timelines), HOURS hours on all cores.
+# start, run it again as it is. Every stage first re-synthesises the corpus from the
+# repository's definition (training/corpus/definition, with phone timelines), HOURS hours
+# on all cores.
 #
 # Stage "codec" (no STAGE file): train the codec with the phone classifier on its first
 # level (training/codec_train.py --phone-weight) for what is left of SECONDS, twice side
@@ -80,7 +81,8 @@ for f in .dev/flite_*.deb .dev/libflite1_*.deb .dev/libasound2_*.deb; do dpkg -x
 SKIP=0; [ "$STAGE" = decoder ] && [ -e $NEXT/decoder.pt ] && SKIP=$(cat $NEXT/TRAINED_BEFORE 2>/dev/null || echo 0)
 stamp "corpus: ${HOURS:-20} h, training utterances from index $SKIP"
 $PY -m livespeech.training.corpus build --out $W/corpus --definition training/corpus/definition \
-  --hours "${HOURS:-20}" --workers "$(nproc)" --no-progress --skip-train-before "$SKIP" > $W/corpus.log 2>&1 || { tail -20 $W/corpus.log; exit 1; }
+  --hours "${HOURS:-20}" --workers "$(nproc)" --no-progress --skip-train-before "$SKIP" > $W/corpus.log 2>&1 \
+  || { tail -20 $W/corpus.log; exit 1; }
 tail -n 4 $W/corpus.log
 # what to commit as $NEXT/TRAINED_BEFORE with this run's decoder
 $PY -c "

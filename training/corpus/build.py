@@ -161,9 +161,10 @@ def seed_definition(out: str, definition: str) -> None:
                                  f"{definition} ({cfg.get('pool_fingerprint')}); use a new --out")
         return
     os.makedirs(out, exist_ok=True)
-    src = os.path.join(definition, "sentences.jsonl")
-    opener = (gzip.open, src + ".gz") if not os.path.exists(src) else (open, src)
-    with opener[0](opener[1], "rt") as f, open(os.path.join(out, "sentences.jsonl"), "w") as g:
+    plain = os.path.join(definition, "sentences.jsonl")
+    gzipped = not os.path.exists(plain)
+    with (gzip.open if gzipped else open)(plain + ".gz" if gzipped else plain, "rt") as f, \
+            open(os.path.join(out, "sentences.jsonl"), "w") as g:
         shutil.copyfileobj(f, g)
     shutil.copyfile(os.path.join(definition, "voices.json"), os.path.join(out, "voices.json"))
     _write_json(cfg_path, cfg)  # written last: its presence means the definition is complete
