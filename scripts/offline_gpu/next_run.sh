@@ -27,7 +27,7 @@
 # over OWN_PASSES passes as half of the history (decoder_own: --own-history OWN_HISTORY,
 # 0.5, --own-passes OWN_PASSES, 4; on the CPU it held the phone through its own history and
 # lowered online CER against its control, docs/eval.md); decoder_own_session samples those
-# passes as a server session does (--own-sampling session); decoder_bf16 the recipe under
+# passes as a server session does (--own-sampling session; no better on the CPU); decoder_bf16 the recipe under
 # bfloat16 autocast (its steps against the recipe's measure what bf16 buys); decoder_phone adds
 # the auxiliary phone loss (--phone-weight PHONE_WEIGHT, 1), the _noise variants
 # --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1).
