@@ -33,6 +33,7 @@ from livespeech.api.session import SessionConfig
 from livespeech.models.attention import streaming_dropout_mask
 from livespeech.models.config import ModelConfig, preset
 from livespeech.models.derived import cpu_has_bf16_dot
+from livespeech.models.guidance import _sample_rows
 from livespeech.models.livespeech import CodebookLossWeights, LiveSpeech2, codebook_losses
 
 from .dataset import Batch, DecoderData, collate
@@ -163,8 +164,10 @@ def _sample_codes(lg: torch.Tensor, u: torch.Tensor, top_k: int, temperature: fl
     if temperature == 0:
         return lg.argmax(-1)
     lg = lg / temperature
-    if 0 < top_k < lg.shape[-1]:
-        lg = lg.masked_fill(lg < lg.topk(top_k, -1).values[..., -1:], float("-inf"))
+    if 0 < top_k < lg.shape[-1]:  # the server's top-k sampler (models/guidance.py)
+        rows = lg.reshape(-1, lg.shape[-1])
+        k = torch.full((rows.shape[0],), top_k, dtype=torch.long, device=rows.device)
+        return _sample_rows(rows, k, top_k, u.reshape(-1)).view(u.shape)
     cdf = lg.softmax(-1).cumsum(-1)
     return (cdf < u[..., None] * cdf[..., -1:]).sum(-1).clamp_max(lg.shape[-1] - 1)
 
