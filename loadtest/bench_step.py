@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--cuda-graphs", action="store_true", help="the model step replayed from a CUDA graph")
     ap.add_argument("--eager-step", action="store_true", help="the eager model step on the CPU (default: frozen graph)")
+    ap.add_argument("--device-guidance", action="store_true",
+                    help="every slot's guidance as tensors on the device (ServerConfig.device_guidance)")
     add_bf16_argument(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -49,16 +51,18 @@ def main(argv=None) -> int:
 
     bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
     out = {"preset": args.preset, "threads": args.threads, "device": args.device,
-           "cuda_graphs": args.cuda_graphs, "frozen_step": None, "rows": [],
+           "cuda_graphs": args.cuda_graphs, "device_guidance": args.device_guidance, "frozen_step": None, "rows": [],
            "bf16_matmuls": bf16_matmuls_enabled(args.bf16_matmuls, args.device)}
     for b in args.batch:
         runner = ModelRunner(bundle, b, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
-                             bf16_matmuls=out["bf16_matmuls"])
+                             bf16_matmuls=out["bf16_matmuls"], device_guidance=args.device_guidance)
         out["frozen_step"] = runner.frozen
         voice = runner.make_voice("v", noise_reference(), 24000)
         slots = list(range(b))
+        guides = []
         for s in slots:
-            runner.admit(s, voice, seed=s)
+            text = GuidanceState(graphemes.text_to_ids("hello world this is a test " * 40))
+            guides.append(runner.admit(s, voice, seed=s, guidance=text))
             runner.add_chunk(s, list(range(100, 112)), 0, 0)
         st = runner.state
         with torch.inference_mode():
@@ -70,9 +74,6 @@ def main(argv=None) -> int:
                 else:
                     runner.model_step(view.inputs, view.step, view, mask)
             t_model = bench(model_only, args.steps)
-            guides = [GuidanceState() for _ in slots]
-            for g in guides:
-                g.extend_transcript(graphemes.text_to_ids("hello world this is a test"))
             def full_step():
                 runner.step(slots, [(0, 0)] * b, guides, [1.0] * b, [20] * b, [False] * b)
             t_full = bench(full_step, args.steps)

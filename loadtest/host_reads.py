@@ -60,7 +60,7 @@ class HostReads(TorchFunctionMode):
 
 
 def engine_step_reads(bundle: Any, batch: int, steps: int = 40, warmup: int = 10, guidance_lambda: float = 1.0,
-                      text_chars: int = 300, timeout_s: float = 600.0) -> dict:
+                      text_chars: int = 300, timeout_s: float = 600.0, device_guidance: bool = False) -> dict:
     """Host reads of `steps` engine steps at the full `batch` (after `warmup` steps): per
     step outside the codec (`step`), and the codec's (`codec`, when a packet was decoded
     on the engine thread), with the sites they come from."""
@@ -68,7 +68,8 @@ def engine_step_reads(bundle: Any, batch: int, steps: int = 40, warmup: int = 10
     from livespeech.loadtest.profile_step import TEXT, noise_reference
     from livespeech.server.engine import Engine, EngineConfig
 
-    engine = Engine(bundle, EngineConfig(max_sessions=batch, max_lead_s=1e6, max_session_s=3600.0))
+    engine = Engine(bundle, EngineConfig(max_sessions=batch, max_lead_s=1e6, max_session_s=3600.0,
+                                         device_guidance=device_guidance))
     voice = engine.make_voice("reads", noise_reference(), 24000)
     text = (TEXT * (text_chars // len(TEXT) + 1))[:text_chars]
     text = text[: text.rfind(" ")] + "."
@@ -134,11 +135,13 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--lambda", dest="guidance_lambda", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device-guidance", action="store_true", help="every slot's guidance as tensors on the device")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     bundle = load_bundle(a.model_path, device=a.device)
     for b in a.batch:
-        r = engine_step_reads(bundle, b, steps=a.steps, guidance_lambda=a.guidance_lambda)
+        r = engine_step_reads(bundle, b, steps=a.steps, guidance_lambda=a.guidance_lambda,
+                              device_guidance=a.device_guidance)
         dist = sorted(collections.Counter(r["step"]).items())
         lam = "inf" if math.isinf(a.guidance_lambda) else a.guidance_lambda
         print(f"batch {b} (lambda {lam}): {r['steps']} steps; host reads per step: "

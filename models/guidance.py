@@ -32,8 +32,10 @@ Batched (tensors; only the guiding sets are per-session Python)
 ``sample_graphemes(logits[B, G], states, lambdas, top_ks, generators) -> LongTensor[B]``
 ``sample_top_k(logits[B, V] or [B, K, V], top_ks, generators) -> LongTensor[B] / [B, K]``
 ``sample_step(g_logits, a_logits, states, lambdas, top_ks, generators, grapheme_top_ks,
-temperatures) -> (tokens[B, 1 + Q], bad[B])``  the runner's one call per decode step
-The engine calls ``state.observe(int(g))`` on each sampled grapheme itself.
+temperatures) -> (tokens[B, 1 + Q], bad[B])``  the runner's one call per decode step;
+``states`` may be ``GuidingSets``: the guiding sets and EOS bars of guidance kept on the
+device (`livespeech.models.guidance_batch.GuidanceBatch`, the same rules as tensors).
+The caller observes each sampled grapheme itself (``state.observe(int(g))``).
 
 Rules
 -----
@@ -101,7 +103,7 @@ import torch
 from .graphemes import BLANK, EOS, SPACE, VOCAB_SIZE
 from .scripted import scripted
 
-__all__ = ["GuidanceState", "Temperatures", "sample_graphemes", "sample_step", "sample_top_k"]
+__all__ = ["GuidanceState", "GuidingSets", "Temperatures", "sample_graphemes", "sample_step", "sample_top_k"]
 
 _INF = float("inf")
 
@@ -157,6 +159,12 @@ class GuidanceState:
     def transcript_length(self) -> int:
         """Length N of the collapsed transcript received so far."""
         return self._n
+
+    @property
+    def transcript(self) -> list[int]:
+        """The collapsed transcript received so far; once the band has moved far on, the
+        tokens from `transcript_length` - len(transcript) (the spoken past is dropped)."""
+        return list(self._toks)
 
     @property
     def stream_length(self) -> int:
@@ -438,32 +446,46 @@ _scripted_guided = scripted(_guided)
 _scripted_step_tokens = scripted(_step_tokens)
 
 
-def _guidance_inputs(states: Sequence[Optional[GuidanceState]], lambdas: Union[float, Sequence[float]],
-                     shape: tuple[int, int], device) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+class GuidingSets(NamedTuple):
+    """Guidance already on the device (`livespeech.models.guidance_batch.GuidanceBatch.guide`):
+    each row's guiding graphemes and whether EOS is barred."""
+    mask: torch.Tensor  # [B, G] bool
+    eos_barred: torch.Tensor  # [B] bool
+
+
+def _guidance_inputs(states: Union[Sequence[Optional[GuidanceState]], GuidingSets],
+                     lambdas: Union[float, Sequence[float]], shape: tuple[int, int],
+                     device) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(guide [B, G] bool, bonus [B], hard [B]) for `_guided`; None when no row is guided."""
     b, g = shape
-    if len(states) != b:
+    if not isinstance(states, GuidingSets) and len(states) != b:
         raise ValueError(f"expected {b} guidance states, got {len(states)}")
     lam = [float(lambdas)] * b if isinstance(lambdas, (int, float)) else [float(x) for x in lambdas]
     if len(lam) != b:
         raise ValueError(f"expected {b} lambdas, got {len(lam)}")
     if any(not x >= 0.0 for x in lam):
         raise ValueError("guidance lambda must be >= 0 (inf for hard guidance)")
-    rows: list[int] = []
-    cols: list[int] = []
-    for r, st in enumerate(states):
-        if st is None or lam[r] == 0.0:
-            continue
-        gs = st.guiding_set()
-        rows.extend([r] * len(gs))
-        cols.extend(gs)
-    if not rows:
+    if all(x == 0.0 for x in lam):
         return None
-    mask = torch.zeros(b, g, dtype=torch.bool)
-    mask[rows, cols] = True
+    if isinstance(states, GuidingSets):
+        mask = states.mask & torch.tensor([x != 0.0 for x in lam], device=device)[:, None]
+    else:
+        rows: list[int] = []
+        cols: list[int] = []
+        for r, st in enumerate(states):
+            if st is None or lam[r] == 0.0:
+                continue
+            gs = st.guiding_set()
+            rows.extend([r] * len(gs))
+            cols.extend(gs)
+        if not rows:
+            return None
+        mask = torch.zeros(b, g, dtype=torch.bool)
+        mask[rows, cols] = True
+        mask = mask.to(device)
     hard = [math.isinf(x) for x in lam]
     bonus = [0.0 if h else math.log1p(x) for x, h in zip(lam, hard)]
-    return mask.to(device), torch.tensor(bonus, device=device), torch.tensor(hard, device=device)
+    return mask, torch.tensor(bonus, device=device), torch.tensor(hard, device=device)
 
 
 def sample_top_k(logits: torch.Tensor, top_ks: IntsLike,
@@ -534,7 +556,7 @@ def _temperature_inputs(temperatures: Optional[Sequence[Sequence[float]]], b: in
             torch.tensor(greedy, dtype=torch.bool, device=device), scaled)
 
 
-def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Sequence[GuidanceState],
+def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Union[Sequence[GuidanceState], GuidingSets],
                 lambdas: Sequence[float], top_ks: Sequence[int],
                 generators: Sequence[Optional[torch.Generator]],
                 grapheme_top_ks: Optional[Sequence[int]] = None,
@@ -547,7 +569,8 @@ def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Sequence
     barred until a row's `speech_may_end` (its text complete and spoken). A row with
     non-finite logits is sampled from zeros so the batch goes on. g_logits [B, G],
     a_logits [B, Q, V] -> (tokens [B, 1 + Q] grapheme first, bad [B] bool: the rows
-    whose logits were not finite)."""
+    whose logits were not finite). states: each row's `GuidanceState`, or `GuidingSets`
+    of guidance kept on the device."""
     b, g = g_logits.shape
     q, v = a_logits.shape[1:]
     device = g_logits.device
@@ -558,7 +581,8 @@ def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Sequence
     k_g, kmax_g = _per_row_k(top_ks if grapheme_top_ks is None else grapheme_top_ks, b, g, device)
     k_a, kmax_a = _per_row_k(top_ks, b, v, device)
     inv_t, greedy, scaled = _temperature_inputs(temperatures, b, device)
-    barred = torch.tensor([not st.speech_may_end for st in states], device=device)
+    barred = (states.eos_barred if isinstance(states, GuidingSets)
+              else torch.tensor([not st.speech_may_end for st in states], device=device))
     u = _uniforms(generators, b, 1 + q, device)  # one draw per token, grapheme first
     return _scripted_step_tokens()(g_logits, a_logits, barred, *guide, k_g, kmax_g, k_a, kmax_a, u, EOS,
                                    inv_t, greedy, scaled)

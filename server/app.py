@@ -225,6 +225,7 @@ def engine_config(config: ServerConfig):
         frozen_step=config.frozen_step,
         codec_thread=config.codec_thread,
         bf16_matmuls=bf16_matmuls_enabled(config.bf16_matmuls, config.device),
+        device_guidance=config.device_guidance,
     )
 
 

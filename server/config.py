@@ -52,6 +52,11 @@ class ServerConfig:
     # with bfloat16 weights from 2 sessions a step: auto = where the CPU has bf16 dot
     # products (AVX512-BF16, AMX), on, off (server/runner.py; docs/loadtest.md)
     bf16_matmuls: str = "auto"
+    # every session's grapheme guidance as tensors on the model's device
+    # (models/guidance_batch.py: no per-session Python and no device read for it in a
+    # step); off by default: on the CPU it costs more than the per-session Python
+    # (docs/loadtest.md), on a GPU it is not measured yet
+    device_guidance: bool = False
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
     voices_dir: Optional[Path] = None  # None = voices kept in memory only
@@ -262,6 +267,8 @@ class EngineConfig:
     frozen_step: bool = ServerConfig.frozen_step
     # on the CPU, the step's widest matmuls in bfloat16 from 2 sessions (server/runner.py)
     bf16_matmuls: bool = False
+    # every session's guidance as tensors in the runner (server/runner.py, SlotGuidance)
+    device_guidance: bool = ServerConfig.device_guidance
     # on the CPU, packets after a session's first are decoded on a codec thread while the
     # next model step runs on the other core (their audio goes out a step later; a
     # session's first and last packets stay on the engine thread). On 2 cores it cut the

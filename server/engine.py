@@ -43,7 +43,9 @@ class Engine:
         self.bundle = bundle
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs,
-                                  frozen_step=config.frozen_step, bf16_matmuls=config.bf16_matmuls)
+                                  frozen_step=config.frozen_step, bf16_matmuls=config.bf16_matmuls,
+                                  device_guidance=config.device_guidance,
+                                  max_text_chars=config.max_session_text_chars)
         self.clock = StepClock()
         self.packets = PacketPolicy(self.clock, config.low_water_steps, self.runner.min_first_frames)
         self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,
@@ -226,7 +228,7 @@ class Engine:
         self.codec.settle({slot})  # the slot's codec state is reset below: no call may hold it
         s.slot = slot
         self._sessions[slot] = s
-        self.runner.admit(slot, s.voice, s.config.seed)
+        s.guidance = self.runner.admit(slot, s.voice, s.config.seed, s.guidance)
 
     # --- decoding --------------------------------------------------------------------------------
     def _step(self, batch: list[EngineSession]) -> None:
@@ -263,8 +265,7 @@ class Engine:
 
     def _after_step(self, s: EngineSession, r, now: float) -> Optional[PacketPlan]:
         """Book one step's result for a session; returns the packet to decode now, if any."""
-        s.guidance.observe(r.grapheme)
-        s.note_progress()
+        s.note_progress()  # the runner's step has observed the grapheme
         s.track_words(s.step_count)  # words are sent once their audio is (`EngineSession.send_words`)
         s.step_count += 1
         self.memory.replace(s)

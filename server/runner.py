@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ import torch
 from livespeech.models import graphemes
 from livespeech.models.derived import cpu_has_bf16_dot
 from livespeech.models.guidance import GuidanceState, Temperatures, sample_step
+from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
 from livespeech.models.inference import DecodeState, enrollment_kv
 from livespeech.models.loading import ModelBundle
 from livespeech.models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
@@ -51,6 +52,31 @@ class SlotStep:
     failed: bool = False  # non-finite logits: the session must end, the others go on
 
 
+class SlotGuidance:
+    """A session's guidance kept in the runner's `GuidanceBatch` (on the model's device):
+    what the server calls on a `GuidanceState`. The runner observes each step's grapheme
+    on the device and hands the progress back with the step's tokens."""
+
+    def __init__(self, batch: GuidanceBatch, slot: int) -> None:
+        self._batch, self._slot = batch, slot
+        self._complete = False
+        self.progress = 0
+
+    def extend_transcript(self, ids: Sequence[int]) -> None:
+        self._batch.extend({self._slot: ids})
+
+    @property
+    def input_complete(self) -> bool:
+        return self._complete
+
+    @input_complete.setter
+    def input_complete(self, value: bool) -> None:
+        if not value:
+            raise ValueError("the end of input cannot be taken back")
+        self._batch.end_input([self._slot])
+        self._complete = True
+
+
 @dataclass
 class Voice:
     voice_id: str
@@ -60,7 +86,7 @@ class Voice:
 
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
-                 bf16_matmuls: bool = False):
+                 bf16_matmuls: bool = False, device_guidance: bool = False, max_text_chars: int = 100_000):
         self.bundle = bundle
         self.model = bundle.model
         self.codec = bundle.codec
@@ -84,6 +110,10 @@ class ModelRunner:
             n_codebooks = self.model.cfg.n_acoustic_codebooks
             self.codec_step = frozen_or_eager(lambda: FrozenCodecStep(self.codec, n_codebooks), self.codec.decode_step)
         self.codec_state = self.codec.streaming_state(capacity)
+        # every slot's guidance as tensors on the device (models/guidance_batch.py): no
+        # per-session Python and no read of the device for it in a step
+        self.guidance = (GuidanceBatch(capacity, ring=ring_capacity(max_text_chars), device=self.device)
+                         if device_guidance else None)
         self.generators: list[torch.Generator] = [torch.Generator() for _ in range(capacity)]
         self._voice_lock = threading.Lock()
         self._warm_up()
@@ -116,10 +146,25 @@ class ModelRunner:
             return Voice(voice_id, enroll, enrollment_kv(self.model, enroll))
 
     # --- session slots --------------------------------------------------------------------
-    def admit(self, slot: int, voice: Voice, seed: Optional[int]) -> None:
+    def admit(self, slot: int, voice: Voice, seed: Optional[int],
+              guidance: Optional[GuidanceState] = None) -> Union[GuidanceState, SlotGuidance, None]:
+        """Start `slot` for a session; returns the guidance its steps take from now on: its
+        own `guidance`, or with device guidance the slot's, holding the same transcript
+        (which must not have observed a step yet)."""
         self.state.reset_slot(slot, voice.kv)
         self.codec_state.update([slot], self.codec.streaming_state(1))
         self.generators[slot].manual_seed(seed if seed is not None else int(torch.seed() % (2**63)))
+        if self.guidance is None:
+            return guidance
+        guidance = guidance if guidance is not None else GuidanceState()
+        if guidance.stream_length:
+            raise ValueError("a session's guidance moves to the device before its first step")
+        self.guidance.reset([slot])
+        on_device = SlotGuidance(self.guidance, slot)
+        on_device.extend_transcript(guidance.transcript)
+        if guidance.input_complete:
+            on_device.input_complete = True
+        return on_device
 
     def add_chunk(self, slot: int, token_ids: Sequence[int], tau: int, chunk: int) -> None:
         self.state.append_text(slot, token_ids, [tau + i for i in range(len(token_ids))], chunk)
@@ -139,7 +184,7 @@ class ModelRunner:
         self,
         slots: Sequence[int],
         windows: Sequence[tuple[int, int]],
-        guidance: Sequence[GuidanceState],
+        guidance: Sequence[Union[GuidanceState, SlotGuidance]],
         lambdas: Sequence[float],
         top_ks: Sequence[int],
         force_eos: Sequence[bool],
@@ -148,7 +193,8 @@ class ModelRunner:
     ) -> list[SlotStep]:
         """One step of `slots`. top_ks: the acoustic codes' k; grapheme_top_ks (None:
         top_ks) and temperatures (None: 1) as `livespeech.models.guidance.sample_step` takes them.
-        force_eos: the runaway guard's EOS, over whatever was sampled."""
+        force_eos: the runaway guard's EOS, over whatever was sampled. Each session's
+        guidance observes its grapheme (on the device with device guidance)."""
         self.state.rotate_windows(slots, windows)
         # the captured step reads the whole state itself: its view gathers no memory
         view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else ())
@@ -163,17 +209,29 @@ class ModelRunner:
             visible = mask[:, : self.state.visible_length(slots, lo, hi)]
             logits = self.model_step(view.inputs, view.step, view, visible, dtype)
         gens = [self.generators[s] for s in slots]
+        on_device = self.guidance is not None
+        idx = torch.tensor(slots, device=self.device) if on_device else None
+        sets = self.guidance.guide(idx, logits.graphemes.shape[-1]) if on_device else guidance
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
-        tokens, bad = sample_step(logits.graphemes, logits.acoustic, guidance, lambdas, top_ks, gens,
+        tokens, bad = sample_step(logits.graphemes, logits.acoustic, sets, lambdas, top_ks, gens,
                                   grapheme_top_ks, temperatures)
         if any(force_eos):
             tokens[:, 0] = tokens[:, 0].masked_fill(torch.tensor(force_eos, device=tokens.device), graphemes.EOS)
         res = self.state.commit(view, tokens)
         self.state.write_back(view)
+        cols = [tokens[:, :1], res.frame_index[:, None], res.has_frame[:, None], res.done[:, None], bad[:, None]]
+        if on_device:
+            self.guidance.observe(idx, tokens[:, 0])
+            cols.append(self.guidance.progress[idx][:, None])
         # one conversion to Python for the whole batch
-        rows = torch.cat((tokens[:, :1], res.frame_index[:, None], res.has_frame[:, None], res.done[:, None],
-                          bad[:, None], res.frames[:, 1:]), 1).tolist()
-        return [SlotStep(r[0], r[5:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
+        rows = torch.cat((*cols, res.frames[:, 1:]), 1).tolist()
+        head = len(cols)
+        for g, r in zip(guidance, rows):
+            if on_device:
+                g.progress = r[head - 1]
+            else:
+                g.observe(r[0])
+        return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
 
     # --- codec ------------------------------------------------------------------------------
     @torch.inference_mode()

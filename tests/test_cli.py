@@ -199,3 +199,10 @@ def test_bf16_matmuls_auto_follows_the_cpu_and_reaches_the_engine(monkeypatch) -
         ServerConfig.from_args(["--bf16-matmuls", "yes"], env={})
     with pytest.raises(ConfigError, match="bf16_matmuls on applies to the cpu"):
         ServerConfig.from_args(["--bf16-matmuls", "on", "--device", "cuda"], env={})
+
+
+def test_device_guidance_reaches_the_engine() -> None:
+    from livespeech.server.app import engine_config
+    assert not engine_config(ServerConfig.from_args(["--device", "cuda"], env={})).device_guidance
+    assert engine_config(ServerConfig.from_args(["--device-guidance", "true"], env={})).device_guidance
+    assert engine_config(ServerConfig.from_args([], env={"LIVESPEECH_DEVICE_GUIDANCE": "true"})).device_guidance

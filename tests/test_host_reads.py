@@ -27,8 +27,10 @@ def test_the_counter_counts_what_hands_data_to_python() -> None:
     assert reads.total == 4 and sum(reads.sites.values()) == 4
 
 
-@pytest.mark.parametrize("batch, guidance_lambda", [(1, 1.0), (32, 1.0), (32, math.inf)])
-def test_an_engine_step_reads_the_device_once(batch: int, guidance_lambda: float) -> None:
-    r = engine_step_reads(random_bundle(), batch, steps=25, warmup=5, guidance_lambda=guidance_lambda)
+@pytest.mark.parametrize("batch, guidance_lambda, device_guidance",
+                         [(1, 1.0, False), (32, 1.0, False), (32, math.inf, False), (1, 1.0, True), (32, 1.0, True)])
+def test_an_engine_step_reads_the_device_once(batch: int, guidance_lambda: float, device_guidance: bool) -> None:
+    r = engine_step_reads(random_bundle(), batch, steps=25, warmup=5, guidance_lambda=guidance_lambda,
+                          device_guidance=device_guidance)
     assert r["steps"] == 25
     assert r["step"] == [1] * 25, r["sites_per_step"]
