@@ -31,6 +31,7 @@ import torch
 
 from .graphemes import BLANK, EOS, SPACE, VOCAB_SIZE
 from .guidance import GuidingSets
+from .scripted import scripted
 
 __all__ = ["GuidanceBatch", "ring_capacity"]
 
@@ -45,6 +46,33 @@ def ring_capacity(max_text_chars: int, band: int = 32) -> int:
     collapsed graphemes are no more) and the band."""
     need = max(int(max_text_chars), 1) + band + 2
     return 1 << (need - 1).bit_length()
+
+
+def _grow_columns(row: torch.Tensor, width: torch.Tensor, hist_sym: torch.Tensor, hist_val: torch.Tensor,
+                  ahead: torch.Tensor, count: torch.Tensor, cols: torch.Tensor,
+                  inf: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` [S] columns (0 to band) entering each band on the right: column hi + 1 + k
+    (its transcript token ahead[:, k]) over the stored stream rows, oldest first, from the
+    rows' values at the edge column (hist_val). Returns (row, hist_val) with them added;
+    inf: `INF` (TorchScript reads no globals)."""
+    band = cols.shape[0] - 1
+    cost = (hist_sym[:, None, :] != ahead[:, :, None]).long()  # [S, band, R]
+    above = torch.full_like(hist_val[:, :1], inf)  # over the oldest stored row
+    val = hist_val
+    edge: list[torch.Tensor] = []
+    for k in range(band):  # a band holds 1 to band + 1 columns
+        diag = torch.cat((above, val[:, :-1]), 1) + cost[:, k]
+        v = torch.cummin(torch.minimum(val + 1, diag) - cols, 1).values + cols
+        val = torch.where((count > k)[:, None], v, val)
+        edge.append(val[:, -1])
+    entering = torch.stack(edge, 1)  # [S, band]: the newest row's value at column hi + 1 + k
+    k = cols[None, :] - width[:, None]
+    new = entering.gather(1, k.clamp(0, band - 1))
+    row = torch.where((k >= 0) & (k < count[:, None]), new, row)
+    return row.clamp_max(inf), val.clamp_max(inf)
+
+
+_scripted_grow = scripted(_grow_columns)
 
 
 class GuidanceBatch:
@@ -204,19 +232,12 @@ class GuidanceBatch:
 
     def _grow(self, rows: torch.Tensor) -> None:
         """Columns up to min(N, lo + band) for `rows`, computed over the stored stream rows."""
-        top = torch.minimum(self.n, self.lo + self.band)
-        inf = torch.full_like(self.hist_val[:, :1], INF)
-        for _ in range(self.band):  # a band holds 1 to band + 1 columns
-            j = self.lo + self.width  # the entering column
-            go = rows & (j <= top)
-            t = self._tokens_at(self._all[:, None], j[:, None] - 1)
-            left = self.hist_val
-            diag = torch.cat((inf, left[:, :-1]), 1) + (self.hist_sym != t).long()
-            v = self._min_plus_distance(torch.minimum(left + 1, diag))
-            self.hist_val = torch.where(go[:, None], v, left)
-            at = self.width.clamp_max(self.band)[:, None]
-            self.row = self.row.scatter(1, at, torch.where(go[:, None], v[:, -1:], self.row.gather(1, at)))
-            self.width = self.width + go.long()
+        hi = self.lo + self.width - 1
+        count = torch.where(rows, (torch.minimum(self.n, self.lo + self.band) - hi).clamp_min(0), 0)
+        ahead = self._tokens_at(self._all[:, None], hi[:, None] + self._cols[:-1])  # column hi + 1 + k's token
+        self.row, self.hist_val = _scripted_grow()(self.row, self.width, self.hist_sym, self.hist_val, ahead, count,
+                                                   self._cols, INF)
+        self.width = self.width + count
 
     def _find_best(self, rows: torch.Tensor) -> None:
         """Best prefixes (least CER, ties all), progress and anchor for `rows`."""
