@@ -37,6 +37,9 @@ __all__ = ["GuidanceBatch", "ring_capacity"]
 
 INF = 1 << 40  # larger than any edit distance; sums with it stay far from overflow
 _NONE = -1  # the symbol of stream row 0 and of rows not yet observed
+# the per-slot tensors a call may replace (`GuidanceBatch._in_place` keeps them in place)
+_STATE = ("row", "hist_sym", "hist_val", "best", "lo", "width", "n", "m", "last_frame", "progress", "anchor",
+          "best_min", "best_ed")
 if VOCAB_SIZE > 256:
     raise ImportError("grapheme ids must fit the transcript ring's uint8")
 
@@ -100,6 +103,9 @@ class GuidanceBatch:
         self.lo, self.width, self.n, self.m = z(), z(), z(), z()
         self.last_frame, self.progress, self.anchor, self.best_min, self.best_ed = z(), z(), z(), z(), z()
         self.complete = torch.zeros(s, dtype=torch.bool, device=dev)
+        self._active = torch.zeros(s, dtype=torch.bool, device=dev)  # `observe`'s inputs
+        self._frame = torch.zeros(s, dtype=torch.long, device=dev)
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._host_n = [0] * s
         self._host_last: list[Optional[int]] = [None] * s
         self.reset(range(s))
@@ -164,7 +170,8 @@ class GuidanceBatch:
         touched = sorted(set(slots))
         self.n[torch.tensor(touched, dtype=torch.long, device=dev)] = torch.tensor(
             [self._host_n[s] for s in touched], dtype=torch.long, device=dev)
-        self._recenter(self._mask(touched))
+        rows = self._mask(touched)
+        self._in_place(lambda: self._recenter(rows))
 
     @torch.inference_mode()
     def end_input(self, slots: Iterable[int]) -> None:
@@ -177,10 +184,32 @@ class GuidanceBatch:
     @torch.inference_mode()
     def observe(self, slots: torch.Tensor, graphemes: torch.Tensor) -> None:
         """Record one sampled frame (any id) of each of `slots` ([B] long) on the device."""
-        active = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
-        active[slots] = True
-        g = torch.full((self.slots,), _NONE - 1, dtype=torch.long, device=self.device)
-        g[slots] = graphemes.to(self.device, torch.long)
+        self._active.zero_()
+        self._active[slots] = True
+        self._frame.fill_(_NONE - 1)
+        self._frame[slots] = graphemes.to(self.device, torch.long)
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._in_place(self._observe_all)
+
+    def capture(self, warmup: int = 3) -> None:
+        """Record `observe`'s tensor work as a CUDA graph (CUDA devices only), replayed
+        from then on: one launch instead of a few hundred kernels."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        self._active.zero_()  # no slot observes: the warm-up and the recording change nothing
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(warmup):
+                self._in_place(self._observe_all)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.inference_mode():
+            self._in_place(self._observe_all)
+        self._graph = graph
+
+    def _observe_all(self) -> None:
+        active, g = self._active, self._frame
         changed = active & (g != self.last_frame)
         self.last_frame = torch.where(changed, g, self.last_frame)
         advance = changed & (g > EOS)
@@ -188,6 +217,17 @@ class GuidanceBatch:
         # the band was full before the new row (every call ends by filling it), so the
         # recentering's first fill has nothing to add
         self._recenter(advance, filled=True)
+
+    def _in_place(self, work) -> None:
+        """Run `work` (which assigns new state tensors) and copy its results into the state's
+        own tensors, whose memory stays put for a recorded graph and for later calls."""
+        kept = {name: getattr(self, name) for name in _STATE}
+        work()
+        for name, t in kept.items():
+            new = getattr(self, name)
+            if new is not t:
+                t.copy_(new)
+                setattr(self, name, t)
 
     @torch.inference_mode()
     def guide(self, slots: torch.Tensor, vocab: int = VOCAB_SIZE) -> GuidingSets:

@@ -114,6 +114,8 @@ class ModelRunner:
         # per-session Python and no read of the device for it in a step
         self.guidance = (GuidanceBatch(capacity, ring=ring_capacity(max_text_chars), device=self.device)
                          if device_guidance else None)
+        if self.guidance is not None and cuda_graphs and self.device.type == "cuda":
+            self.guidance.capture()
         self.generators: list[torch.Generator] = [torch.Generator() for _ in range(capacity)]
         self._voice_lock = threading.Lock()
         self._warm_up()

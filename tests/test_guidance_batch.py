@@ -132,3 +132,39 @@ def test_text_beyond_the_ring_is_refused() -> None:
     with pytest.raises(ValueError, match="out of range"):
         batch.extend({0: [EOS]})
     assert VOCAB_SIZE > max(text_to_ids("z"))
+
+
+def _script(batch: GuidanceBatch, steps: int = 120, seed: int = 0) -> list:
+    """A fixed run of text chunks and frames over every slot; the progress after each step."""
+    rng = random.Random(seed)
+    alphabet = [SPACE] + text_to_ids("abcdexyz")
+    slots = list(range(batch.slots))
+    texts = [[rng.choice(alphabet) for _ in range(80)] for _ in slots]
+    out = []
+    for t in range(steps):
+        if t % 10 == 0:
+            batch.extend({s: texts[s][t // 2: t // 2 + 6] for s in slots})
+        stepping = sorted(rng.sample(slots, rng.randint(1, len(slots))))
+        g = [texts[s][min(t // 3 + rng.randint(-2, 2), 79)] if rng.random() < 0.9 else BLANK for s in stepping]
+        batch.observe(torch.tensor(stepping, device=batch.device), torch.tensor(g, device=batch.device))
+        out.append(batch.progress.tolist())
+    return out
+
+
+def test_the_state_stays_in_its_own_memory() -> None:
+    """Every call writes the state tensors in place (what a recorded CUDA graph reads)."""
+    batch = GuidanceBatch(3, band=8, ring=64)
+    ptrs = {name: getattr(batch, name).data_ptr() for name in
+            ("row", "hist_sym", "hist_val", "best", "lo", "width", "n", "m", "progress", "tokens")}
+    _script(batch, steps=40)
+    batch.end_input([0])
+    batch.reset([1])
+    assert {name: getattr(batch, name).data_ptr() for name in ptrs} == ptrs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_the_recorded_graph_observes_as_the_eager_calls() -> None:
+    eager, graph = GuidanceBatch(4, band=8, ring=256, device="cuda"), GuidanceBatch(4, band=8, ring=256, device="cuda")
+    graph.capture()
+    assert _script(graph) == _script(eager)
+    assert torch.equal(graph.row, eager.row) and torch.equal(graph.best, eager.best)

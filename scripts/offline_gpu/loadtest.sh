@@ -15,8 +15,8 @@
 # then scripts/offline_gpu/slim.sh restore.
 # $OUT gets loadtest.tgz (a report and JSON per run, the step profile of each:
 # livespeech.loadtest.profile_step, and its host reads per step: livespeech.loadtest.host_reads)
-# and the logs, and guidance_bench.txt (livespeech.loadtest.bench_step with and without
-# --device-guidance). Knobs: DURATION (20 s a level), MODEL
+# and the logs, and guidance_bench.txt (the guidance tests, their recorded graph included,
+# then livespeech.loadtest.bench_step with and without --device-guidance). Knobs: DURATION (20 s a level), MODEL
 # (random:paper/encodec_24khz), DEVICE (cuda), PY (python3), SITE, PROFILE (1; 0: no
 # profiles), PROFILE_BATCH ("1 16 64"), EAGER (1; 0: only the CUDA-graph runs).
 set -uo pipefail
@@ -51,6 +51,7 @@ reads() {  # $1: the run's name; $2: PYTHONPATH. Host reads per engine step (sho
     --device "${DEVICE:-cuda}" --batch 1 64 --steps 20 2>&1 | tee "$W/$1/host_reads.txt" | head -n 8
 }
 guidance() {  # $1: PYTHONPATH. The runner step with per-session guidance, then with it on the device
+  PYTHONPATH=$1 $PY -m pytest -q -p no:cacheprovider tests/test_guidance_batch.py 2>&1 | tail -n 3 | tee -a "$OUT/guidance_bench.txt"
   for g in "" --device-guidance; do
     PYTHONPATH=$1 $PY -m livespeech.loadtest.bench_step --preset paper --codec encodec_24khz --device "${DEVICE:-cuda}" \
       --batch 1 16 64 256 --steps 50 --cuda-graphs $g 2>&1 | tee -a "$OUT/guidance_bench.txt" | tail -n 4
