@@ -108,6 +108,20 @@ __all__ = ["GuidanceState", "GuidingSets", "Temperatures", "sample_graphemes", "
 _INF = float("inf")
 
 
+def transcript_tokens(ids: Iterable[int], last: Optional[int]) -> list[int]:
+    """Grapheme ids appended to a transcript that ends in `last` (None: empty), checked
+    (>= SPACE) and with repeats collapsed, across the join too."""
+    new: list[int] = []
+    for g in ids:
+        g = int(g)
+        if not SPACE <= g < VOCAB_SIZE:
+            raise ValueError(f"transcript grapheme id {g} out of range [{SPACE}, {VOCAB_SIZE})")
+        if g != last:
+            new.append(g)
+            last = g
+    return new
+
+
 class GuidanceState:
     """Incremental best-prefix matcher of one session (see the module docstring)."""
 
@@ -207,15 +221,7 @@ class GuidanceState:
 
     # ------------------------------------------------------------------ transcript
     def extend_transcript(self, ids: Iterable[int]) -> None:
-        new: list[int] = []
-        last = self._toks[-1] if self._toks else None
-        for g in ids:
-            g = int(g)
-            if not SPACE <= g < VOCAB_SIZE:
-                raise ValueError(f"transcript grapheme id {g} out of range [{SPACE}, {VOCAB_SIZE})")
-            if g != last:
-                new.append(g)
-                last = g
+        new = transcript_tokens(ids, self._toks[-1] if self._toks else None)
         if not new:
             return
         self._toks.extend(new)

@@ -29,8 +29,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .graphemes import BLANK, EOS, SPACE, VOCAB_SIZE
-from .guidance import GuidingSets
+from .graphemes import BLANK, EOS, VOCAB_SIZE
+from .guidance import GuidingSets, transcript_tokens
 from .scripted import scripted
 
 __all__ = ["GuidanceBatch", "ring_capacity"]
@@ -144,14 +144,7 @@ class GuidanceBatch:
         the join too, as `GuidanceState.extend_transcript` (one chunk per slot a call)."""
         slots, pos, ids = [], [], []
         for s, chunk in chunks.items():
-            new, last = [], self._host_last[s]
-            for g in chunk:
-                g = int(g)
-                if not SPACE <= g < VOCAB_SIZE:
-                    raise ValueError(f"transcript grapheme id {g} out of range [{SPACE}, {VOCAB_SIZE})")
-                if g != last:
-                    new.append(g)
-                    last = g
+            new = transcript_tokens(chunk, self._host_last[s])
             if not new:
                 continue
             n = self._host_n[s]
@@ -161,7 +154,7 @@ class GuidanceBatch:
             slots.extend([s] * len(new))
             pos.extend(range(n, n + len(new)))
             ids.extend(new)
-            self._host_n[s], self._host_last[s] = n + len(new), last
+            self._host_n[s], self._host_last[s] = n + len(new), new[-1]
         if not ids:
             return
         dev = self.device

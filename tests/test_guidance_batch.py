@@ -10,14 +10,6 @@ from livespeech.models.guidance import GuidanceState
 from livespeech.models.guidance_batch import GuidanceBatch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _assert_same(batch: GuidanceBatch, states: list, slots: list[int]) -> None:
     idx = torch.tensor(slots)
     guide, barred = batch.guide(idx)
