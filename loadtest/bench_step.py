@@ -2,6 +2,7 @@
 sampling + commit, then the codec decode of one packet, at several batch sizes.
 
     python -m livespeech.loadtest.bench_step --preset tiny --threads 1 --batch 1 16
+    python -m livespeech.loadtest.bench_step --guidance-only --batch 1 16 64   # guidance alone
 """
 from __future__ import annotations
 
@@ -29,6 +30,45 @@ def bench(fn, n: int) -> float:
     return statistics.median(ts)
 
 
+def guidance_cost(batch: int, steps: int, device: str) -> dict:
+    """One step's guiding sets and observation for `batch` sessions reading a text with
+    slips: per session in Python (`GuidanceState`) and for all as tensors (`GuidanceBatch`)."""
+    import random
+
+    from livespeech.models.graphemes import text_to_ids
+    from livespeech.models.guidance import GuidanceState
+    from livespeech.models.guidance_batch import GuidanceBatch
+
+    text = text_to_ids("the quick brown fox jumps over the lazy dog " * 20)
+    rng = random.Random(0)
+    frames = [[text[min(max(t // 3 + rng.randint(-1, 1), 0), len(text) - 1)] for t in range(steps + 20)]
+              for _ in range(batch)]
+    states = [GuidanceState(text) for _ in range(batch)]
+    tensors = GuidanceBatch(batch, ring=4096, device=device)
+    tensors.extend({s: text for s in range(batch)})
+    idx = torch.arange(batch, device=device)
+    cols = [torch.tensor([f[t] for f in frames], device=device) for t in range(steps + 20)]
+    it = iter(range(steps + 20))
+
+    def python_step():
+        t = next(it)
+        for st, f in zip(states, frames):
+            st.guiding_set()
+            st.observe(f[t])
+
+    def tensor_step():
+        t = next(it2)
+        tensors.guide(idx)
+        tensors.observe(idx, cols[t])
+        if tensors.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    t_python = bench(python_step, steps)
+    it2 = iter(range(steps + 20))
+    t_tensor = bench(tensor_step, steps)
+    return {"batch": batch, "guidance_python_ms": t_python * 1e3, "guidance_tensors_ms": t_tensor * 1e3}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny")
@@ -42,9 +82,15 @@ def main(argv=None) -> int:
     ap.add_argument("--eager-step", action="store_true", help="the eager model step on the CPU (default: frozen graph)")
     ap.add_argument("--device-guidance", action="store_true",
                     help="every slot's guidance as tensors on the device (ServerConfig.device_guidance)")
+    ap.add_argument("--guidance-only", action="store_true",
+                    help="time the guidance alone: per session in Python against all slots as tensors")
     add_bf16_argument(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.guidance_only:
+        for b in args.batch:
+            print(json.dumps(guidance_cost(b, args.steps, args.device)))
+        return 0
     from livespeech.server.runner import ModelRunner, bf16_matmuls_enabled
     from livespeech.models.guidance import GuidanceState
     from livespeech.models import graphemes
