@@ -1,5 +1,6 @@
 """`GuidanceBatch` (every slot's guidance as tensors) equals `GuidanceState` (one session's,
 in Python) call for call: best prefixes, distance, progress, band, guiding sets, EOS."""
+import json
 import random
 
 import pytest
@@ -160,3 +161,10 @@ def test_the_recorded_graph_observes_as_the_eager_calls() -> None:
     graph.capture()
     assert _script(graph) == _script(eager)
     assert torch.equal(graph.row, eager.row) and torch.equal(graph.best, eager.best)
+
+
+def test_the_guidance_benchmark_runs(capsys) -> None:
+    from livespeech.loadtest import bench_step
+    assert bench_step.main(["--guidance-only", "--batch", "2", "--steps", "5"]) == 0
+    row = json.loads(capsys.readouterr().out.strip())
+    assert row["batch"] == 2 and row["guidance_python_ms"] > 0 and row["guidance_tensors_ms"] > 0
