@@ -41,15 +41,19 @@ from .workload import Pacing, load_sentences, make_turn
 def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pacing = Pacing(),
            sentences_per_turn: int = 2, text_file: Optional[str] = None, frozen_step: bool = True,
            seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None,
-           release_when_waiting: Optional[bool] = None, bf16_matmuls: bool = False) -> dict[str, Any]:
+           release_when_waiting: Optional[bool] = None, bf16_matmuls: bool = False,
+           chunk_words: Optional[tuple[int, int]] = None) -> dict[str, Any]:
     from livespeech.server.engine import Engine, EngineConfig
     from livespeech.server.session import EngineSession, Phase
     from livespeech.api.session import AudioPacket, ChunkingConfig, Failed, Finished, SessionConfig
 
     corpus = load_sentences(text_file)
     options: dict[str, Any] = {} if start_future_chunks is None else {"start_future_chunks": start_future_chunks}
+    chunking: dict[str, Any] = {} if chunk_words is None else {"min_words": chunk_words[0], "max_words": chunk_words[1]}
     if release_when_waiting is not None:
-        options["chunking"] = ChunkingConfig(release_when_waiting=release_when_waiting)
+        chunking["release_when_waiting"] = release_when_waiting
+    if chunking:
+        options["chunking"] = ChunkingConfig(**chunking)
     engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step, bf16_matmuls=bf16_matmuls))
     voice = engine.make_voice("replay", noise_reference(seed), 24000)
     waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
@@ -144,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--start-future-chunks", type=int, default=None, help="the sessions' start policy (default: the server's)")
     ap.add_argument("--release-when-waiting", choices=("on", "off"), default=None,
                     help="chunking: release min_words at once while the speech waits for text (default: the server's)")
+    ap.add_argument("--chunk-words", default=None, metavar="MIN,MAX",
+                    help="chunking: words a chunk, e.g. 2,4 (default: the server's)")
     ap.add_argument("--max-delay", type=int, default=None,
                     help="cap the decoder's codebook delays (latency what-if; the speech is not meaningful)")
     ap.add_argument("--seed", type=int, default=0)
@@ -165,7 +171,8 @@ def main(argv=None) -> int:
                  args.sentences_per_turn, args.text_file, frozen_step=not args.eager_step, seed=args.seed,
                  start_future_chunks=args.start_future_chunks,
                  release_when_waiting=None if args.release_when_waiting is None else args.release_when_waiting == "on",
-                 bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, "cpu"))
+                 bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, "cpu"),
+                 chunk_words=None if args.chunk_words is None else tuple(int(x) for x in args.chunk_words.split(",")))
     res["delays"] = list(bundle.model.cfg.delays)
     print(f"codebook delays {res['delays']}")
     print(f"{res['sessions']} sessions x {res['turns']} turns: {res['underruns']} underruns, "

@@ -40,8 +40,11 @@ class CapacityError(RuntimeError):
 
 @dataclass(frozen=True)
 class ChunkingConfig:
-    min_words: int = 2
-    max_words: int = 4
+    # one word a chunk: against the 2-4-word chunks of training, the shipped model's
+    # online CER fell 5.3 and 9.0 points on two sets of 105 test clips (docs/eval.md), and
+    # the lookahead (nf chunks) is nf words
+    min_words: int = 1
+    max_words: int = 1
     # a pending partial chunk is released this long after its last word arrived
     timer_ms: int = 300
     flush_on_punctuation: bool = True
