@@ -47,25 +47,22 @@ def guidance_cost(batch: int, steps: int, device: str) -> dict:
     tensors = GuidanceBatch(batch, ring=4096, device=device)
     tensors.extend({s: text for s in range(batch)})
     idx = torch.arange(batch, device=device)
-    cols = [torch.tensor([f[t] for f in frames], device=device) for t in range(steps + 20)]
-    it = iter(range(steps + 20))
+    # bench() calls a function up to steps + 20 times: each call takes the next frame
+    python_frames = iter(list(zip(*frames)))
+    tensor_frames = iter([torch.tensor(col, device=device) for col in zip(*frames)])
 
     def python_step():
-        t = next(it)
-        for st, f in zip(states, frames):
+        for st, g in zip(states, next(python_frames)):
             st.guiding_set()
-            st.observe(f[t])
+            st.observe(g)
 
     def tensor_step():
-        t = next(it2)
         tensors.guide(idx)
-        tensors.observe(idx, cols[t])
+        tensors.observe(idx, next(tensor_frames))
         if tensors.device.type == "cuda":
             torch.cuda.synchronize()
 
-    t_python = bench(python_step, steps)
-    it2 = iter(range(steps + 20))
-    t_tensor = bench(tensor_step, steps)
+    t_python, t_tensor = bench(python_step, steps), bench(tensor_step, steps)
     return {"batch": batch, "guidance_python_ms": t_python * 1e3, "guidance_tensors_ms": t_tensor * 1e3}
 
 
