@@ -186,9 +186,10 @@ class GuidanceBatch:
         else:
             self._in_place(self._observe_all)
 
-    def capture(self, warmup: int = 3) -> None:
+    def capture(self, warmup: int = 5) -> None:
         """Record `observe`'s tensor work as a CUDA graph (CUDA devices only), replayed
-        from then on: one launch instead of a few hundred kernels."""
+        from then on: one launch instead of a few hundred kernels. The warm-up runs let
+        TorchScript's profiling executor settle before the recording."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         self._active.zero_()  # no slot observes: the warm-up and the recording change nothing
