@@ -51,6 +51,12 @@ def ring_capacity(max_text_chars: int, band: int = 32) -> int:
     return 1 << (need - 1).bit_length()
 
 
+def _min_plus_distance(x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """v[c] = min over c' <= c of x[c'] + (c - c'), along dim 1 (cols: arange of its width):
+    the edit-distance recurrence along a row or a column of the band."""
+    return torch.cummin(x - cols, 1).values + cols
+
+
 def _grow_columns(row: torch.Tensor, width: torch.Tensor, hist_sym: torch.Tensor, hist_val: torch.Tensor,
                   ahead: torch.Tensor, count: torch.Tensor, cols: torch.Tensor,
                   inf: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +71,7 @@ def _grow_columns(row: torch.Tensor, width: torch.Tensor, hist_sym: torch.Tensor
     edge: list[torch.Tensor] = []
     for k in range(band):  # a band holds 1 to band + 1 columns
         diag = torch.cat((above, val[:, :-1]), 1) + cost[:, k]
-        v = torch.cummin(torch.minimum(val + 1, diag) - cols, 1).values + cols
+        v = _min_plus_distance(torch.minimum(val + 1, diag), cols)
         val = torch.where((count > k)[:, None], v, val)
         edge.append(val[:, -1])
     entering = torch.stack(edge, 1)  # [S, band]: the newest row's value at column hi + 1 + k
@@ -246,17 +252,13 @@ class GuidanceBatch:
         """T[k] of each row's slot (k < 0 or not yet written: whatever the ring holds)."""
         return self.tokens[rows, k & (self.ring - 1)].long()
 
-    def _min_plus_distance(self, x: torch.Tensor) -> torch.Tensor:
-        """v[c] = min over c' <= c of x[c'] + (c - c'), along dim 1, capped at INF."""
-        return (torch.cummin(x - self._cols, 1).values + self._cols).clamp_max(INF)
-
     def _advance(self, rows: torch.Tensor, g: torch.Tensor) -> None:
         """A new collapsed-stream symbol g for `rows`: the next DP row over the band."""
         cols = self._cols
         t = self._tokens_at(self._all[:, None], self.lo[:, None] + cols - 1)  # column c's T[lo + c - 1]
         inf = torch.full_like(self.row[:, :1], INF)
         diag = torch.cat((inf, self.row[:, :-1]), 1) + (t != g[:, None]).long()
-        new = self._min_plus_distance(torch.minimum(self.row + 1, diag))
+        new = _min_plus_distance(torch.minimum(self.row + 1, diag), cols).clamp_max(INF)
         new = new.masked_fill(cols >= self.width[:, None], INF)
         edge = new.gather(1, (self.width - 1).clamp_min(0)[:, None])
         self.row = torch.where(rows[:, None], new, self.row)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from livespeech.models.graphemes import BLANK, EOS, SPACE, VOCAB_SIZE, text_to_ids
+from livespeech.models.graphemes import BLANK, EOS, SPACE, text_to_ids
 from livespeech.models.guidance import GuidanceState
 from livespeech.models.guidance_batch import GuidanceBatch
 
@@ -124,7 +124,6 @@ def test_text_beyond_the_ring_is_refused() -> None:
         batch.extend({0: text_to_ids("cdcdcdcdcd")})
     with pytest.raises(ValueError, match="out of range"):
         batch.extend({0: [EOS]})
-    assert VOCAB_SIZE > max(text_to_ids("z"))
 
 
 def _script(batch: GuidanceBatch, steps: int = 120, seed: int = 0) -> list:
