@@ -62,5 +62,7 @@ def setup_device(name: str, threads: int, memory_share: float = 1.0) -> torch.de
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         if memory_share < 1:
-            torch.cuda.set_per_process_memory_fraction(memory_share, device)
+            # the call wants an index; a bare "cuda" means the current device
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(memory_share, index)
     return device
