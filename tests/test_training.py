@@ -15,7 +15,7 @@ from livespeech.models import graphemes as G
 from livespeech.models.codec import CodecModel
 from livespeech.models.tokenizer import get_tokenizer
 from livespeech.training import codec_train, encode_corpus, train
-from livespeech.training.schedule import Schedule
+from livespeech.training.schedule import Schedule, setup_device
 from livespeech.training.dataset import (DecoderData, codes_path, collate, jittered_end, read_manifest, read_wav_segment,
                               text_tokens)
 from livespeech.training.smoke import make_smoke_corpus
@@ -381,6 +381,21 @@ def test_a_memory_share_outside_zero_to_one_is_refused(tmp_path, share):
     with pytest.raises(SystemExit, match="--cuda-memory-share"):
         train.main(["--smoke", "--out", str(tmp_path / "smoke"), "--steps", "1", "--cuda-memory-share", share])
     assert not os.path.exists(tmp_path / "smoke")
+
+
+@pytest.mark.parametrize("name, index", [("cuda", 0), ("cuda:1", 1)])
+def test_a_memory_share_caps_the_named_cuda_device(monkeypatch, name, index):
+    # torch's cap wants a device index; a bare "cuda" is the current device
+    capped = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda share, device: capped.append((share, device)))
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        assert setup_device(name, torch.get_num_threads(), 0.475) == torch.device(name)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert capped == [(0.475, index)]
 
 
 def test_codebook_boost_option():
