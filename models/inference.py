@@ -58,19 +58,24 @@ class DecodeState(DecodeStateView):
     window next sees the chunk; never inside a step)."""
 
     @classmethod
-    def allocate(cls, model: LiveSpeech2, capacity: int, device=None, dtype=torch.float32) -> "DecodeState":
+    def allocate(cls, model: LiveSpeech2, capacity: int, device=None, dtype=torch.float32,
+                 text_tokens: Optional[int] = None) -> "DecodeState":
+        """Zeroed state for `capacity` slots, with room for `text_tokens` text tokens a
+        slot (None: the model's max_text_tokens; 0 for the decoder without text that
+        classifier-free guidance steps beside it)."""
         cfg = model.cfg
+        n_text = cfg.max_text_tokens if text_tokens is None else text_tokens
         n_layers = model.n_layers
         d_inner = cfg.expand * cfg.d_model
         hd = cfg.d_model // cfg.n_heads
-        m = cfg.n_enroll + cfg.max_text_tokens
+        m = cfg.n_enroll + n_text
         z = lambda *shape, dt=dtype: torch.zeros(*shape, device=device, dtype=dt)  # noqa: E731
         st = cls(
             conv=z(n_layers, capacity, d_inner, cfg.d_conv),
             ssm=z(n_layers, capacity, d_inner, cfg.d_state),
             mem_k=z(n_layers, capacity, cfg.n_heads, m, 2 * hd),
             mem_v=z(n_layers, capacity, cfg.n_heads, m, hd),
-            txt_chunk=torch.full((capacity, cfg.max_text_tokens), -1, dtype=torch.long, device=device),
+            txt_chunk=torch.full((capacity, n_text), -1, dtype=torch.long, device=device),
             inputs=torch.tensor(model.none_ids(), device=device).repeat(capacity, 1),
             step=torch.zeros(capacity, dtype=torch.long, device=device),
             eos_frame=torch.full((capacity,), NO_EOS, dtype=torch.long, device=device),
@@ -79,8 +84,8 @@ class DecodeState(DecodeStateView):
         st.model = model
         st.n_enroll = cfg.n_enroll
         st.head_dim = hd
-        st.txt_k = z(n_layers, capacity, cfg.n_heads, cfg.max_text_tokens, hd)
-        st.txt_pos = z(capacity, cfg.max_text_tokens, dt=torch.float32)
+        st.txt_k = z(n_layers, capacity, cfg.n_heads, n_text, hd)
+        st.txt_pos = z(capacity, n_text, dt=torch.float32)
         st.delays = torch.tensor(cfg.delays, device=device)
         st.none = torch.tensor(model.none_ids(), device=device)
         # the chunk id of each cached text token, mirrored on the host (txt_chunk's used

@@ -59,6 +59,17 @@ class StepLogits:
     acoustic: torch.Tensor  # [B, Q, codebook_size]
 
 
+def text_guided(conditioned: StepLogits, unconditioned: StepLogits, scale: float) -> StepLogits:
+    """Classifier-free guidance on the text: each stream's logits moved `scale` times
+    their difference further from the decoder's prediction without text (all text keys
+    masked; training/train.py `--text-dropout` trains it), so what the text adds is
+    amplified. 0: the conditioned logits unchanged."""
+    def guided(c: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return c + scale * (c - u)
+    return StepLogits(graphemes=guided(conditioned.graphemes, unconditioned.graphemes),
+                      acoustic=guided(conditioned.acoustic, unconditioned.acoustic))
+
+
 class LiveSpeech2(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()

@@ -226,6 +226,7 @@ def engine_config(config: ServerConfig):
         codec_thread=config.codec_thread,
         bf16_matmuls=bf16_matmuls_enabled(config.bf16_matmuls, config.device),
         device_guidance=config.device_guidance,
+        text_cfg_scale=config.text_cfg_scale,
     )
 
 

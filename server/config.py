@@ -57,6 +57,11 @@ class ServerConfig:
     # step); off by default: on the CPU it costs more than the per-session Python
     # (docs/loadtest.md), on a GPU it is not measured yet
     device_guidance: bool = False
+    # classifier-free guidance on the text: each step's logits moved this many times
+    # their difference further from the decoder's prediction without text
+    # (models/livespeech.py text_guided; the decoder without text steps beside every
+    # session, about doubling the step); 0 = off
+    text_cfg_scale: float = 0.0
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
     voices_dir: Optional[Path] = None  # None = voices kept in memory only
@@ -128,6 +133,7 @@ class ServerConfig:
         need(self.bf16_matmuls in BF16_SETTINGS,
              f"bf16_matmuls must be one of {', '.join(BF16_SETTINGS)}, got {self.bf16_matmuls!r}")
         need(self.bf16_matmuls != "on" or self.device == "cpu", "bf16_matmuls on applies to the cpu device")
+        need(0 <= self.text_cfg_scale <= 10, f"text_cfg_scale must be in [0, 10], got {self.text_cfg_scale}")
         need(1 <= self.max_sessions <= 4096, f"max_sessions must be in [1, 4096], got {self.max_sessions}")
         need(self.max_text_piece_chars >= 1, "max_text_piece_chars must be >= 1")
         need(
@@ -269,6 +275,8 @@ class EngineConfig:
     bf16_matmuls: bool = False
     # every session's guidance as tensors in the runner (server/runner.py, SlotGuidance)
     device_guidance: bool = ServerConfig.device_guidance
+    # classifier-free guidance on the text (server/runner.py)
+    text_cfg_scale: float = ServerConfig.text_cfg_scale
     # on the CPU, packets after a session's first are decoded on a codec thread while the
     # next model step runs on the other core (their audio goes out a step later; a
     # session's first and last packets stay on the engine thread). On 2 cores it cut the
@@ -284,6 +292,8 @@ class EngineConfig:
             raise ConfigError("engine time limits must be positive")
         if self.yield_lead_s <= 0:
             raise ConfigError("yield_lead_s must be positive")
+        if not 0 <= self.text_cfg_scale <= 10:
+            raise ConfigError(f"text_cfg_scale must be in [0, 10], got {self.text_cfg_scale}")
         if not 0 <= self.low_water_steps <= 100:
             raise ConfigError("low_water_steps must be in [0, 100]")
         return self

@@ -45,7 +45,8 @@ class Engine:
         self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs,
                                   frozen_step=config.frozen_step, bf16_matmuls=config.bf16_matmuls,
                                   device_guidance=config.device_guidance,
-                                  max_text_chars=config.max_session_text_chars)
+                                  max_text_chars=config.max_session_text_chars,
+                                  text_cfg_scale=config.text_cfg_scale)
         self.clock = StepClock()
         self.packets = PacketPolicy(self.clock, config.low_water_steps, self.runner.min_first_frames)
         self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,

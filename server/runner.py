@@ -19,7 +19,8 @@ from livespeech.models import graphemes
 from livespeech.models.derived import cpu_has_bf16_dot
 from livespeech.models.guidance import GuidanceState, Temperatures, sample_step
 from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
-from livespeech.models.inference import DecodeState, enrollment_kv
+from livespeech.models.inference import DecodeState, DecodeStateView, enrollment_kv
+from livespeech.models.livespeech import StepLogits, text_guided
 from livespeech.models.loading import ModelBundle
 from livespeech.models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
 from livespeech.server.config import BF16_SETTINGS
@@ -86,7 +87,8 @@ class Voice:
 
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
-                 bf16_matmuls: bool = False, device_guidance: bool = False, max_text_chars: int = 100_000):
+                 bf16_matmuls: bool = False, device_guidance: bool = False, max_text_chars: int = 100_000,
+                 text_cfg_scale: float = 0.0):
         self.bundle = bundle
         self.model = bundle.model
         self.codec = bundle.codec
@@ -97,6 +99,14 @@ class ModelRunner:
         # which only tests use: it costs the whole capacity at every step)
         self.captured = (CapturedStep(self.model, self.state, capture=self.device.type == "cuda")
                          if cuda_graphs else None)
+        # classifier-free guidance on the text (`text_guided`): the decoder without text
+        # steps beside every session, on a recurrent state of its own with no text memory
+        self.text_cfg_scale = text_cfg_scale
+        self.unconditioned = (DecodeState.allocate(self.model, capacity, device=self.device, text_tokens=0)
+                              if text_cfg_scale > 0 else None)
+        self.captured_unconditioned = (
+            CapturedStep(self.model, self.unconditioned, capture=self.device.type == "cuda")
+            if cuda_graphs and self.unconditioned is not None else None)
         # on the CPU, the model step and the streaming codec as frozen TorchScript graphs
         # (the same ops, no Python between them); the eager calls elsewhere
         frozen = frozen_step and self.device.type == "cpu"
@@ -154,6 +164,8 @@ class ModelRunner:
         own `guidance`, or with device guidance the slot's, holding the same transcript
         (which must not have observed a step yet)."""
         self.state.reset_slot(slot, voice.kv)
+        if self.unconditioned is not None:
+            self.unconditioned.reset_slot(slot, voice.kv)
         self.codec_state.update([slot], self.codec.streaming_state(1))
         self.generators[slot].manual_seed(seed if seed is not None else int(torch.seed() % (2**63)))
         if self.guidance is None:
@@ -202,14 +214,16 @@ class ModelRunner:
         view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else ())
         lo, hi = [w[0] for w in windows], [w[1] for w in windows]
         mask = self.state.window_mask(view, lo, hi)
+        dtype = self.low_precision if len(slots) >= BF16_FROM_BATCH else None
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
         else:
-            dtype = self.low_precision if len(slots) >= BF16_FROM_BATCH else None
             # the attention reads no text slot past the last one any row shows (past chunks
             # are evicted from the front, so the windows sit near the memory's start)
             visible = mask[:, : self.state.visible_length(slots, lo, hi)]
             logits = self.model_step(view.inputs, view.step, view, visible, dtype)
+        if self.unconditioned is not None:
+            logits = text_guided(logits, self._step_without_text(slots, view, dtype), self.text_cfg_scale)
         gens = [self.generators[s] for s in slots]
         on_device = self.guidance is not None
         idx = torch.tensor(slots, device=self.device) if on_device else None
@@ -234,6 +248,18 @@ class ModelRunner:
             else:
                 g.observe(r[0])
         return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
+
+    def _step_without_text(self, slots: Sequence[int], view: DecodeStateView,
+                           dtype: Optional[torch.dtype]) -> StepLogits:
+        """The decoder without its text for `slots`, on the inputs of the sessions' `view`
+        (taken before the step commits): their state without text advances with them."""
+        no_text = torch.zeros(len(slots), 0, dtype=torch.bool, device=self.device)
+        if self.captured_unconditioned is not None:
+            return self.captured_unconditioned(slots, view.inputs, view.step, no_text)
+        state = self.unconditioned.view(slots)
+        logits = self.model_step(view.inputs, view.step, state, no_text, dtype)
+        self.unconditioned.write_back(state)
+        return logits
 
     # --- codec ------------------------------------------------------------------------------
     @torch.inference_mode()

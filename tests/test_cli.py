@@ -206,3 +206,13 @@ def test_device_guidance_reaches_the_engine() -> None:
     assert not engine_config(ServerConfig.from_args(["--device", "cuda"], env={})).device_guidance
     assert engine_config(ServerConfig.from_args(["--device-guidance", "true"], env={})).device_guidance
     assert engine_config(ServerConfig.from_args([], env={"LIVESPEECH_DEVICE_GUIDANCE": "true"})).device_guidance
+
+
+def test_text_cfg_scale_reaches_the_engine_and_is_bounded() -> None:
+    from livespeech.server.app import engine_config
+    assert engine_config(ServerConfig.from_args([], env={})).text_cfg_scale == 0.0
+    assert engine_config(ServerConfig.from_args(["--text-cfg-scale", "1.5"], env={})).text_cfg_scale == 1.5
+    assert engine_config(ServerConfig.from_args([], env={"LIVESPEECH_TEXT_CFG_SCALE": "2"})).text_cfg_scale == 2.0
+    for bad in ("-1", "11", "nan"):
+        with pytest.raises(ConfigError, match="text_cfg_scale must be in"):
+            ServerConfig.from_args(["--text-cfg-scale", bad], env={})

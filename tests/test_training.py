@@ -372,7 +372,8 @@ def test_decoder_loss_decreases_on_a_repeated_batch(pipeline):
 
 
 def test_smoke_mode_runs(tmp_path):
-    assert train.main(["--smoke", "--out", str(tmp_path / "smoke"), "--steps", "3", "--codebook-boost", "1:3"]) == 0
+    assert train.main(["--smoke", "--out", str(tmp_path / "smoke"), "--steps", "3", "--codebook-boost", "1:3",
+                       "--text-dropout", "0.3"]) == 0
     assert os.path.exists(tmp_path / "smoke" / "last.pt")
 
 
@@ -381,6 +382,12 @@ def test_a_memory_share_outside_zero_to_one_is_refused(tmp_path, share):
     with pytest.raises(SystemExit, match="--cuda-memory-share"):
         train.main(["--smoke", "--out", str(tmp_path / "smoke"), "--steps", "1", "--cuda-memory-share", share])
     assert not os.path.exists(tmp_path / "smoke")
+
+
+@pytest.mark.parametrize("share", ["-0.1", "1"])
+def test_a_text_dropout_outside_zero_to_one_is_refused(tmp_path, share):
+    with pytest.raises(SystemExit, match="--text-dropout"):
+        train.main(["--smoke", "--out", str(tmp_path / "smoke"), "--steps", "1", "--text-dropout", share])
 
 
 @pytest.mark.parametrize("name, index", [("cuda", 0), ("cuda:1", 1)])

@@ -127,6 +127,17 @@ def corrupt_history(inputs: torch.Tensor, p: float, none_ids: list[int], codeboo
     return _with_acoustic_history(inputs, hit, rnd, none_ids)
 
 
+def drop_text(text_mask: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:
+    """`text_mask` ([B, L] or [B, S, L]) with every text key hidden from a share `p` of the
+    batch's rows: those rows train the decoder without its text, the unconditional model
+    that classifier-free guidance (`LiveSpeech2.text_guided`) steers away from; the
+    enrollment stays visible, so the voice is kept."""
+    if p <= 0:
+        return text_mask
+    keep = torch.rand(text_mask.shape[0], generator=gen) >= p
+    return text_mask & keep.to(text_mask.device).view(-1, *([1] * (text_mask.dim() - 1)))
+
+
 def _with_acoustic_history(inputs: torch.Tensor, hit: torch.Tensor, codes: torch.Tensor,
                            none_ids: list[int]) -> torch.Tensor:
     """`inputs` [B, K, S] with the acoustic rows at the steps `hit` [B, 1, S] taken from
@@ -484,6 +495,9 @@ def main(argv=None) -> int:
                    help="passes without gradients behind --own-history: each further pass reads back every step's "
                         "sample of the pass before, so the history holds errors compounded over that many steps "
                         "(own_history; each pass costs about a third of a training step)")
+    p.add_argument("--text-dropout", type=float, default=0.0,
+                   help="share of each batch's utterances trained with no text visible (drop_text): the "
+                        "unconditional model that classifier-free guidance needs (ServerConfig.text_cfg_scale); 0: off")
     p.add_argument("--own-sampling", choices=("full", "session"), default="full",
                    help="how --own-history samples: the model's whole distribution (full), or as a server session "
                         "does by default (session: SessionConfig's top-k and codebook temperatures)")
@@ -553,6 +567,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--read-heads {a.read_heads}: the model has {cfg.n_heads} heads a layer")
     if a.own_passes < 1:
         raise SystemExit(f"--own-passes {a.own_passes}: at least one pass")
+    if not 0 <= a.text_dropout < 1:
+        raise SystemExit(f"--text-dropout {a.text_dropout}: a share in [0, 1)")
     phone_head = phone_vocab = None
     if a.phone_weight > 0:
         phone_vocab = phone_vocab_for([a.corpus, *(c for c, _ in a.extra_corpus)],
@@ -647,6 +663,8 @@ def main(argv=None) -> int:
         r1, r2 = py_rng.randint(1, 3), py_rng.randint(1, 3)
         # drawn on the CPU from the CPU generator: the same masks on every device
         mask = text_mask_for(batch, stream, mask_gen, r1, r2).to(device)
+        if a.text_dropout > 0:  # seeded by the step, as the history noise
+            mask = drop_text(mask, a.text_dropout, torch.Generator().manual_seed(a.seed * 1_000_037 + step))
         if a.history_noise > 0:  # seeded by the step: a resumed run corrupts what a straight one does
             noise_gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
             batch.inputs = corrupt_history(batch.inputs, a.history_noise, model.none_ids(), model.cfg.codebook_size,

@@ -49,6 +49,7 @@ from typing import Optional
 import numpy as np
 
 from livespeech.api.session import TEMPERATURES, ConfigError, SessionConfig
+from livespeech.server.config import ServerConfig
 from livespeech.training.eval import report
 from livespeech.training.eval.backends import Backend, cosine, make_backends
 from livespeech.training.dataset import read_manifest
@@ -437,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling", type=parse_sampling, default={}, metavar="NAME=VALUE[,...]",
                    help=f"the sessions' sampling settings where they differ from the server's defaults "
                         f"(SessionConfig: {', '.join(SAMPLING_FIELDS)}), e.g. first_codebook_temperature=0.7")
+    p.add_argument("--text-cfg-scale", type=float, default=ServerConfig.text_cfg_scale,
+                   help="classifier-free guidance on the text (the server's --text-cfg-scale); 0: off")
     p.add_argument("--save-audio", default=None, help="folder for the generated WAVs")
     p.add_argument("--quiet", action="store_true")
     return p
@@ -498,7 +501,8 @@ def main(argv=None) -> int:
             from livespeech.server.engine import Engine, EngineConfig
 
             # no pacing to real time: sessions run as fast as compute allows (RTF is measured)
-            engine = Engine(bundle, EngineConfig(max_sessions=1, max_lead_s=1e6, max_overrun_s=a.max_overrun_s))
+            engine = Engine(bundle, EngineConfig(max_sessions=1, max_lead_s=1e6, max_overrun_s=a.max_overrun_s,
+                                                 text_cfg_scale=a.text_cfg_scale))
             engine.start()
     else:
         modes = []
@@ -567,7 +571,7 @@ def main(argv=None) -> int:
         n_heldout=sum(u.heldout for u in utts), n_voices=len({u.voice for u in utts}),
         n_heldout_refs=len(scorer.heldout_refs),
         modes={m: MODES[m].description for m in modes}, lambdas=[_json_lambda(x) for x in lambdas],
-        pacing=a.pacing, sampling=_sampling_meta(a.sampling), normalizer=normalizer.name, normalizer_note=normalizer.note,
+        pacing=a.pacing, sampling={**_sampling_meta(a.sampling), "text_cfg_scale": a.text_cfg_scale}, normalizer=normalizer.name, normalizer_note=normalizer.note,
         backends={k: (b.description if b.available() else b.reason) for k, b in backends.items()},
         threads=a.threads, torch=torch.__version__, python=platform.python_version(), host_cpus=os.cpu_count(),
         loadavg_start=[round(x, 2) for x in load_before], loadavg_end=[round(x, 2) for x in os.getloadavg()],
