@@ -30,10 +30,13 @@
 # passes as a server session does (--own-sampling session; no better on the CPU); decoder_bf16 the recipe under
 # bfloat16 autocast (its steps against the recipe's measure what bf16 buys); decoder_phone adds
 # the auxiliary phone loss (--phone-weight PHONE_WEIGHT, 1), the _noise variants
-# --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1).
+# --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1);
+# decoder_cfg trains a share of its utterances without text (--text-dropout TEXT_DROPOUT, 0.1)
+# for classifier-free guidance (the server's --text-cfg-scale).
 # $OUT holds, for each NAME in CANDIDATES, NAME.pt.partNN (cat them), NAME_log.jsonl and
 # NAME_MODEL_CARD.md, and TRAINED_BEFORE (commit it with the decoder kept).
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3), READ_WEIGHT (1),
+# TEXT_DROPOUT (0.1),
 # OWN_HISTORY (0.5), OWN_PASSES (4),
 # CANDIDATES ("decoder decoder_own"),
 # BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s, the decoder stage 60, kept for the
@@ -62,6 +65,7 @@ candidate_args() {
     decoder_own) echo --own-history "${OWN_HISTORY:-0.5}" --own-passes "${OWN_PASSES:-4}" ;;
     decoder_own_session) echo --own-history "${OWN_HISTORY:-0.5}" --own-passes "${OWN_PASSES:-4}" --own-sampling session ;;
     decoder_bf16) echo --autocast bf16 ;;
+    decoder_cfg) echo --text-dropout "${TEXT_DROPOUT:-0.1}" ;;
     *) echo "unknown candidate $1" >&2; return 2 ;;
   esac
 }
