@@ -69,12 +69,15 @@ Rules
   until ``speech_may_end``: while text may still arrive, and while the stream has not
   covered the whole transcript, so a model that wants to stop early speaks on. The
   engine's runaway guard forces EOS where the stream never gets there.
-* Randomness. Each sampled token consumes exactly one ``torch.rand`` float from its
-  session's generator (``torch.Generator().manual_seed(seed)``); ``sample_top_k`` on
-  [B, K, V] draws K floats per session, codebook order. A session's samples therefore do
-  not depend on which other sessions share the batch. ``generators=None`` uses the global
-  RNG (one ``torch.rand(B, n)``); a None entry uses the global CPU RNG for that row.
-  Sampling is inverse-CDF over the sorted top-k probabilities (float32).
+* Randomness. Each sampled token consumes exactly one uniform float: from its session's
+  generator (``torch.Generator().manual_seed(seed)``; ``sample_top_k`` on [B, K, V]
+  draws K floats per session, codebook order), or given as a tensor of the draws. The
+  server gives them as ``counter_uniforms(seeds, steps, 1 + Q)``: a hash of the
+  session's seed, its decode step and the token's index, computed on the model's device
+  with no generator state. Either way a session's samples do not depend on which other
+  sessions share the batch. ``generators=None`` uses the global RNG (one
+  ``torch.rand(B, n)``); a None entry uses the global CPU RNG for that row. Sampling is
+  inverse-CDF over the sorted top-k probabilities (float32).
 
 Band (cost O(band) per new stream symbol, O(1) per repeated frame)
 ------------------------------------------------------------------
@@ -375,11 +378,44 @@ def _per_row_k(top_ks: IntsLike, n_rows: int, vocab: int, device) -> tuple[torch
     return torch.tensor(ks, dtype=torch.long, device=device), max(ks)
 
 
-def _uniforms(generators: Optional[Sequence[Optional[torch.Generator]]], batch: int,
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """PCG's output permutation of 32-bit words held in int64 (no product exceeds 62 bits)."""
+    m = 0xFFFFFFFF
+    state = (x * 747796405 + 2891336453) & m
+    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & m
+    return ((word >> 22) ^ word) & m
+
+
+def _counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor:
+    m = 0xFFFFFFFF
+    j = torch.arange(n, device=seeds.device, dtype=torch.int64).unsqueeze(0)
+    h = _hash32(j ^ _hash32(counters.unsqueeze(1) & m))
+    h = _hash32(h ^ ((seeds.unsqueeze(1) >> 32) & m))
+    h = _hash32(h ^ (seeds.unsqueeze(1) & m))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+_scripted_counter_uniforms = scripted(_counter_uniforms)
+
+
+def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, n] uniforms in [0, 1) (24-bit) that are a function of each row's seed
+    (int64 >= 0), its counter (the session's decode step) and the draw's index alone: the
+    same draws whatever else is in the batch, made where the tensors are, with no
+    generator state on the host (so a step can be recorded as a CUDA graph)."""
+    return _scripted_counter_uniforms()(seeds, counters, n)
+
+
+def _uniforms(generators: Union[Sequence[Optional[torch.Generator]], torch.Tensor, None], batch: int,
               n: int, device) -> torch.Tensor:
-    """[batch, n] uniforms in [0, 1): n consecutive draws from each row's generator."""
+    """[batch, n] uniforms in [0, 1): n consecutive draws from each row's generator, or
+    `generators` itself when it is a tensor of the draws (`counter_uniforms`)."""
     if generators is None:
         return torch.rand(batch, n, device=device)
+    if isinstance(generators, torch.Tensor):
+        if tuple(generators.shape) != (batch, n):
+            raise ValueError(f"expected uniforms of shape {(batch, n)}, got {tuple(generators.shape)}")
+        return generators.to(device)
     if len(generators) != batch:
         raise ValueError(f"expected {batch} generators, got {len(generators)}")
     rows = [torch.rand(n) if g is None else torch.rand(n, generator=g, device=g.device)
@@ -495,11 +531,12 @@ def _guidance_inputs(states: Union[Sequence[Optional[GuidanceState]], GuidingSet
 
 
 def sample_top_k(logits: torch.Tensor, top_ks: IntsLike,
-                 generators: Optional[Sequence[Optional[torch.Generator]]] = None) -> torch.Tensor:
+                 generators: Union[Sequence[Optional[torch.Generator]], torch.Tensor, None] = None) -> torch.Tensor:
     """Plain top-k sampling of [B, V] -> [B] or [B, K, V] -> [B, K] logits.
 
     top_ks: an int, B ints (a session's k for all its codebooks), or a tensor [B] or
-    [B, K]. generators: B per-session generators (K draws each for [B, K, V]) or None.
+    [B, K]. generators: B per-session generators (K draws each for [B, K, V]), the
+    draws themselves ([B, K] uniforms, `counter_uniforms`), or None.
     """
     if logits.dim() not in (2, 3):
         raise ValueError("logits must be [B, V] or [B, K, V]")
@@ -564,7 +601,7 @@ def _temperature_inputs(temperatures: Optional[Sequence[Sequence[float]]], b: in
 
 def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Union[Sequence[GuidanceState], GuidingSets],
                 lambdas: Sequence[float], top_ks: Sequence[int],
-                generators: Sequence[Optional[torch.Generator]],
+                generators: Union[Sequence[Optional[torch.Generator]], torch.Tensor],
                 grapheme_top_ks: Optional[Sequence[int]] = None,
                 temperatures: Optional[Sequence[Sequence[float]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step's tokens for B sessions in one TorchScript call: the grapheme by
@@ -576,7 +613,8 @@ def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Union[Se
     non-finite logits is sampled from zeros so the batch goes on. g_logits [B, G],
     a_logits [B, Q, V] -> (tokens [B, 1 + Q] grapheme first, bad [B] bool: the rows
     whose logits were not finite). states: each row's `GuidanceState`, or `GuidingSets`
-    of guidance kept on the device."""
+    of guidance kept on the device. generators: each row's generator, or the step's
+    draws [B, 1 + Q] (`counter_uniforms`)."""
     b, g = g_logits.shape
     q, v = a_logits.shape[1:]
     device = g_logits.device

@@ -17,7 +17,7 @@ import torch
 
 from livespeech.models import graphemes
 from livespeech.models.derived import cpu_has_bf16_dot
-from livespeech.models.guidance import GuidanceState, Temperatures, sample_step
+from livespeech.models.guidance import GuidanceState, Temperatures, counter_uniforms, sample_step
 from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
 from livespeech.models.inference import DecodeState, DecodeStateView, enrollment_kv
 from livespeech.models.livespeech import StepLogits, text_guided
@@ -126,7 +126,9 @@ class ModelRunner:
                          if device_guidance else None)
         if self.guidance is not None and cuda_graphs and self.device.type == "cuda":
             self.guidance.capture()
-        self.generators: list[torch.Generator] = [torch.Generator() for _ in range(capacity)]
+        # each slot's seed: its draws are `counter_uniforms` of the seed and the decode
+        # step, made on the device (no generator state on the host)
+        self.seeds = torch.zeros(capacity, dtype=torch.long, device=self.device)
         self._voice_lock = threading.Lock()
         self._warm_up()
 
@@ -167,7 +169,7 @@ class ModelRunner:
         if self.unconditioned is not None:
             self.unconditioned.reset_slot(slot, voice.kv)
         self.codec_state.update([slot], self.codec.streaming_state(1))
-        self.generators[slot].manual_seed(seed if seed is not None else int(torch.seed() % (2**63)))
+        self.seeds[slot] = seed if seed is not None else int(torch.seed() % (2**63))
         if self.guidance is None:
             return guidance
         guidance = guidance if guidance is not None else GuidanceState()
@@ -224,13 +226,12 @@ class ModelRunner:
             logits = self.model_step(view.inputs, view.step, view, visible, dtype)
         if self.unconditioned is not None:
             logits = text_guided(logits, self._step_without_text(slots, view, dtype), self.text_cfg_scale)
-        gens = [self.generators[s] for s in slots]
         on_device = self.guidance is not None
-        idx = torch.tensor(slots, device=self.device) if on_device else None
+        idx = torch.tensor(slots, device=self.device)
         sets = self.guidance.guide(idx, logits.graphemes.shape[-1]) if on_device else guidance
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
-        tokens, bad = sample_step(logits.graphemes, logits.acoustic, sets, lambdas, top_ks, gens,
-                                  grapheme_top_ks, temperatures)
+        tokens, bad = sample_step(logits.graphemes, logits.acoustic, sets, lambdas, top_ks,
+                                  self.uniforms(idx, view.step), grapheme_top_ks, temperatures)
         if any(force_eos):
             tokens[:, 0] = tokens[:, 0].masked_fill(torch.tensor(force_eos, device=tokens.device), graphemes.EOS)
         res = self.state.commit(view, tokens)
@@ -248,6 +249,11 @@ class ModelRunner:
             else:
                 g.observe(r[0])
         return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
+
+    def uniforms(self, slots: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """[B, 1 + Q] the draws of `slots` (a tensor on the device) at their decode
+        `steps`, one a token, grapheme first: a function of each session's seed and step."""
+        return counter_uniforms(self.seeds[slots], steps, self.model.cfg.n_codebooks)
 
     def _step_without_text(self, slots: Sequence[int], view: DecodeStateView,
                            dtype: Optional[torch.dtype]) -> StepLogits:

@@ -658,3 +658,43 @@ def test_sample_step_per_stream_k_and_temperatures_equal_the_samplers_on_scaled_
         sample_step(g_logits, a_logits, states, lams, a_ks, g1, g_ks, [Temperatures(-1.0, 1.0, 1.0)] * 3)
     with pytest.raises(ValueError):
         sample_step(g_logits, a_logits, states, lams, a_ks, g1, g_ks, [(1.0, math.nan, 1.0)] * 3)
+
+
+def test_counter_draws_depend_on_the_seed_and_step_alone_and_look_uniform():
+    """`counter_uniforms`, the server's draws: a session's row is the same alone or in any
+    batch, in [0, 1); over many steps the draws fill [0, 1) evenly and neither consecutive
+    steps nor neighbouring seeds are correlated."""
+    from livespeech.models.guidance import counter_uniforms
+
+    seeds = torch.tensor([5, 2**62 + 7, 0])
+    steps = torch.tensor([3, 0, 2**40])
+    both = counter_uniforms(seeds, steps, 9)
+    for r in range(3):
+        assert torch.equal(counter_uniforms(seeds[r:r + 1], steps[r:r + 1], 9), both[r:r + 1])
+    n = 100_000
+    u = counter_uniforms(torch.full((n,), 12345), torch.arange(n), 2)
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    counts = torch.histc(u[:, 0], bins=20, min=0, max=1)
+    assert float((counts - n / 20).abs().max()) < 6 * math.sqrt(n / 20)  # 6 sigma
+    corr = lambda a, b: float(torch.corrcoef(torch.stack((a, b)))[0, 1])  # noqa: E731
+    assert abs(corr(u[:-1, 0], u[1:, 0])) < 0.02  # step t and t + 1
+    assert abs(corr(u[:, 0], u[:, 1])) < 0.02  # the grapheme's draw and codebook 1's
+    v = counter_uniforms(torch.full((n,), 12346), torch.arange(n), 1)
+    assert abs(corr(u[:, 0], v[:, 0])) < 0.02  # seed and seed + 1
+    assert not torch.equal(u[:, :1], v)
+
+
+def test_sample_step_takes_the_draws_as_a_tensor():
+    """Given as a tensor, the draws are used as a generator's would be: the same tokens."""
+    from livespeech.models.guidance import sample_step
+
+    states = [GuidanceState(ids("hello")) for _ in range(3)]
+    lg = torch.Generator().manual_seed(4)
+    g_logits, a_logits = torch.randn(3, VOCAB_SIZE, generator=lg) * 3, torch.randn(3, 2, 64, generator=lg) * 3
+    gens, copies = _gens(9, 3), _gens(9, 3)
+    u = torch.stack([torch.rand(3, generator=g) for g in copies])
+    want, _ = sample_step(g_logits, a_logits, states, [1.0] * 3, [5] * 3, gens)
+    got, _ = sample_step(g_logits, a_logits, states, [1.0] * 3, [5] * 3, u)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="uniforms of shape"):
+        sample_step(g_logits, a_logits, states, [1.0] * 3, [5] * 3, u[:, :2])

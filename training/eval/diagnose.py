@@ -218,15 +218,16 @@ def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int =
     force_g, n_ac = FORCING[mode]
     n_ac = model.cfg.n_acoustic_codebooks if n_ac is None else n_ac
     delays = model.cfg.delays
-    gens = [runner.generators[0]]
+    slot = torch.tensor([0], device=runner.device)
     frames = []
     for t in range(T + max_overrun + model.cfg.max_delay + 2):
         lo, hi = window(prep.chunk_tau, t, n_past, n_future)
         view = st.view([0])
         mask = st.window_mask(view, [lo], [hi])
         logits = runner.model_step(view.inputs, view.step, view, mask[:, : st.visible_length([0], [lo], [hi])])
-        g = sample_top_k(logits.graphemes.float(), [top_k], gens)
-        a = sample_top_k(logits.acoustic.float(), [top_k], gens)
+        u = runner.uniforms(slot, view.step)  # as the runner's step draws them, grapheme first
+        g = sample_top_k(logits.graphemes.float(), [top_k], u[:, :1])
+        a = sample_top_k(logits.acoustic.float(), [top_k], u[:, 1:])
         if force_g:
             g[:] = int(gt[0, min(t, T)])  # frame t; EOS at T (later steps: none ids in commit)
         elif t > T + max_overrun:  # the engine's runaway guard (server/session.py EngineSession.must_end)
