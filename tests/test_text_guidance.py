@@ -37,7 +37,7 @@ def _run(runner, voice, slots, with_text, steps, monkeypatch, tokens=None):
             sampled.append(out[0].clone())
             return out
         t = tokens[len(seen) - 1].clone()
-        return t, torch.zeros(t.shape[0], dtype=torch.bool)
+        return t, torch.zeros(t.shape[0], dtype=torch.bool, device=t.device)
 
     monkeypatch.setattr(runner_module, "sample_step", sample)
     guides = []
@@ -73,6 +73,22 @@ def test_a_runner_with_text_cfg_samples_from_guided_logits(monkeypatch, frozen):
         torch.testing.assert_close(a, want.acoustic, atol=1e-4, rtol=1e-4)
     # the text matters to this model, so the comparison means something
     assert not torch.allclose(cond[-1][1], uncond[-1][1], atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_text_cfg_replayed_from_cuda_graphs_equals_the_eager_steps(monkeypatch):
+    """With --cuda-graphs the decoder without text is a recorded graph of its own."""
+    bundle = load_bundle(random_init=True, device="cuda")
+    scale, slots, steps = 1.5, [3, 0], 12
+    eager = ModelRunner(bundle, 4, text_cfg_scale=scale)
+    voice = eager.make_voice("v", (np.random.default_rng(1).standard_normal(24000) * 0.1).astype(np.float32), 24000)
+    want, tokens = _run(eager, voice, slots, True, steps, monkeypatch)
+    graphs = ModelRunner(bundle, 4, cuda_graphs=True, text_cfg_scale=scale)
+    assert graphs.captured_unconditioned is not None
+    got, _ = _run(graphs, voice, slots, True, steps, monkeypatch, tokens)
+    for (g, a), (wg, wa) in zip(got, want):
+        torch.testing.assert_close(g, wg, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(a, wa, atol=1e-3, rtol=1e-3)
 
 
 def test_a_runner_without_text_cfg_keeps_no_state_for_it():

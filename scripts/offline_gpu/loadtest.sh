@@ -51,7 +51,7 @@ reads() {  # $1: the run's name; $2: PYTHONPATH. Host reads per engine step (sho
     --device "${DEVICE:-cuda}" --batch 1 64 --steps 20 2>&1 | tee "$W/$1/host_reads.txt" | head -n 8
 }
 guidance() {  # $1: PYTHONPATH. The runner step with per-session guidance, then with it on the device
-  PYTHONPATH=$1 $PY -m pytest -q -p no:cacheprovider tests/test_guidance_batch.py 2>&1 | tail -n 3 | tee -a "$OUT/guidance_bench.txt"
+  PYTHONPATH=$1 $PY -m pytest -q -p no:cacheprovider tests/test_guidance_batch.py tests/test_text_guidance.py 2>&1 | tail -n 3 | tee -a "$OUT/guidance_bench.txt"
   PYTHONPATH=$1 $PY -m livespeech.loadtest.bench_step --guidance-only --device "${DEVICE:-cuda}" --batch 1 16 64 256 \
     --steps 100 2>&1 | tee -a "$OUT/guidance_bench.txt" | tail -n 4
   for g in "" --device-guidance; do
