@@ -9,6 +9,7 @@ runs on a `view` of any subset of slots (a plain slice when the slots are contig
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
@@ -186,6 +187,10 @@ class DecodeState(DecodeStateView):
         first = self.spans[slot].get(chunk, (a, a))[0]
         self.spans[slot][chunk] = (first, a + n)
         self._rotate([slot] * n, range(a, a + n), positions)
+
+    def tokens_before(self, slot: int, chunk: int) -> int:
+        """Cached tokens of chunks < `chunk` (chunks are cached in order)."""
+        return bisect.bisect_left(self.chunk_ids[slot], chunk)
 
     def evict_chunks_before(self, slot: int, chunk: int) -> None:
         """Drop cached tokens of chunks < `chunk` (they left the np window for good)."""

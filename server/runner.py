@@ -194,6 +194,9 @@ class ModelRunner:
     def text_room(self, slot: int) -> int:
         return self.state.text_room(slot)
 
+    def tokens_before(self, slot: int, chunk: int) -> int:
+        return self.state.tokens_before(slot, chunk)
+
     # --- one decode step for a batch of sessions ------------------------------------------
     @torch.inference_mode()
     def step(

@@ -1111,3 +1111,26 @@ def test_a_session_with_guidance_on_the_device_says_the_same(engine, voice):
                 [(w.word, w.start_s) for w in got[1].of(WordTiming)]
     finally:
         on_device.stop()
+
+
+def test_deferred_eviction_says_the_same_as_evicting_every_chunk(engine, voice, monkeypatch):
+    """Chunks that left the np window are evicted once they hold EVICT_MIN_TOKENS tokens:
+    the window's mask hides them until then, so a long text in one-word chunks gives the
+    same audio and words as evicting each chunk as it leaves, and fewer evictions."""
+    from livespeech.server import text_memory
+    text = " ".join(f"word{i}" for i in range(30))  # a few tokens each
+    got, evictions = [], []
+    for threshold in (1, text_memory.EVICT_MIN_TOKENS):
+        monkeypatch.setattr(text_memory, "EVICT_MIN_TOKENS", threshold)
+        calls = []
+        real = engine.runner.state.evict_chunks_before
+        monkeypatch.setattr(engine.runner.state, "evict_chunks_before",
+                            lambda slot, chunk: (calls.append(engine.runner.state.tokens_before(slot, chunk)),
+                                                 real(slot, chunk))[1])
+        got.append(say(engine, voice, text, seed=3, n_past_chunks=1))
+        monkeypatch.undo()
+        evictions.append([n for n in calls if n > 0])
+    pcm = [np.frombuffer(b"".join(p.data for p in c.of(AudioPacket)), dtype="<i2").astype(int) for c in got]
+    assert len(pcm[0]) == len(pcm[1]) and np.abs(pcm[0] - pcm[1]).max() <= 2
+    assert [(w.word, w.start_s) for w in got[0].of(WordTiming)] == [(w.word, w.start_s) for w in got[1].of(WordTiming)]
+    assert len(evictions[1]) < len(evictions[0]) and min(evictions[1]) >= text_memory.EVICT_MIN_TOKENS

@@ -199,6 +199,8 @@ def test_chunk_spans_kept_on_the_host_match_the_text_memory(model):
             assert st._chunk_span(1, c) == ((idx[0], idx[-1] + 1) if idx else None)
         used = len(st.chunk_ids[1])
         assert st.chunk_ids[1] == row[:used] and set(row[used:]) <= {-1}
+        for c in range(chunk + 2):
+            assert st.tokens_before(1, c) == sum(0 <= x < c for x in row)
         # the step's visible length, from the host: the window mask's last shown slot + 1
         lo = [rng.randint(0, chunk + 1) for _ in range(2)]
         hi = [a + rng.randint(0, 3) for a in lo]
