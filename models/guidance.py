@@ -399,8 +399,8 @@ _scripted_counter_uniforms = scripted(_counter_uniforms)
 
 
 def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, n] uniforms in [0, 1) (24-bit) that are a function of each row's seed
-    (int64 >= 0), its counter (the session's decode step) and the draw's index alone: the
+    """[B, n] uniforms in [0, 1) (24-bit) that are a function of each row's seed (the 64
+    bits of an int64), its counter (the session's decode step) and the draw's index alone: the
     same draws whatever else is in the batch, made where the tensors are, with no
     generator state on the host (so a step can be recorded as a CUDA graph)."""
     return _scripted_counter_uniforms()(seeds, counters, n)

@@ -169,7 +169,9 @@ class ModelRunner:
         if self.unconditioned is not None:
             self.unconditioned.reset_slot(slot, voice.kv)
         self.codec_state.update([slot], self.codec.streaming_state(1))
-        self.seeds[slot] = seed if seed is not None else int(torch.seed() % (2**63))
+        seed = seed if seed is not None else torch.seed()
+        # a uint64 seed (the wire's) as the int64 with its bits (counter_uniforms hashes bits)
+        self.seeds[slot] = seed - (1 << 64) if seed >= 1 << 63 else seed
         if self.guidance is None:
             return guidance
         guidance = guidance if guidance is not None else GuidanceState()

@@ -1134,3 +1134,15 @@ def test_deferred_eviction_says_the_same_as_evicting_every_chunk(engine, voice, 
     assert len(pcm[0]) == len(pcm[1]) and np.abs(pcm[0] - pcm[1]).max() <= 2
     assert [(w.word, w.start_s) for w in got[0].of(WordTiming)] == [(w.word, w.start_s) for w in got[1].of(WordTiming)]
     assert len(evictions[1]) < len(evictions[0]) and min(evictions[1]) >= text_memory.EVICT_MIN_TOKENS
+
+
+def test_every_uint64_seed_is_taken(engine, voice):
+    """A session's seed is a uint64 on the wire: the runner keeps its 64 bits, so seeds
+    past 2**63 neither fail nor collide with smaller ones."""
+    runner = ModelRunner(engine.bundle, 4)
+    seeds = [0, 2**63 - 1, 2**63, 2**64 - 1]
+    for slot, seed in enumerate(seeds):
+        runner.admit(slot, voice, seed=seed)
+    assert runner.seeds.tolist() == [0, 2**63 - 1, -(2**63), -1]
+    u = runner.uniforms(torch.arange(4), torch.zeros(4, dtype=torch.long))
+    assert len({tuple(r) for r in u.tolist()}) == 4
