@@ -1123,10 +1123,12 @@ def test_deferred_eviction_says_the_same_as_evicting_every_chunk(engine, voice, 
     for threshold in (1, text_memory.EVICT_MIN_TOKENS):
         monkeypatch.setattr(text_memory, "EVICT_MIN_TOKENS", threshold)
         calls = []
-        real = engine.runner.state.evict_chunks_before
-        monkeypatch.setattr(engine.runner.state, "evict_chunks_before",
-                            lambda slot, chunk: (calls.append(engine.runner.state.tokens_before(slot, chunk)),
-                                                 real(slot, chunk))[1])
+        state, real = engine.runner.state, engine.runner.state.evict_chunks_before
+
+        def counted(slot, chunk, calls=calls):
+            calls.append(state.tokens_before(slot, chunk))  # the tokens this call evicts
+            real(slot, chunk)
+        monkeypatch.setattr(state, "evict_chunks_before", counted)
         got.append(say(engine, voice, text, seed=3, n_past_chunks=1))
         monkeypatch.undo()
         evictions.append([n for n in calls if n > 0])

@@ -130,7 +130,7 @@ def corrupt_history(inputs: torch.Tensor, p: float, none_ids: list[int], codeboo
 def drop_text(text_mask: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:
     """`text_mask` ([B, L] or [B, S, L]) with every text key hidden from a share `p` of the
     batch's rows: those rows train the decoder without its text, the unconditional model
-    that classifier-free guidance (`LiveSpeech2.text_guided`) steers away from; the
+    that classifier-free guidance (models/livespeech.py `text_guided`) steers away from; the
     enrollment stays visible, so the voice is kept."""
     if p <= 0:
         return text_mask
