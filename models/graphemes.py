@@ -91,34 +91,58 @@ def align_words_to_frames(
     spoken phones rather than its frames, and the whole pause between two words is SPACE
     rather than carrying the next word's first letter.
     """
+    ids = spoken_letters(words)
+    return [ids[p] if p >= 0 else BLANK for p in letter_positions(words, spans, n_frames, phones, pause)]
+
+
+def spoken_letters(words: Sequence[str]) -> list[int]:
+    """The grapheme ids `letter_positions` indexes: each word's letters, SPACE between words."""
+    out: list[int] = []
+    for word in words:
+        chars = word_graphemes(word)
+        if chars:
+            out += ([SPACE] if out else []) + chars
+    return out
+
+
+def letter_positions(
+    words: Sequence[str], spans: Sequence[tuple[int, int]], n_frames: int,
+    phones: Optional[Sequence[tuple[str, int, int]]] = None, pause: str = "_",
+) -> list[int]:
+    """Per frame, the index into `spoken_letters(words)` of the letter (or SPACE) it
+    carries as `align_words_to_frames` lays them out; -1 after the last word."""
     labels = [-1] * n_frames
     spoken = None if phones is None else [(a, b) for name, a, b in phones if name != pause and b > a]
     prev_end = None  # end of the last word that got labels (skipped words don't count)
+    offset = 0  # the word's first letter in spoken_letters
     for word, (start, end) in zip(words, spans):
         chars = word_graphemes(word)
+        if not chars:
+            continue
+        first, offset = offset, offset + len(chars) + 1
         start = max(0, min(start, n_frames))
         end = max(start, min(end, n_frames))
-        if not chars or end <= start:
+        if end <= start:
             continue
         if prev_end is not None:
             gap_start = max(0, min(prev_end, start))
             if gap_start < start:
                 for t in range(gap_start, start if spoken is not None else gap_start + 1):
-                    labels[t] = SPACE
+                    labels[t] = first - 1
             elif end - start > len(chars):
-                labels[start] = SPACE
+                labels[start] = first - 1
                 start += 1
         prev_end = end
         if spoken is None:
             n = end - start
             for k in range(n):
-                labels[start + k] = chars[min(len(chars) - 1, k * len(chars) // n)]
+                labels[start + k] = first + min(len(chars) - 1, k * len(chars) // n)
             continue
         bounds = _letter_bounds(len(chars), start, end, [(max(a, start), min(b, end)) for a, b in spoken
                                                           if a < end and b > start])
-        for k, c in enumerate(chars):  # a letter squeezed to no frame is not in the stream
+        for k in range(len(chars)):  # a letter squeezed to no frame is not in the stream
             for t in range(bounds[k], bounds[k + 1]):
-                labels[t] = c
+                labels[t] = first + k
     return _fill(labels, n_frames)
 
 
@@ -141,14 +165,14 @@ def _letter_bounds(n_letters: int, start: int, end: int, phones: Sequence[tuple[
 
 
 def _fill(labels: list[int], n_frames: int) -> list[int]:
-    """Unlabelled frames take the next label to their right; after the last label, BLANK."""
-    out = [BLANK] * n_frames
-    nxt = BLANK
+    """Unlabelled (-1) frames take the next label to their right; after the last label, -1."""
+    out = [-1] * n_frames
+    nxt = -1
     for t in range(n_frames - 1, -1, -1):
         if labels[t] >= 0:
             nxt = labels[t]
         out[t] = nxt
     last = max((t for t in range(n_frames) if labels[t] >= 0), default=-1)
     for t in range(last + 1, n_frames):
-        out[t] = BLANK
+        out[t] = -1
     return out

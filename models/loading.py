@@ -1,8 +1,9 @@
 """Everything needed to synthesise, loaded together: decoder, codec, tokenizer, voices.
 
 A model directory holds `decoder.pt` ({'config', 'state_dict'}), `codec.pt` (our codec
-format, or an official EnCodec state dict named `encodec_24khz*.th`) and optional
-`voices/*.wav` (built-in reference voices). The embedded default model lives in
+format, or an official EnCodec state dict named `encodec_24khz*.th`), optional
+`voices/*.wav` (built-in reference voices) and optional `front_end.pt` (the letter
+schedule, models/front_end.py). The embedded default model lives in
 `models/weights/default/`.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from .codec import CodecModel
 from .codec import preset as codec_preset
 from .config import SAMPLE_RATE, ModelConfig, preset
+from .front_end import FrontEnd, load_front_end
 from .livespeech import LiveSpeech2
 from .resample import resample
 from .tokenizer import TextTokenizer, get_tokenizer
@@ -54,6 +56,7 @@ class ModelBundle:
     device: torch.device
     builtin_voices: dict[str, np.ndarray] = field(default_factory=dict)  # 24 kHz reference audio
     source: str = ""
+    front_end: Optional[FrontEnd] = None  # the letter schedule's networks (models/front_end.py)
 
     @torch.no_grad()
     def encode_audio(self, audio: np.ndarray, sample_rate: int) -> torch.Tensor:
@@ -128,7 +131,7 @@ def load_bundle(
     for wav_path in sorted((root / "voices").glob("*.wav")):
         audio, sr = read_wav(wav_path)
         voices[wav_path.stem] = resample(audio, sr, SAMPLE_RATE)
-    return ModelBundle(model, codec, tok, dev, voices, source=str(root))
+    return ModelBundle(model, codec, tok, dev, voices, source=str(root), front_end=load_front_end(root))
 
 
 def _init_codebooks(codec: CodecModel) -> None:

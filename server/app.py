@@ -227,6 +227,7 @@ def engine_config(config: ServerConfig):
         bf16_matmuls=bf16_matmuls_enabled(config.bf16_matmuls, config.device),
         device_guidance=config.device_guidance,
         text_cfg_scale=config.text_cfg_scale,
+        letter_schedule=config.letter_schedule,
     )
 
 

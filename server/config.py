@@ -62,6 +62,10 @@ class ServerConfig:
     # (models/livespeech.py text_guided; the decoder without text steps beside every
     # session, about doubling the step); 0 = off
     text_cfg_scale: float = 0.0
+    # the model's letter schedule (models/front_end.py), where the model directory has
+    # one: each session's letters forced on a predicted timeline and codebook 1 sampled
+    # among the codes of each frame's phone; off = the decoder's own graphemes
+    letter_schedule: bool = True
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
     voices_dir: Optional[Path] = None  # None = voices kept in memory only
@@ -277,6 +281,8 @@ class EngineConfig:
     device_guidance: bool = ServerConfig.device_guidance
     # classifier-free guidance on the text (server/runner.py)
     text_cfg_scale: float = ServerConfig.text_cfg_scale
+    # the letter schedule, where the bundle has a front end (server/session.py)
+    letter_schedule: bool = ServerConfig.letter_schedule
     # on the CPU, packets after a session's first are decoded on a codec thread while the
     # next model step runs on the other core (their audio goes out a step later; a
     # session's first and last packets stay on the engine thread). On 2 cores it cut the

@@ -23,6 +23,7 @@ import numpy as np
 
 from livespeech.api.audio import pcm16_to_float
 from livespeech.api.session import CapacityError, Failed, Finished, SessionConfig, Sink, Summary
+from livespeech.models.front_end import LetterSchedule
 from livespeech.models.loading import ModelBundle
 
 from .codec_worker import CodecWorker, InFlightDecode
@@ -230,6 +231,8 @@ class Engine:
         s.slot = slot
         self._sessions[slot] = s
         s.guidance = self.runner.admit(slot, s.voice, s.config.seed, s.guidance)
+        if self.bundle.front_end is not None and self.config.letter_schedule:
+            s.letters = LetterSchedule(self.bundle.front_end, s.voice.engine)
 
     # --- decoding --------------------------------------------------------------------------------
     def _step(self, batch: list[EngineSession]) -> None:
@@ -240,12 +243,16 @@ class Engine:
             if (waited := s.begin_step(now)) is not None:
                 self.metrics.lookahead_wait_seconds.observe(waited)
         windows, force = [s.window() for s in batch], [s.must_end() for s in batch]
+        letters = [s.letters for s in batch]
+        forced = [s.forced_grapheme() for s in batch] if any(x is not None for x in letters) else None
+        d1 = self.bundle.model.cfg.delays[1]  # codebook 1 at this step carries frame step - d1
+        phones = [-1 if x is None else x.phone(s.step_count - d1) for s, x in zip(batch, letters)] if forced else None
         self.codec.deliver_done()
         with self.codec.may_deliver():
             results = self.runner.step(
                 [s.slot for s in batch], windows, [s.guidance for s in batch],
                 [s.config.guidance_lambda for s in batch], [s.config.top_k for s in batch], force,
-                [s.config.grapheme_top_k for s in batch], [s.temperatures for s in batch],
+                [s.config.grapheme_top_k for s in batch], [s.temperatures for s in batch], forced, phones,
             )
         step_s = time.perf_counter() - t0
         self.metrics.step_seconds.observe(step_s)

@@ -83,6 +83,7 @@ class Voice:
     voice_id: str
     enrollment: torch.Tensor  # [N, D] speech-encoder output
     kv: torch.Tensor  # per-layer enrollment K/V, computed once per voice
+    engine: int = 0  # the front end's synthesiser engine the voice sounds most like (models/front_end.py)
 
 
 class ModelRunner:
@@ -129,6 +130,8 @@ class ModelRunner:
         # each slot's seed: its draws are `counter_uniforms` of the seed and the decode
         # step, made on the device (no generator state on the host)
         self.seeds = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        # the phone each codebook-1 code names, for the letter schedule (models/front_end.py)
+        self.code_phones = (bundle.front_end.code_phones.to(self.device) if bundle.front_end is not None else None)
         self._voice_lock = threading.Lock()
         self._warm_up()
 
@@ -157,7 +160,8 @@ class ModelRunner:
         codes = self.bundle.encode_audio(audio, sample_rate)  # [Q, T]
         with self._voice_lock:
             enroll = self.model.encode_enrollment(codes.unsqueeze(0).to(self.device))[0]
-            return Voice(voice_id, enroll, enrollment_kv(self.model, enroll))
+            engine = self.bundle.front_end.voice_engine(codes[0]) if self.bundle.front_end is not None else 0
+            return Voice(voice_id, enroll, enrollment_kv(self.model, enroll), engine)
 
     # --- session slots --------------------------------------------------------------------
     def admit(self, slot: int, voice: Voice, seed: Optional[int],
@@ -211,11 +215,16 @@ class ModelRunner:
         force_eos: Sequence[bool],
         grapheme_top_ks: Optional[Sequence[int]] = None,
         temperatures: Optional[Sequence[Temperatures]] = None,
+        forced_graphemes: Optional[Sequence[int]] = None,
+        first_code_phones: Optional[Sequence[int]] = None,
     ) -> list[SlotStep]:
         """One step of `slots`. top_ks: the acoustic codes' k; grapheme_top_ks (None:
         top_ks) and temperatures (None: 1) as `livespeech.models.guidance.sample_step` takes them.
-        force_eos: the runaway guard's EOS, over whatever was sampled. Each session's
-        guidance observes its grapheme (on the device with device guidance)."""
+        force_eos: the runaway guard's EOS, over whatever was sampled. forced_graphemes:
+        each row's grapheme from its letter schedule (-1: sampled); first_code_phones:
+        the phone of each row's codebook-1 frame (-1: none), whose codes alone codebook 1
+        is sampled among (the front end's `code_phones`). Each session's guidance
+        observes its grapheme (on the device with device guidance)."""
         self.state.rotate_windows(slots, windows)
         # the captured step reads the whole state itself: its view gathers no memory
         view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else ())
@@ -235,8 +244,14 @@ class ModelRunner:
         idx = torch.tensor(slots, device=self.device)
         sets = self.guidance.guide(idx, logits.graphemes.shape[-1]) if on_device else guidance
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
-        tokens, bad = sample_step(logits.graphemes, logits.acoustic, sets, lambdas, top_ks,
+        acoustic = logits.acoustic
+        if first_code_phones is not None and max(first_code_phones) >= 0:
+            acoustic = self._first_code_among_phone_codes(acoustic, first_code_phones)
+        tokens, bad = sample_step(logits.graphemes, acoustic, sets, lambdas, top_ks,
                                   self.uniforms(idx, view.step), grapheme_top_ks, temperatures)
+        if forced_graphemes is not None and max(forced_graphemes) >= 0:
+            forced = torch.tensor(forced_graphemes, device=tokens.device)
+            tokens[:, 0] = torch.where(forced >= 0, forced, tokens[:, 0])
         if any(force_eos):
             tokens[:, 0] = tokens[:, 0].masked_fill(torch.tensor(force_eos, device=tokens.device), graphemes.EOS)
         res = self.state.commit(view, tokens)
@@ -254,6 +269,17 @@ class ModelRunner:
             else:
                 g.observe(r[0])
         return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
+
+    def _first_code_among_phone_codes(self, acoustic: torch.Tensor, phones: Sequence[int]) -> torch.Tensor:
+        """Codebook 1's logits kept only on the codes that name each row's phone (a row with
+        no phone, or a phone no code names, keeps them all)."""
+        if self.code_phones is None:
+            raise ValueError("first_code_phones needs a bundle with a front end")
+        allowed = self.code_phones.view(1, -1) == torch.tensor(phones, device=acoustic.device).view(-1, 1)
+        allowed |= ~allowed.any(1, keepdim=True)
+        # finite: sample_step takes a row with a non-finite logit for a numerical failure
+        first = acoustic[:, :1].masked_fill(~allowed.unsqueeze(1), -1e4)
+        return torch.cat((first, acoustic[:, 1:]), dim=1)
 
     def uniforms(self, slots: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """[B, 1 + Q] the draws of `slots` (a tensor on the device) at their decode

@@ -24,6 +24,7 @@ from livespeech.api.session import (AudioPacket, ConfigError, LimitError, Sessio
                                     WordTiming)
 from livespeech.models import graphemes
 from livespeech.models.attention import window_chunk_range
+from livespeech.models.front_end import LetterSchedule
 from livespeech.models.config import FRAME_RATE
 from livespeech.models.guidance import GuidanceState, Temperatures
 
@@ -92,6 +93,9 @@ class EngineSession:
         self.chunker = Chunker(config.chunking)
         self.timeline = SpeechTimeline(client_speech_time=config.timestamps_are_speech_time)
         self.guidance = GuidanceState()
+        # the text's letters on predicted frames (models/front_end.py), when the model has
+        # a front end and the letter schedule is on: the engine sets it at open
+        self.letters: Optional[LetterSchedule] = None
         self.temperatures = Temperatures(config.grapheme_temperature, config.first_codebook_temperature,
                                          config.acoustic_temperature)
         self.chunks: list[Chunk] = []
@@ -201,11 +205,15 @@ class EngineSession:
             start = self.n_chars + len(ids)
             ids.extend(g)
             words.append(Word(w, start, self.n_chars + len(ids)))
+            if self.letters is not None:
+                self.letters.add_word(graphemes.word_graphemes(w))
         chunk = Chunk(tc.index, token_ids, len(ids))
         self.guidance.extend_transcript(ids)
         self.n_chars += len(ids)
         self.chunks.append(chunk)
         self.words.extend(words)
+        if self.letters is not None:
+            self.letters.lay(self.step_count, final=self.text_complete)
         return chunk
 
     @property
@@ -241,6 +249,8 @@ class EngineSession:
             return True
         if self.covered_chars == self.n_chars:
             return self.running_out()
+        if self.letters is not None and self.step_count >= self.letters.n_frames:
+            return False  # its letters wait for the ones after them (the schedule's window)
         c = self.timeline.current_chunk(max(0, self.step_count - self.audio_lag_frames))
         if c <= self.lookahead_waived_through:
             return True
@@ -267,6 +277,8 @@ class EngineSession:
         stream has covered it, the speech steps on until the audio, which lags by the
         codebook delays, has completed its frames (`running_out`)."""
         self.run_out_chars = self.n_chars
+        if self.letters is not None:
+            self.letters.lay(self.step_count, final=True)
 
     def running_out(self) -> bool:
         """Whether the speech, its stream at the end of the text, steps on to finish the
@@ -325,6 +337,16 @@ class EngineSession:
             return None
         self.started_at = now
         return now - (self.first_text_at or now)
+
+    def forced_grapheme(self) -> int:
+        """This step's grapheme from the letter schedule: its letter, EOS once the text is
+        complete and all its letters are spoken, or -1 (sampled: no schedule, or the
+        speech steps past the letters laid)."""
+        if self.letters is None:
+            return -1
+        if self.eos_added and self.step_count >= self.letters.n_frames:
+            return graphemes.EOS
+        return self.letters.grapheme(self.step_count)
 
     def must_end(self) -> bool:
         """Runaway guard once the text is complete: speech running past the (re-placed)

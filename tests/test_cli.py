@@ -208,6 +208,13 @@ def test_device_guidance_reaches_the_engine() -> None:
     assert engine_config(ServerConfig.from_args([], env={"LIVESPEECH_DEVICE_GUIDANCE": "true"})).device_guidance
 
 
+def test_the_letter_schedule_is_on_by_default_and_can_be_turned_off() -> None:
+    from livespeech.server.app import engine_config
+    assert engine_config(ServerConfig.from_args([], env={})).letter_schedule
+    assert not engine_config(ServerConfig.from_args(["--letter-schedule", "false"], env={})).letter_schedule
+    assert not engine_config(ServerConfig.from_args([], env={"LIVESPEECH_LETTER_SCHEDULE": "false"})).letter_schedule
+
+
 def test_text_cfg_scale_reaches_the_engine_and_is_bounded() -> None:
     from livespeech.server.app import engine_config
     assert engine_config(ServerConfig.from_args([], env={})).text_cfg_scale == 0.0

@@ -84,3 +84,30 @@ def test_free_mode_steps_like_the_server_runner(setup):
             break
     assert t + 1 == free.steps
     np.testing.assert_array_equal(free.frames[:, 1:], np.array(frames).reshape(-1, free.frames.shape[1] - 1))
+
+
+def test_phone_modes_hold_codebook_1_to_the_codes_they_allow(setup):
+    bundle, p, runner, voice, corpus, rows = setup
+    rec = next(r for r in rows if r["id"] == p.utt.id)
+    table = PhoneTable.fit(bundle.codec, corpus, rows, min_count=1)
+    size, T = bundle.model.cfg.codebook_size, p.n_frames
+    allowed = table.allowed_codes(rec, T, size)
+    held = [f for f in range(T) if allowed[f].any()]
+    assert held
+    truth = diagnose.synthesize(runner, voice, p, "oracle-g+phone", seed=3,
+                                cb1_rule=diagnose.cb1_rule("oracle-g+phone", table, rec, p, size))
+    assert all(allowed[f, truth.frames[f, 1]] for f in held)
+    plain = diagnose.synthesize(runner, voice, p, "oracle-g", seed=3)
+    assert not all(allowed[f, plain.frames[f, 1]] for f in held)  # the rule is what holds it
+    named = table.code_phones(size)
+    argmax = diagnose.synthesize(runner, voice, p, "oracle-g+phone-argmax", seed=3,
+                                 cb1_rule=diagnose.cb1_rule("oracle-g+phone-argmax", table, rec, p, size))
+    assert (named[torch.from_numpy(argmax.frames[:, 1])] >= 0).all()
+    assert not (named[torch.from_numpy(plain.frames[:, 1])] >= 0).all()
+
+
+def test_follow_text_moves_along_the_letters_the_row_spells():
+    h, e, l, o = (G.text_to_ids(c)[0] for c in "helo")
+    letters = G.text_to_ids("hello")
+    assert diagnose.follow_text(letters, [h, h, e, l, l, o, G.BLANK, o]) == [0, 0, 1, 2, 2, 4, -1, 4]
+    assert diagnose.follow_text(letters, [G.BLANK, e, o], ahead=1) == [-1, 1, 1]  # too far ahead: stays

@@ -4,8 +4,8 @@ import random
 import pytest
 
 from livespeech.models.graphemes import (BLANK, EOS, SPACE, SYMBOLS, VOCAB_SIZE, align_words_to_frames,
-                              collapse_repeats, ctc_collapse, ids_to_text, normalize_text,
-                              text_to_ids, word_graphemes)
+                              collapse_repeats, ctc_collapse, ids_to_text, letter_positions, normalize_text,
+                              spoken_letters, text_to_ids, word_graphemes)
 
 
 def g(ch):
@@ -151,3 +151,16 @@ def test_letters_on_phones_move_with_the_sounds_and_pauses_are_spaces():
     assert ctc_collapse(out) == ctc_collapse(even)  # the same letters, other frames
     # a word with no phone timeline inside its span is split evenly over its frames
     assert align_words_to_frames(["ab"], [(0, 4)], 4, phones=[]) == align_words_to_frames(["ab"], [(0, 4)], 4)
+
+
+def test_letter_positions_index_the_spoken_letters_the_frames_carry():
+    words, spans = ["Hi,", "--", "yo"], [(2, 5), (5, 6), (8, 10)]
+    letters = spoken_letters(words)
+    assert letters == text_to_ids("hi yo")
+    for phones in (None, [("h", 2, 3), ("aI", 3, 5), ("_", 5, 8), ("j", 8, 9), ("oU", 9, 10)]):
+        pos = letter_positions(words, spans, 14, phones=phones)
+        frames = align_words_to_frames(words, spans, 14, phones=phones)
+        assert [letters[p] if p >= 0 else BLANK for p in pos] == frames
+        assert pos[10:] == [-1] * 4 and pos[0] == 0  # leading silence takes the first letter
+        assert all(b - a in (0, 1) for a, b in zip(pos[:10], pos[1:10]))  # one letter after another
+

@@ -121,12 +121,20 @@ class AudioCrops:
 def phone_letters(rec: dict) -> list[int]:
     """The record's grapheme row with its letters on its phones and its pauses as SPACE
     (livespeech.models.graphemes.align_words_to_frames with phones), on the manifest's frames."""
+    letters, positions = phone_letter_positions(rec)
+    return [letters[p] if p >= 0 else G.BLANK for p in positions]
+
+
+def phone_letter_positions(rec: dict) -> tuple[list[int], list[int]]:
+    """(`spoken_letters` of the record's words, each frame's position in them) with the
+    letters on the record's phones (livespeech.models.graphemes.letter_positions)."""
     from livespeech.training.corpus.plan import spans_to_frames
 
     T = len(rec["graphemes"])
-    words = spans_to_frames([(a, b) for _, a, b in rec["words"]], T)
+    words = [w for w, _, _ in rec["words"]]
+    spans = spans_to_frames([(a, b) for _, a, b in rec["words"]], T)
     phones = [(name, int(round(a * FRAME_RATE)), int(round(b * FRAME_RATE))) for name, a, b in rec["phones"]]
-    return G.align_words_to_frames([w for w, _, _ in rec["words"]], words, T, phones=phones)
+    return G.spoken_letters(words), G.letter_positions(words, spans, T, phones=phones)
 
 
 def codes_path(codes_dir: str, utt_id: str) -> str:

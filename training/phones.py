@@ -157,6 +157,20 @@ class PhoneTable:
         named = np.array([self.table.get(int(c), self.default) for c in codes[keep]], np.int64)
         return int((named == labels[keep]).sum()), int(keep.sum())
 
+    def code_phones(self, codebook_size: int) -> torch.Tensor:
+        """[codebook_size] long: the phone each code names (-1: a code unseen in the fit)."""
+        named = torch.full((codebook_size,), -1, dtype=torch.long)
+        for code, phone in self.table.items():
+            named[int(code)] = int(phone)
+        return named
+
+    def allowed_codes(self, rec: dict, n_frames: int, codebook_size: int) -> torch.Tensor:
+        """[n_frames, codebook_size] bool: per frame, the codes that name the record's phone
+        there (none on unlabelled frames)."""
+        labels = self.vocab.frame_labels(rec, 0, n_frames, self.hop, self.sample_rate)
+        lab = torch.from_numpy(np.asarray(labels, np.int64))
+        return (self.code_phones(codebook_size).view(1, -1) == lab.view(-1, 1)) & (lab != IGNORE).view(-1, 1)
+
 
 @torch.no_grad()
 def first_codebook(codec, corpus: str, recs: Sequence[dict], device="cpu", max_seconds: float = 8.0) -> list[np.ndarray]:

@@ -51,14 +51,14 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from livespeech.models import graphemes as G
 from livespeech.models.attention import current_chunk, window_chunk_range
-from livespeech.models.guidance import sample_top_k
+from livespeech.models.guidance import GuidanceState, sample_top_k
 from livespeech.api.session import SessionConfig
 from livespeech.training.dataset import DecoderData, Example, codes_path, collate, read_manifest, read_wav_segment
 from livespeech.training.encode_corpus import encode_batch, save_codes
@@ -69,13 +69,27 @@ from livespeech.training.eval.text import edit_distance, error_counts, get_norma
 from livespeech.training.eval.evaluate import (SR, Scorer, Utterance, _json_default, codec_resynthesis, model_info, read_audio,
                                select_utterances)
 
-SYNTH_MODES = ("free", "oracle-g", "oracle-g+cb1", "oracle-acoustic")
+SYNTH_MODES = ("free", "oracle-g", "oracle-g+cb1", "oracle-acoustic", "oracle-g+phone", "free+phone-argmax",
+               "oracle-g+phone-argmax", "oracle-g+letter-phone", "free+letter-phone", "bound", "bound+letter-phone",
+               "timed", "timed+letter-phone")
 DEFAULT_MODES = SYNTH_MODES[:3]
 MODE_LABELS = {"free": "free (graphemes sampled)", "oracle-g": "oracle graphemes",
                "oracle-g+cb1": "oracle graphemes + codebook 1",
-               "oracle-acoustic": "oracle acoustic codes (graphemes sampled)"}
+               "oracle-acoustic": "oracle acoustic codes (graphemes sampled)",
+               "oracle-g+phone": "oracle graphemes, codebook 1 sampled among the true phone's codes",
+               "free+phone-argmax": "free, codebook 1 sampled among its likeliest phone's codes",
+               "oracle-g+phone-argmax": "oracle graphemes, codebook 1 sampled among its likeliest phone's codes",
+               "oracle-g+letter-phone": "oracle graphemes, codebook 1 among the codes of the letter's phone",
+               "free+letter-phone": "free, codebook 1 among the codes of the emitted letter's phone",
+               "bound": "graphemes bound to the text (guidance lambda inf)",
+               "bound+letter-phone": "graphemes bound to the text, codebook 1 among the codes of the letter's phone",
+               "timed": "graphemes forced to the predicted letter timeline",
+               "timed+letter-phone": "graphemes forced to the predicted letter timeline, codebook 1 among the codes of the letter's phone"}
 # per mode: (graphemes forced, how many acoustic codebooks forced, first ones first)
-FORCING = {"free": (False, 0), "oracle-g": (True, 0), "oracle-g+cb1": (True, 1), "oracle-acoustic": (False, None)}
+FORCING = {"free": (False, 0), "oracle-g": (True, 0), "oracle-g+cb1": (True, 1), "oracle-acoustic": (False, None),
+           "oracle-g+phone": (True, 0), "free+phone-argmax": (False, 0), "oracle-g+phone-argmax": (True, 0),
+           "oracle-g+letter-phone": (True, 0), "free+letter-phone": (False, 0), "bound": (False, 0),
+           "bound+letter-phone": (False, 0), "timed": (True, 0), "timed+letter-phone": (True, 0)}
 
 
 @dataclasses.dataclass
@@ -198,12 +212,19 @@ class Synth:
     steps: int
 
 
+# a codebook-1 rule: (frame, the grapheme row so far, codebook 1's logits [1, V]) -> the
+# codes codebook 1 may take at that frame ([V] bool), or None to leave it free
+Cb1Rule = Callable[[int, list, torch.Tensor], Optional[torch.Tensor]]
+
+
 @torch.inference_mode()
 def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int = SessionConfig.top_k,
-               n_past: int = 4, n_future: int = 2, max_overrun: int = 225) -> Synth:
+               n_past: int = 4, n_future: int = 2, max_overrun: int = 225,
+               cb1_rule: Optional[Cb1Rule] = None, row_forced: Optional[list[int]] = None) -> Synth:
     """Decode one utterance in slot 0 of `runner` (a livespeech.server.runner.ModelRunner), stepping
     the model as ModelRunner.step does (its model step; guidance off), with the forcing
-    of `mode`."""
+    of `mode` and, for codebook 1, the codes `cb1_rule` allows (the phone modes). The
+    forced graphemes are the ground truth's, or `row_forced` (then EOS)."""
     if mode not in SYNTH_MODES:
         raise ValueError(f"mode must be one of {SYNTH_MODES}")
     model, st = runner.model, runner.state
@@ -219,19 +240,35 @@ def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int =
     n_ac = model.cfg.n_acoustic_codebooks if n_ac is None else n_ac
     delays = model.cfg.delays
     slot = torch.tensor([0], device=runner.device)
-    frames = []
-    for t in range(T + max_overrun + model.cfg.max_delay + 2):
+    forced = gt[0, :T + 1].tolist() if row_forced is None else list(row_forced) + [G.EOS]
+    frames, row = [], []
+    # "bound" modes: the graphemes sampled among guidance's guiding set (lambda inf)
+    bound = (GuidanceState(G.collapse_repeats(G.text_to_ids(prep.utt.text)), input_complete=True)
+             if mode.startswith("bound") else None)
+    for t in range(max(T, len(forced)) + max_overrun + model.cfg.max_delay + 2):
         lo, hi = window(prep.chunk_tau, t, n_past, n_future)
         view = st.view([0])
         mask = st.window_mask(view, [lo], [hi])
         logits = runner.model_step(view.inputs, view.step, view, mask[:, : st.visible_length([0], [lo], [hi])])
         u = runner.uniforms(slot, view.step)  # as the runner's step draws them, grapheme first
-        g = sample_top_k(logits.graphemes.float(), [top_k], u[:, :1])
-        a = sample_top_k(logits.acoustic.float(), [top_k], u[:, 1:])
+        g_logits = logits.graphemes.float()
+        if bound is not None and bound.guiding_set():
+            keep = torch.zeros(g_logits.shape[-1], dtype=torch.bool)
+            keep[bound.guiding_set()] = True
+            g_logits = g_logits.masked_fill(~keep.to(g_logits.device), float("-inf"))
+        g = sample_top_k(g_logits, [top_k], u[:, :1])
+        if bound is not None:
+            bound.observe(int(g[0]))
         if force_g:
-            g[:] = int(gt[0, min(t, T)])  # frame t; EOS at T (later steps: none ids in commit)
+            g[:] = forced[min(t, len(forced) - 1)]  # frame t; then EOS (later steps: none ids in commit)
         elif t > T + max_overrun:  # the engine's runaway guard (server/session.py EngineSession.must_end)
             g[:] = G.EOS
+        row.append(int(g[0]))
+        acoustic = logits.acoustic.float()
+        allowed = cb1_rule(t - delays[1], row, acoustic[:, 0]) if cb1_rule is not None and t >= delays[1] else None
+        if allowed is not None and bool(allowed.any()):
+            acoustic[:, 0].masked_fill_(~allowed.to(acoustic.device), float("-inf"))
+        a = sample_top_k(acoustic, [top_k], u[:, 1:])
         for k in range(1, 1 + n_ac):  # codebook k at step t carries frame t - delay_k
             if 0 <= t - delays[k] < T:
                 a[:, k - 1] = int(gt[k, t - delays[k]])
@@ -242,6 +279,85 @@ def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int =
             break
     k = model.cfg.n_codebooks
     return Synth(np.array(frames, np.int64).reshape(-1, k), t + 1)
+
+
+def true_phone_rule(allowed: torch.Tensor) -> Cb1Rule:
+    """The codes of the phone the corpus's timeline has at the frame (allowed [T, V])."""
+    return lambda f, row, logits: allowed[f] if f < len(allowed) else None
+
+
+def phone_argmax_rule(code_phones: torch.Tensor) -> Cb1Rule:
+    """The codes of the phone codebook 1's own distribution gives the most mass."""
+    def rule(f, row, logits):
+        mass = torch.zeros(logits.shape[0], int(code_phones.max()) + 2)
+        mass.scatter_add_(1, (code_phones + 1).expand(logits.shape[0], -1), logits.softmax(-1).cpu())
+        mass[:, 0] = 0  # codes that name no phone never win
+        return code_phones == mass.argmax(1) - 1
+    return rule
+
+
+def letter_phone_rule(front_end, letters: list[int], engine: int, positions: Optional[list[int]] = None) -> Cb1Rule:
+    """The codes of the phone `front_end` (livespeech.models.front_end.FrontEnd) gives the
+    letter at the frame: at its true position (`positions`), or where the emitted
+    grapheme row has got to in the text (`follow_text`)."""
+    def rule(f, row, logits):
+        pos = positions[:f + 1] if positions is not None else follow_text(letters, row[:f + 1])
+        if not pos or pos[-1] < 0:
+            return None
+        n = 0
+        while n + 1 < len(pos) and pos[-2 - n] == pos[-1]:
+            n += 1
+        return front_end.code_phones == front_end.phones_of(letters, pos[-1:], [n], engine)[0]
+    return rule
+
+
+def schedule_rule(front_end, schedule) -> Cb1Rule:
+    """The codes of the phone a `LetterSchedule` gives the frame."""
+    return lambda f, row, logits: front_end.code_phones == schedule.phone(f) if schedule.phone(f) >= 0 else None
+
+
+def cb1_rule(mode: str, phones: Optional[PhoneTable], rec: dict, prep: Prepared, codebook_size: int,
+             front_end=None, schedule=None) -> Optional[Cb1Rule]:
+    """The codebook-1 rule of a phone mode (None for the others)."""
+    if "phone" not in mode:
+        return None
+    if mode == "oracle-g+phone":
+        return true_phone_rule(phones.allowed_codes(rec, prep.n_frames, codebook_size))
+    if mode.endswith("phone-argmax"):
+        return phone_argmax_rule(phones.code_phones(codebook_size))
+    if mode.startswith("timed"):
+        return schedule_rule(front_end, schedule)
+    from livespeech.training.dataset import phone_letter_positions
+
+    letters, positions = phone_letter_positions(rec)
+    return letter_phone_rule(front_end, letters, front_end.engines.index(rec.get("engine", "espeak")),
+                             positions if mode.startswith("oracle-g") else None)
+
+
+def letter_schedule(front_end, rec: dict, engine: int):
+    """The record's words on a `LetterSchedule` laid whole, as the server lays a complete text."""
+    from livespeech.models.front_end import LetterSchedule
+
+    schedule = LetterSchedule(front_end, engine)
+    for w, _, _ in rec["words"]:
+        schedule.add_word(G.word_graphemes(w))
+    schedule.lay(0, final=True)
+    return schedule
+
+
+def follow_text(letters: list[int], row: list[int], ahead: int = 3) -> list[int]:
+    """Per frame of an emitted grapheme row, the position in `letters` it has reached:
+    a frame's letter moves the position to the first of the next `ahead` letters it
+    equals, else the position stays (-1 before the first letter and on BLANK/EOS)."""
+    out, p = [], -1
+    for g in row:
+        if g > G.EOS:
+            for j in range(max(p, 0), min(len(letters), max(p, 0) + ahead + 1)):
+                if letters[j] == g:
+                    p = j
+                    break
+        out.append(p if g > G.EOS else -1)
+    return out
 
 
 def decode_audio(bundle, frames: np.ndarray) -> np.ndarray:
@@ -398,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--asr", choices=("tiny.en", "base", "none"), default="base")
     p.add_argument("--threads", type=int, default=1, help="torch and ASR threads")
     p.add_argument("--save-audio", default=None, help="folder for the WAVs")
+    p.add_argument("--front-end", default=None,
+                   help="a front_end.pt (livespeech.models.front_end; the letter-phone and timed modes)")
     p.add_argument("--letters", choices=("even", "phones"), default="even",
                    help="the grapheme row the model was trained on (livespeech.training.train --letters): the "
                         "teacher-forced targets and the oracle graphemes")
@@ -439,6 +557,17 @@ def main(argv=None) -> int:
     by_id = {r["id"]: r for r in rows}
     phones = (PhoneTable.fit(bundle.codec, str(corpus), rows, device=bundle.device)
               if any(r.get("phones") for r in rows) else None)
+    if phones is None and any("phone" in m for m in modes):
+        log("the phone modes need a corpus with phone timelines (manifest 'phones')")
+        return 2
+    front_end = None
+    if any("letter-phone" in m or m == "timed" for m in modes):
+        from livespeech.models.front_end import FrontEnd
+
+        front_end = FrontEnd.load(a.front_end)
+        if front_end.phone_names != phones.vocab.names:
+            log("--front-end: its phones differ from this corpus's")
+            return 2
     log(f"diagnose: {len(preps)} of {len(utts)} utterances, modes {modes}")
     records: list[dict] = []
     utt_out: list[dict] = []
@@ -457,9 +586,14 @@ def main(argv=None) -> int:
         audios = [(report.GT, gt, phone_hits(phones, rec_u, p.example.codes[1, :p.n_frames])),
                   (report.CODEC, codec_resynthesis(bundle, gt)[0], {})]
         voice = runner.make_voice(u.enroll_id, read_audio(u.enroll_audio), SR)
+        voice_codes = bundle.encode_audio(read_audio(u.enroll_audio), SR)[0]
         for m in modes:
             t1 = time.perf_counter()
-            s = synthesize(runner, voice, p, m, seed, a.top_k, a.n_past, a.n_future)
+            schedule = (letter_schedule(front_end, rec_u, front_end.voice_engine(voice_codes))
+                        if m.startswith("timed") else None)
+            s = synthesize(runner, voice, p, m, seed, a.top_k, a.n_past, a.n_future,
+                           cb1_rule=cb1_rule(m, phones, rec_u, p, model.cfg.codebook_size, front_end, schedule),
+                           row_forced=None if schedule is None else schedule.graphemes)
             dt = time.perf_counter() - t1
             audios.append((MODE_LABELS[m], decode_audio(bundle, s.frames),
                            {**stream_metrics(p, s.frames, rec_u, phones), "steps": s.steps, "compute_s": round(dt, 3),

@@ -440,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(SessionConfig: {', '.join(SAMPLING_FIELDS)}), e.g. first_codebook_temperature=0.7")
     p.add_argument("--text-cfg-scale", type=float, default=ServerConfig.text_cfg_scale,
                    help="classifier-free guidance on the text (the server's --text-cfg-scale); 0: off")
+    p.add_argument("--no-letter-schedule", dest="letter_schedule", action="store_false",
+                   help="the decoder's own graphemes even where the model has a front end (the server's "
+                        "--letter-schedule false)")
     p.add_argument("--save-audio", default=None, help="folder for the generated WAVs")
     p.add_argument("--quiet", action="store_true")
     return p
@@ -502,7 +505,7 @@ def main(argv=None) -> int:
 
             # no pacing to real time: sessions run as fast as compute allows (RTF is measured)
             engine = Engine(bundle, EngineConfig(max_sessions=1, max_lead_s=1e6, max_overrun_s=a.max_overrun_s,
-                                                 text_cfg_scale=a.text_cfg_scale))
+                                                 text_cfg_scale=a.text_cfg_scale, letter_schedule=a.letter_schedule))
             engine.start()
     else:
         modes = []
@@ -571,7 +574,8 @@ def main(argv=None) -> int:
         n_heldout=sum(u.heldout for u in utts), n_voices=len({u.voice for u in utts}),
         n_heldout_refs=len(scorer.heldout_refs),
         modes={m: MODES[m].description for m in modes}, lambdas=[_json_lambda(x) for x in lambdas],
-        pacing=a.pacing, sampling={**_sampling_meta(a.sampling), "text_cfg_scale": a.text_cfg_scale},
+        pacing=a.pacing, sampling={**_sampling_meta(a.sampling), "text_cfg_scale": a.text_cfg_scale,
+                                            "letter_schedule": a.letter_schedule and getattr(bundle, "front_end", None) is not None},
         normalizer=normalizer.name, normalizer_note=normalizer.note,
         backends={k: (b.description if b.available() else b.reason) for k, b in backends.items()},
         threads=a.threads, torch=torch.__version__, python=platform.python_version(), host_cpus=os.cpu_count(),

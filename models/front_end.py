@@ -1,0 +1,190 @@
+"""The letter schedule: when each letter of the text is spoken, and which phone each
+frame sounds.
+
+The decoder alone loses the phone once it reads back its own codebook-1 samples; with
+the letters forced on a timeline and codebook 1 sampled among the codes of each frame's
+phone, it speaks (docs/eval.md, "The letter schedule"). Two small networks give that
+from the text alone, without the acoustic history:
+
+- `LetterDurationModel`: frames of each letter (or word gap) from its letter window,
+  the synthesiser's engine and the voice's pace;
+- `LetterPhoneModel`: the phone of a frame from its letter window, how many frames the
+  letter has lasted, and the engine (phone sets are per engine);
+
+and a table of the phone each codebook-1 code names (the codec's). `FrontEnd` holds
+them (a model directory's `front_end.pt`, written by livespeech.training.letter_phones);
+`LetterSchedule` is one session's timeline, laid as its text arrives.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import graphemes as G
+
+WINDOW = 4  # letters either side
+MAX_OFFSET = 12  # frames into the letter, clipped
+PAD = G.VOCAB_SIZE
+
+
+def contexts(letters: Sequence[int], positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per frame, the letter window around its position [N, 2W+1] (PAD outside the
+    letters, and for position -1) and the frames its letter has lasted so far [N]."""
+    padded = np.full(len(letters) + 2 * WINDOW, PAD, np.int64)
+    padded[WINDOW:WINDOW + len(letters)] = letters
+    pos = np.asarray(positions, np.int64)
+    idx = np.clip(pos, 0, None)[:, None] + np.arange(2 * WINDOW + 1)[None, :]
+    ctx = np.where((pos >= 0)[:, None], padded[idx], PAD)
+    offset = np.zeros(len(pos), np.int64)
+    for t in range(1, len(pos)):
+        offset[t] = offset[t - 1] + 1 if pos[t] == pos[t - 1] else 0
+    return ctx, offset
+
+
+class LetterPhoneModel(nn.Module):
+    def __init__(self, n_phones: int, n_engines: int, dim: int = 32, hidden: int = 256):
+        super().__init__()
+        self.chars = nn.Embedding(PAD + 1, dim)
+        self.offset = nn.Embedding(MAX_OFFSET + 1, 16)
+        self.engine = nn.Embedding(n_engines, 8)
+        self.mlp = nn.Sequential(nn.Linear((2 * WINDOW + 1) * dim + 24, hidden), nn.GELU(),
+                                 nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, n_phones))
+
+    def forward(self, context: torch.Tensor, offset: torch.Tensor, engine: torch.Tensor) -> torch.Tensor:
+        """context [N, 2W+1], offset [N], engine [N] -> phone logits [N, phones]."""
+        x = torch.cat((self.chars(context).flatten(1), self.offset(offset.clamp(0, MAX_OFFSET)),
+                       self.engine(engine)), dim=1)
+        return self.mlp(x)
+
+
+class LetterDurationModel(nn.Module):
+    def __init__(self, n_engines: int, dim: int = 32, hidden: int = 256):
+        super().__init__()
+        self.chars = nn.Embedding(PAD + 1, dim)
+        self.engine = nn.Embedding(n_engines, 8)
+        self.mlp = nn.Sequential(nn.Linear((2 * WINDOW + 1) * dim + 9, hidden), nn.GELU(),
+                                 nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 1))
+
+    def forward(self, context: torch.Tensor, engine: torch.Tensor, pace: torch.Tensor) -> torch.Tensor:
+        """context [N, 2W+1], engine [N], pace [N] (log frames per letter) -> log(1 + frames) [N]."""
+        x = torch.cat((self.chars(context).flatten(1), self.engine(engine), pace.view(-1, 1)), dim=1)
+        return self.mlp(x).squeeze(1)
+
+
+class FrontEnd:
+    """The two networks, the phone each codebook-1 code names (`code_phones` [V], -1: none),
+    the phone and engine names, the pace a voice is given, and the factor on the predicted
+    durations (`duration_scale`: the networks regress log(1 + frames), whose exp falls
+    short of the mean frames; training sets it so the train set's total comes out)."""
+
+    def __init__(self, phones: LetterPhoneModel, durations: LetterDurationModel, code_phones: torch.Tensor,
+                 phone_names: Sequence[str], engines: Sequence[str], pace: float, duration_scale: float = 1.0):
+        self.phones, self.durations = phones.eval(), durations.eval()
+        self.code_phones = code_phones.long()
+        self.phone_names, self.engines, self.pace = tuple(phone_names), tuple(engines), float(pace)
+        self.duration_scale = float(duration_scale)
+
+    def to_dict(self) -> dict:
+        return {"phones": self.phones.state_dict(), "durations": self.durations.state_dict(),
+                "code_phones": self.code_phones, "phone_names": list(self.phone_names),
+                "engines": list(self.engines), "pace": self.pace, "duration_scale": self.duration_scale}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FrontEnd":
+        phones = LetterPhoneModel(len(d["phone_names"]), len(d["engines"]))
+        phones.load_state_dict(d["phones"])
+        durations = LetterDurationModel(len(d["engines"]))
+        durations.load_state_dict(d["durations"])
+        return cls(phones, durations, d["code_phones"], d["phone_names"], d["engines"], d["pace"],
+                   d.get("duration_scale", 1.0))
+
+    @classmethod
+    def load(cls, path: os.PathLike | str) -> "FrontEnd":
+        return cls.from_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    def voice_engine(self, first_codes: torch.Tensor) -> int:
+        """The engine whose phones a voice's codebook-1 codes name most often."""
+        named = self.code_phones[first_codes.long().cpu()]
+        named = named[named >= 0]
+        votes = [sum(1 for i in named.tolist() if self.phone_names[i].startswith(e + ":")) for e in self.engines]
+        return int(np.argmax(votes))
+
+    @torch.no_grad()
+    def frames_of(self, letters: Sequence[int], first: int, last: int, engine: int, carry: float) -> tuple[list[int], float]:
+        """Frames of letters[first:last] (their windows read all of `letters`), at least one
+        each (a letter left out would leave the grapheme stream short of the text), the
+        rounding carried from the letters before and on to the ones after."""
+        ctx, _ = contexts(letters, range(first, last))
+        n = last - first
+        f = self.durations(torch.from_numpy(ctx), torch.full((n,), engine), torch.full((n,), self.pace))
+        out = []
+        for x in ((f.exp() - 1).clamp_min(0) * self.duration_scale).tolist():
+            carry += x
+            out.append(max(1, int(round(carry))))
+            carry -= out[-1]
+        return out, carry
+
+    @torch.no_grad()
+    def phones_of(self, letters: Sequence[int], positions: Sequence[int], offsets: Sequence[int],
+                  engine: int) -> list[int]:
+        ctx, _ = contexts(letters, positions)
+        n = len(positions)
+        return self.phones(torch.from_numpy(ctx), torch.tensor(offsets, dtype=torch.long),
+                           torch.full((n,), engine)).argmax(1).tolist()
+
+
+class LetterSchedule:
+    """One session's letters on its frames. Words are added as their text arrives; a
+    letter is laid once the letters its window reads are there (`lay`; all of them
+    when the text is complete). Frames the speech stepped with no letter laid (waiting
+    at the end of the text) stay unscheduled: the next letters start where the speech is."""
+
+    def __init__(self, front_end: FrontEnd, engine: int):
+        self.front_end, self.engine = front_end, engine
+        self.letters: list[int] = []
+        self.laid = 0  # letters laid so far
+        self.graphemes: list[int] = []  # per frame: the letter (-1: unscheduled)
+        self.phones: list[int] = []  # per frame: its phone (-1: unscheduled)
+        self._carry = 0.0
+
+    def add_word(self, word_letters: Sequence[int]) -> None:
+        if word_letters:
+            self.letters += ([G.SPACE] if self.letters else []) + list(word_letters)
+
+    def lay(self, now: int, final: bool) -> None:
+        """Lay the letters whose window is complete (all with `final`) from frame `now` on
+        (or after the frames already laid)."""
+        last = len(self.letters) if final else max(self.laid, len(self.letters) - WINDOW)
+        if last <= self.laid:
+            return
+        fe = self.front_end
+        if len(self.graphemes) < now:
+            gap = now - len(self.graphemes)
+            self.graphemes += [-1] * gap
+            self.phones += [-1] * gap
+        counts, self._carry = fe.frames_of(self.letters, self.laid, last, self.engine, self._carry)
+        positions = [self.laid + i for i, n in enumerate(counts) for _ in range(n)]
+        offsets = [k for n in counts for k in range(n)]
+        if positions:
+            self.graphemes += [self.letters[p] for p in positions]
+            self.phones += fe.phones_of(self.letters, positions, offsets, self.engine)
+        self.laid = last
+
+    @property
+    def n_frames(self) -> int:
+        return len(self.graphemes)
+
+    def grapheme(self, frame: int) -> int:
+        return self.graphemes[frame] if 0 <= frame < len(self.graphemes) else -1
+
+    def phone(self, frame: int) -> int:
+        return self.phones[frame] if 0 <= frame < len(self.phones) else -1
+
+
+def load_front_end(model_dir: Optional[os.PathLike | str]) -> Optional[FrontEnd]:
+    path = None if model_dir is None else os.path.join(model_dir, "front_end.pt")
+    return FrontEnd.load(path) if path and os.path.exists(path) else None

@@ -1,0 +1,155 @@
+"""The letter schedule (models/front_end.py): letters laid on frames as the text arrives,
+the runner forcing a session's graphemes and holding codebook 1 to its phone's codes,
+and a whole session through the engine spoken on the schedule."""
+import dataclasses
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from livespeech.api.session import Finished, SessionConfig
+from livespeech.models import graphemes as G
+from livespeech.models.front_end import (WINDOW, FrontEnd, LetterDurationModel, LetterPhoneModel, LetterSchedule,
+                                         load_front_end)
+from livespeech.models.loading import load_bundle
+from livespeech.server.engine import Engine, EngineConfig
+from livespeech.server.runner import ModelRunner
+
+N_PHONES = 5
+
+
+def toy_front_end(frames_per_letter: float = 3.0, duration_scale: float = 1.0) -> FrontEnd:
+    """Untrained networks, but every letter lasts `frames_per_letter` x `duration_scale`
+    and code c names phone c % 5."""
+    torch.manual_seed(0)
+    durations = LetterDurationModel(2)
+    torch.nn.init.zeros_(durations.mlp[-1].weight)
+    torch.nn.init.constant_(durations.mlp[-1].bias, math.log(1 + frames_per_letter))
+    names = ("_", "espeak:a", "espeak:b", "flite:a", "flite:b")
+    return FrontEnd(LetterPhoneModel(N_PHONES, 2), durations, torch.arange(1024) % N_PHONES, names,
+                    ("espeak", "flite"), 0.0, duration_scale)
+
+
+def words_of(schedule: LetterSchedule, text: str) -> None:
+    for w in text.split():
+        schedule.add_word(G.word_graphemes(w))
+
+
+def test_letters_wait_for_their_window_then_lay_one_after_another():
+    s = LetterSchedule(toy_front_end(), engine=0)
+    words_of(s, "hello there")
+    letters = G.text_to_ids("hello there")
+    s.lay(0, final=False)
+    assert s.laid == len(letters) - WINDOW and s.n_frames == 3 * s.laid
+    assert s.graphemes == [g for g in letters[:s.laid] for _ in range(3)]
+    assert all(0 <= p < N_PHONES for p in s.phones)
+    s.lay(40, final=True)  # the speech stepped past the letters laid: the rest start where it is
+    assert s.graphemes[3 * (len(letters) - WINDOW):40] == [-1] * (40 - 3 * (len(letters) - WINDOW))
+    assert s.graphemes[40:] == [g for g in letters[-WINDOW:] for _ in range(3)]
+    assert s.grapheme(s.n_frames) == -1 and s.phone(-1) == -1
+
+
+def test_every_letter_gets_a_frame_and_the_rounding_carries():
+    s = LetterSchedule(toy_front_end(frames_per_letter=0.2), engine=0)
+    words_of(s, "abc de")
+    s.lay(0, final=True)
+    assert s.graphemes == G.text_to_ids("abc de")  # one frame each, none left out
+    s = LetterSchedule(toy_front_end(frames_per_letter=2.5), engine=0)
+    words_of(s, "abcd")
+    s.lay(0, final=True)
+    assert s.n_frames == 10
+    s = LetterSchedule(toy_front_end(frames_per_letter=2.5, duration_scale=2.0), engine=0)
+    words_of(s, "abcd")
+    s.lay(0, final=True)
+    assert s.n_frames == 20
+
+
+def test_a_voice_takes_the_engine_its_codes_name():
+    fe = toy_front_end()
+    assert fe.voice_engine(torch.tensor([3, 4, 8, 9, 1])) == 1  # flite:a, flite:b x2 ... against espeak:a
+    assert fe.voice_engine(torch.tensor([1, 2, 6, 3])) == 0
+
+
+def test_a_front_end_round_trips_through_its_file(tmp_path):
+    fe = toy_front_end(duration_scale=1.25)
+    torch.save(fe.to_dict(), tmp_path / "front_end.pt")
+    back = load_front_end(tmp_path)
+    assert back.phone_names == fe.phone_names and back.engines == fe.engines
+    assert (back.pace, back.duration_scale) == (fe.pace, fe.duration_scale)
+    assert torch.equal(back.code_phones, fe.code_phones)
+    ctx = torch.randint(0, 40, (6, 2 * WINDOW + 1))
+    eng = torch.zeros(6, dtype=torch.long)
+    assert torch.equal(back.phones(ctx, torch.arange(6), eng), fe.phones(ctx, torch.arange(6), eng))
+    assert load_front_end(tmp_path / "none") is None
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    torch.set_num_threads(1)
+    return dataclasses.replace(load_bundle(random_init=True), front_end=toy_front_end())
+
+
+def test_the_runner_forces_graphemes_and_holds_codebook_1_to_the_phone(bundle):
+    runner = ModelRunner(bundle, capacity=2)
+    voice = runner.make_voice("v", np.zeros(24000, np.float32), 24000)
+    for slot in (0, 1):
+        runner.admit(slot, voice, seed=slot)
+        runner.add_chunk(slot, bundle.tokenizer.encode_words(["hello"], first_in_text=True), 0, 0)
+    from livespeech.models.guidance import GuidanceState
+
+    held, free = [], []
+    for t in range(30):
+        steps = runner.step([0, 1], [(0, 0), (0, 0)], [GuidanceState(), GuidanceState()], [0.0, 0.0], [20, 20],
+                            [False, False], forced_graphemes=[G.SPACE, -1], first_code_phones=[2, -1])
+        assert steps[0].grapheme == G.SPACE and not steps[0].failed
+        if steps[0].frame is not None:
+            held.append(steps[0].frame[0])
+            free.append(steps[1].frame[0])
+    assert len(held) > 10
+    assert all(c % N_PHONES == 2 for c in held)
+    assert not all(c % N_PHONES == 2 for c in free)  # the row without a phone samples as before
+
+
+def test_a_session_speaks_on_its_schedule_and_every_word_is_spoken(bundle):
+    eng = Engine(bundle, EngineConfig(max_sessions=2, low_water_steps=0))
+    eng.start()
+    try:
+        events = []
+        done = threading.Event()
+
+        def sink(ev):
+            events.append(ev)
+            if isinstance(ev, Finished):
+                done.set()
+
+        voice = eng.make_voice("v", np.zeros(24000, np.float32), 24000)
+        h = eng.open_session(SessionConfig(seed=3), voice, sink)
+        text = "please call me back"
+        for w in text.split():
+            h.push_text(w + " ")
+        h.end_input()
+        assert done.wait(60)
+        summary = [e for e in events if isinstance(e, Finished)][0].summary
+        # an untrained decoder follows the text only because its letters are forced
+        assert summary.all_words_spoken and summary.spoken_text == text
+        assert summary.frames == 3 * len(G.text_to_ids(text))  # the schedule's frames, then EOS
+    finally:
+        eng.stop()
+
+
+def test_the_letter_schedule_can_be_turned_off(bundle):
+    eng = Engine(bundle, EngineConfig(max_sessions=1, low_water_steps=0, letter_schedule=False))
+    eng.start()
+    try:
+        done = threading.Event()
+        voice = eng.make_voice("v", np.zeros(24000, np.float32), 24000)
+        h = eng.open_session(SessionConfig(seed=3, guidance_lambda=math.inf),
+                             voice, lambda ev: done.set() if isinstance(ev, Finished) else None)
+        h.push_text("hi there")
+        h.end_input()
+        assert done.wait(60)
+        assert h.letters is None
+    finally:
+        eng.stop()
