@@ -15,14 +15,20 @@ per-utterance seed), each laid out exactly as training lays it out
    the text chunks at their ground-truth times with the end-of-text key at the last
    frame (as in training), the np/nf window of server/session.py, top-k sampling of
    every codebook, no guidance, the engine's runaway guard (EOS forced 3 s past the end
-   key), in three modes:
+   key), in these modes:
    - `free`: every codebook sampled;
    - `oracle-g`: the grapheme codebook forced to the ground truth (EOS at the last
      frame), the acoustic codebooks sampled;
    - `oracle-g+cb1`: also the first acoustic codebook forced (codebook k at step t
      carries frame t - delay_k), codebooks 2-8 sampled;
    - `oracle-acoustic` (not run by default): every acoustic codebook forced, the
-     graphemes sampled (the alignment given the true audio so far).
+     graphemes sampled (the alignment given the true audio so far);
+   and (not run by default) codebook 1 sampled only among the codes of one phone
+   (each code's majority phone, `PhoneTable`): the true phone (`oracle-g+phone`), its own
+   likeliest phone (`*+phone-argmax`), or the phone the front end's classifier gives the
+   letter (`*+letter-phone`, with `--front-end`); the graphemes free, true (`oracle-g`),
+   bound to the text (`bound`: guidance lambda inf) or on the letter schedule (`timed`:
+   the server's letter schedule, livespeech.models.front_end).
    Every step draws its samples in the same order whatever is forced, so the modes
    share their random numbers. Each result is decoded with the bundle's codec and
    scored with livespeech.training.eval.evaluate's Whisper scorer, next to the ground truth and its
