@@ -36,8 +36,11 @@
 # --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1);
 # decoder_cfg trains a share of its utterances without text (--text-dropout TEXT_DROPOUT, 0.1)
 # for classifier-free guidance (the server's --text-cfg-scale).
+# Beside them, on the CPU cores, the letter schedule's front end on this larger corpus
+# (livespeech.training.letter_phones with the same codec).
 # $OUT holds, for each NAME in CANDIDATES, NAME.pt.partNN (cat them), NAME_log.jsonl and
-# NAME_MODEL_CARD.md, and TRAINED_BEFORE (commit it with the decoder kept).
+# NAME_MODEL_CARD.md, TRAINED_BEFORE (commit it with the decoder kept), and front_end.pt
+# with front_end.log (evaluate it against the shipped one before it replaces it).
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3), READ_WEIGHT (1),
 # TEXT_DROPOUT (0.1),
 # OWN_HISTORY (0.5), OWN_PASSES (4),
@@ -140,6 +143,8 @@ decoder)
     $PY -m livespeech.training.encode_corpus --corpus $W/corpus --codec $CODEC --out $W/codes --device $DEVICE \
       --max-seconds 8 --threads 1 --batch 64 --shard $k/2 > $W/encode$k.log 2>&1 &
   done
+  $PY -m livespeech.training.letter_phones --corpus $W/corpus --codec $CODEC --out $OUT/front_end.pt --threads 4 \
+    > $OUT/front_end.log 2>&1 &
   sleep 20
   INIT=(); [ -e $NEXT/decoder.pt ] && INIT=(--init $NEXT/decoder.pt --lr "${LR:-5e-4}")
   # the Piper voice, synthesised here on a CPU and brought as this codec's codes
@@ -165,7 +170,7 @@ decoder)
     pids+=($!)
   done
   ok=0; for p in "${pids[@]}"; do wait $p && ok=1; done
-  wait  # the encoders
+  wait  # the encoders and the front end
   for v in $CANDIDATES; do
     [ -e $W/$v.log ] || continue
     echo "== $v: $(grep '^scan\|autocast' $W/$v.log | head -n 1)"; grep '"eval"' $W/$v.log | tail -n 2 | cut -c1-900
