@@ -1,19 +1,20 @@
-"""Which phone a frame sounds, from the letter the grapheme stream spells there.
+"""Train the letter schedule's front end (livespeech.models.front_end.FrontEnd).
 
 The decoder's codebook 1 names the wrong phone on most frames once it reads back its own
-samples, even with the true letters forced (docs/eval.md, "Diagnostic: oracle
-graphemes"); sampled among the codes of the true phone, the speech becomes intelligible.
-This small classifier gives that phone without the acoustic history: from the letter
-at the frame, its neighbours in the text, how many frames the letter has lasted so far
-and the synthesiser's engine (phone sets are per engine). Trained on the corpus's phone
-timelines with the letters laid on them as training lays them (`--letters phones`).
+samples, even with the true letters forced; sampled among the codes of the true phone,
+the speech becomes intelligible (docs/eval.md, "How the letter schedule was found").
+The front end gives the letters' timing and each frame's phone from the text alone:
+`LetterPhoneModel` (cross-entropy on the corpus's phone timelines) and
+`LetterDurationModel` (MSE on log(1 + frames) of each letter), both on the letters laid
+on the phones as the decoder's training lays them (`--letters phones`), and the phone
+each of the codec's codebook-1 codes names (`PhoneTable`).
 
-    python -m livespeech.training.letter_phones --corpus data/corpus --out runs/letter_phones.pt
+    python -m livespeech.training.letter_phones --corpus data/corpus \
+        --codec models/weights/default/codec.pt --out models/weights/default/front_end.pt
 """
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from typing import Sequence
@@ -31,12 +32,15 @@ HOP = SAMPLE_RATE // FRAME_RATE
 
 
 def pace_of(positions: Sequence[int]) -> float:
-    """log frames per position of a laid-out row (its speech, leading silence aside)."""
+    """log frames per position of a laid-out row (the leading silence is in its first
+    letter's frames, as the durations learn it)."""
     pos = [p for p in positions if p >= 0]
     return float(np.log(max(1, len(pos)) / max(1, len(set(pos)))))
 
 
-def durations_of(recs: Sequence[dict], engines: Sequence[str]):
+def letter_durations(recs: Sequence[dict], engines: Sequence[str]):
+    """Every letter (and word gap) of the records: (letter windows, engines, the record's
+    pace, log(1 + its frames))."""
     ctxs, engs, paces, target = [], [], [], []
     for r in recs:
         letters, pos = phone_letter_positions(r)
@@ -49,7 +53,9 @@ def durations_of(recs: Sequence[dict], engines: Sequence[str]):
     return cat(ctxs), cat(engs), cat(paces), cat(target)
 
 
-def frames_of(recs: Sequence[dict], vocab: PhoneVocab, engines: Sequence[str]):
+def phone_frames(recs: Sequence[dict], vocab: PhoneVocab, engines: Sequence[str]):
+    """Every frame of the records with a letter and a phone label: (letter windows, frames
+    into the letter, engines, phone classes)."""
     ctxs, offs, engs, labels = [], [], [], []
     for r in recs:
         letters, pos = phone_letter_positions(r)
@@ -105,16 +111,16 @@ def main(argv=None) -> int:
     rows = [r for r in read_manifest(a.corpus) if r.get("phones")]
     vocab = PhoneVocab.from_records(rows, a.phone_min_count)
     engines = sorted({r.get("engine", "espeak") for r in rows})
-    train = frames_of([r for r in rows if r["split"] == "train"], vocab, engines)
-    test = frames_of([r for r in rows if r["split"] != "train"], vocab, engines)
+    train = phone_frames([r for r in rows if r["split"] == "train"], vocab, engines)
+    test = phone_frames([r for r in rows if r["split"] != "train"], vocab, engines)
     print(f"{len(train[0])} train frames, {len(test[0])} other frames, {len(vocab)} phones, engines {engines}",
           flush=True)
     model = LetterPhoneModel(len(vocab), len(engines))
     fit(model, train, lambda out, y: nn.functional.cross_entropy(out, y), a.epochs, a.batch, a.lr,
         lambda: f"accuracy on other splits {(model(*test[:3]).argmax(1) == test[3]).float().mean().item():.3f}")
     dur = LetterDurationModel(len(engines))
-    dtrain = durations_of([r for r in rows if r["split"] == "train"], engines)
-    dtest = durations_of([r for r in rows if r["split"] != "train"], engines)
+    dtrain = letter_durations([r for r in rows if r["split"] == "train"], engines)
+    dtest = letter_durations([r for r in rows if r["split"] != "train"], engines)
     fit(dur, dtrain, nn.functional.mse_loss, 2 * a.epochs, max(64, a.batch // 8), a.lr,
         lambda: f"mean abs error on other splits {(dur(*dtest[:3]).exp() - dtest[3].exp()).abs().mean().item():.2f} frames")
     from livespeech.models.loading import load_codec
@@ -135,5 +141,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    random.seed(0)
     sys.exit(main())
