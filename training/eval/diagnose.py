@@ -591,12 +591,14 @@ def main(argv=None) -> int:
         rec_u = by_id[u.id]
         audios = [(report.GT, gt, phone_hits(phones, rec_u, p.example.codes[1, :p.n_frames])),
                   (report.CODEC, codec_resynthesis(bundle, gt)[0], {})]
-        voice = runner.make_voice(u.enroll_id, read_audio(u.enroll_audio), SR)
-        voice_codes = bundle.encode_audio(read_audio(u.enroll_audio), SR)[0]
+        enroll_audio = read_audio(u.enroll_audio)
+        voice = runner.make_voice(u.enroll_id, enroll_audio, SR)
+        # the engine the server gives this voice (`FrontEnd.voice_engine`), from --front-end's table
+        engine = (front_end.voice_engine(bundle.encode_audio(enroll_audio, SR)[0])
+                  if any(m.startswith("timed") for m in modes) else None)
         for m in modes:
             t1 = time.perf_counter()
-            schedule = (letter_schedule(front_end, rec_u, front_end.voice_engine(voice_codes))
-                        if m.startswith("timed") else None)
+            schedule = letter_schedule(front_end, rec_u, engine) if m.startswith("timed") else None
             s = synthesize(runner, voice, p, m, seed, a.top_k, a.n_past, a.n_future,
                            cb1_rule=cb1_rule(m, phones, rec_u, p, model.cfg.codebook_size, front_end, schedule),
                            row_forced=None if schedule is None else schedule.graphemes)
