@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -281,3 +282,31 @@ def test_compare_pairs_clips_and_bootstraps_the_difference(tmp_path, capsys) -> 
     assert compare.main([both_path, both_path, "--mode", "online", "--lambda", "1", "--lambda-b", "0"]) == 0
     out = capsys.readouterr().out
     assert "online lambda 1, B = " in out and "online lambda 0" in out and "B - A +10.0" in out
+
+
+def test_real_time_pacing_pushes_each_piece_at_its_time():
+    from livespeech.api.session import Finished
+
+    class Handle:
+        def __init__(self, sink):
+            self.sink, self.pushed = sink, []
+
+        def push_text(self, text, client_time_s=None, flush=False):
+            self.pushed.append((text, time.perf_counter()))
+
+        def end_input(self):
+            self.sink(Finished(summary=None))
+
+    class FakeEngine:
+        def open_session(self, cfg, voice, sink):
+            self.handle = Handle(sink)
+            return self.handle
+
+    eng = FakeEngine()
+    pieces = [("a ", None, True), ("b ", None, True), ("c ", None, True)]
+    start = time.perf_counter()
+    events, _ = evaluate.run_session(eng, None, None, pieces, 10, push_at_s=[0.0, 0.2, 0.3])
+    (_, t0), (_, t1), (_, t2) = eng.handle.pushed
+    assert events and t0 - start < 0.2 <= t1 - start and t2 - start >= 0.3
+    evaluate.run_session(eng, None, None, pieces, 10)  # burst: all at once
+    assert [p for p, _ in eng.handle.pushed] == ["a ", "b ", "c "]

@@ -44,7 +44,7 @@ import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -223,11 +223,12 @@ class SynthResult:
     error: Optional[str] = None
 
 
-def run_session(engine, cfg, voice, pieces, timeout_s: float):
+def run_session(engine, cfg, voice, pieces, timeout_s: float, push_at_s: Optional[Sequence[float]] = None):
     """One engine session driven as the gRPC service drives it: push `pieces` ((text,
-    client_time_s or None, flush) each), end the input, collect the events until Finished
-    or Failed. Returns (events, handle); events is None on a timeout (the session is
-    then cancelled)."""
+    client_time_s or None, flush) each; each at its `push_at_s` seconds after the first
+    when given, else all at once), end the input, collect the events until Finished or
+    Failed. Returns (events, handle); events is None on a timeout (the session is then
+    cancelled)."""
     from livespeech.api.session import Failed, Finished
 
     events: list = []
@@ -239,7 +240,10 @@ def run_session(engine, cfg, voice, pieces, timeout_s: float):
             done.set()
 
     handle = engine.open_session(cfg, voice, sink)
-    for text, t, flush in pieces:
+    t0 = time.perf_counter()
+    for i, (text, t, flush) in enumerate(pieces):
+        if push_at_s is not None:
+            time.sleep(max(0.0, t0 + push_at_s[i] - time.perf_counter()))
         handle.push_text(text, client_time_s=t, flush=flush)
     handle.end_input()
     if not done.wait(timeout_s):
@@ -295,7 +299,9 @@ def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int,
                timeout_s: float, sampling: Optional[dict] = None) -> SynthResult:
     """Stream the utterance's text into an engine session chunk by chunk (the whole text
     at once, as a fast upstream LLM would; with pacing='speech-time' each chunk carries the
-    time it is spoken in the ground truth, as in the paper's simulated streams).
+    time it is spoken in the ground truth, as in the paper's simulated streams; with
+    'real-time' each chunk is pushed at that time on the wall clock, text arriving as fast
+    as it is spoken, so the speech keeps catching up with it).
     ``sampling``: SessionConfig's sampling fields (parse_sampling); the server's defaults otherwise."""
     from livespeech.api.session import ChunkingConfig, Failed, Finished, WordTiming
 
@@ -315,12 +321,14 @@ def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int,
     for first, n, tau in chunks:
         t = (tau / 75.0) if tau is not None else (utt.word_starts[first] if first < len(utt.word_starts) else 0.0)
         pieces.append((" ".join(utt.words[first:first + n]), t))
-    sends, last_t = [], 0.0
+    sends, times, last_t = [], [], 0.0
     for text, t in pieces:
         last_t = max(last_t, t)
         sends.append((text + " ", last_t if speech_time else None, True))
+        times.append(last_t)
     t0 = time.perf_counter()
-    events, handle = run_session(engine, cfg, voice, sends, timeout_s)
+    events, handle = run_session(engine, cfg, voice, sends, timeout_s,
+                                 push_at_s=times if pacing == "real-time" else None)
     wall = time.perf_counter() - t0
     if events is None:
         return SynthResult(np.zeros(0, np.float32), wall_s=wall, error=f"timeout after {timeout_s:.0f} s")
@@ -424,9 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test")
     p.add_argument("--modes", default="online,offline,1word", help=f"comma list of {','.join(MODES)} (or 'none')")
     p.add_argument("--lambdas", default="1,0", help="guidance lambdas; the first is the main table's")
-    p.add_argument("--pacing", choices=("burst", "speech-time"), default="burst",
+    p.add_argument("--pacing", choices=("burst", "speech-time", "real-time"), default="burst",
                    help="burst: all chunks pushed at once, the server places them on the speech timeline; "
-                        "speech-time: chunks carry their ground-truth speech times (the paper's simulation)")
+                        "speech-time: chunks carry their ground-truth speech times (the paper's simulation); "
+                        "real-time: each chunk pushed at its ground-truth speech time on the wall clock")
     p.add_argument("--no-codec", action="store_true", help="skip the codec-resynthesis row")
     p.add_argument("--asr", choices=("auto", "tiny.en", "base"), default="auto",
                    help="Whisper model for WER (auto: base when its packages are installed, else tiny.en)")
