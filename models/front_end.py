@@ -77,21 +77,26 @@ class LetterDurationModel(nn.Module):
 
 class FrontEnd:
     """The two networks, the phone each codebook-1 code names (`code_phones` [V], -1: none),
-    the phone and engine names, the pace a voice is given, and the factor on the predicted
-    durations (`duration_scale`: the networks regress log(1 + frames), whose exp falls
-    short of the mean frames; training sets it so the train set's total comes out)."""
+    how often each code sounds each phone (`phone_given_code` [phones, V], log p(phone |
+    code), -inf for a code never seen; None: not known), the phone and engine names, the
+    pace a voice is given, and the factor on the predicted durations (`duration_scale`:
+    the networks regress log(1 + frames), whose exp falls short of the mean frames;
+    training sets it so the train set's total comes out)."""
 
     def __init__(self, phones: LetterPhoneModel, durations: LetterDurationModel, code_phones: torch.Tensor,
-                 phone_names: Sequence[str], engines: Sequence[str], pace: float, duration_scale: float = 1.0):
+                 phone_names: Sequence[str], engines: Sequence[str], pace: float, duration_scale: float = 1.0,
+                 phone_given_code: Optional[torch.Tensor] = None):
         self.phones, self.durations = phones.eval(), durations.eval()
         self.code_phones = code_phones.long()
         self.phone_names, self.engines, self.pace = tuple(phone_names), tuple(engines), float(pace)
         self.duration_scale = float(duration_scale)
+        self.phone_given_code = None if phone_given_code is None else phone_given_code.float()
 
     def to_dict(self) -> dict:
         return {"phones": self.phones.state_dict(), "durations": self.durations.state_dict(),
                 "code_phones": self.code_phones, "phone_names": list(self.phone_names),
-                "engines": list(self.engines), "pace": self.pace, "duration_scale": self.duration_scale}
+                "engines": list(self.engines), "pace": self.pace, "duration_scale": self.duration_scale,
+                "phone_given_code": self.phone_given_code}
 
     @classmethod
     def from_dict(cls, d: dict) -> "FrontEnd":
@@ -100,7 +105,19 @@ class FrontEnd:
         durations = LetterDurationModel(len(d["engines"]))
         durations.load_state_dict(d["durations"])
         return cls(phones, durations, d["code_phones"], d["phone_names"], d["engines"], d["pace"],
-                   d.get("duration_scale", 1.0))
+                   d.get("duration_scale", 1.0), d.get("phone_given_code"))
+
+    def first_code_bias(self) -> torch.Tensor:
+        """[phones, V]: what codebook 1's logits get added at a frame of each phone, so a
+        code is drawn as the decoder's choice given the phone (p(code | history) x
+        p(phone | code)); finite (-1e4 stands for never: a non-finite logit is a numerical
+        failure to the sampler). Without `phone_given_code`, 0 on the phone's own codes
+        and never elsewhere (a phone no code names: no bias)."""
+        if self.phone_given_code is not None:
+            return self.phone_given_code.clamp_min(-1e4)
+        own = self.code_phones.view(1, -1) == torch.arange(len(self.phone_names)).view(-1, 1)
+        own |= ~own.any(1, keepdim=True)
+        return torch.zeros(own.shape).masked_fill(~own, -1e4)
 
     @classmethod
     def load(cls, path: os.PathLike | str) -> "FrontEnd":
@@ -149,10 +166,12 @@ class LetterSchedule:
         self.laid = 0  # letters laid so far
         self.graphemes: list[int] = []  # per frame: the letter (-1: unscheduled)
         self.phones: list[int] = []  # per frame: its phone (-1: unscheduled)
+        self.first_word_end = 0  # letters of the first word
         self._carry = 0.0
 
     def add_word(self, word_letters: Sequence[int]) -> None:
         if word_letters:
+            self.first_word_end = self.first_word_end or len(word_letters)
             self.letters += ([G.SPACE] if self.letters else []) + list(word_letters)
 
     def lay(self, now: int, final: bool) -> None:
@@ -173,6 +192,13 @@ class LetterSchedule:
             self.graphemes += [self.letters[p] for p in positions]
             self.phones += fe.phones_of(self.letters, positions, offsets, self.engine)
         self.laid = last
+
+    def lay_first_word(self, now: int) -> None:
+        """Lay the text so far whole while its first word is not (its last letters'
+        windows read the text's end where the next word will be, as a text's last word
+        is laid), so the first audio need not wait for the second word."""
+        if self.laid < self.first_word_end:
+            self.lay(now, final=True)
 
     @property
     def n_frames(self) -> int:

@@ -130,8 +130,9 @@ class ModelRunner:
         # each slot's seed: its draws are `counter_uniforms` of the seed and the decode
         # step, made on the device (no generator state on the host)
         self.seeds = torch.zeros(capacity, dtype=torch.long, device=self.device)
-        # the phone each codebook-1 code names, for the letter schedule (models/front_end.py)
-        self.code_phones = (bundle.front_end.code_phones.to(self.device) if bundle.front_end is not None else None)
+        # codebook 1's logits at a frame of each phone, for the letter schedule (models/front_end.py)
+        self.first_code_bias = (bundle.front_end.first_code_bias().to(self.device)
+                                if bundle.front_end is not None else None)
         self._voice_lock = threading.Lock()
         self._warm_up()
 
@@ -222,8 +223,8 @@ class ModelRunner:
         top_ks) and temperatures (None: 1) as `livespeech.models.guidance.sample_step` takes them.
         force_eos: the runaway guard's EOS, over whatever was sampled. forced_graphemes:
         each row's grapheme from its letter schedule (-1: sampled); first_code_phones:
-        the phone of each row's codebook-1 frame (-1: none), whose codes alone codebook 1
-        is sampled among (the front end's `code_phones`). Each session's guidance
+        the phone of each row's codebook-1 frame (-1: none), given which codebook 1 is
+        sampled (the front end's `first_code_bias`). Each session's guidance
         observes its grapheme (on the device with device guidance)."""
         self.state.rotate_windows(slots, windows)
         # the captured step reads the whole state itself: its view gathers no memory
@@ -246,7 +247,7 @@ class ModelRunner:
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
         acoustic = logits.acoustic
         if first_code_phones is not None and max(first_code_phones) >= 0:
-            acoustic = self._first_code_among_phone_codes(acoustic, first_code_phones)
+            acoustic = self._first_code_given_phone(acoustic, first_code_phones)
         tokens, bad = sample_step(logits.graphemes, acoustic, sets, lambdas, top_ks,
                                   self.uniforms(idx, view.step), grapheme_top_ks, temperatures)
         if forced_graphemes is not None and max(forced_graphemes) >= 0:
@@ -270,15 +271,14 @@ class ModelRunner:
                 g.observe(r[0])
         return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
 
-    def _first_code_among_phone_codes(self, acoustic: torch.Tensor, phones: Sequence[int]) -> torch.Tensor:
-        """Codebook 1's logits kept only on the codes that name each row's phone (a row with
-        no phone, or a phone no code names, keeps them all)."""
-        if self.code_phones is None:
+    def _first_code_given_phone(self, acoustic: torch.Tensor, phones: Sequence[int]) -> torch.Tensor:
+        """Codebook 1's logits plus the front end's bias for each row's phone (a row with
+        no phone keeps them as they are)."""
+        if self.first_code_bias is None:
             raise ValueError("first_code_phones needs a bundle with a front end")
-        allowed = self.code_phones.view(1, -1) == torch.tensor(phones, device=acoustic.device).view(-1, 1)
-        allowed |= ~allowed.any(1, keepdim=True)
-        # finite: sample_step takes a row with a non-finite logit for a numerical failure
-        first = acoustic[:, :1].masked_fill(~allowed.unsqueeze(1), -1e4)
+        phone = torch.tensor(phones, device=acoustic.device)
+        bias = self.first_code_bias[phone.clamp_min(0)] * (phone >= 0).unsqueeze(1)
+        first = acoustic[:, :1] + bias.unsqueeze(1).to(acoustic.dtype)
         return torch.cat((first, acoustic[:, 1:]), dim=1)
 
     def uniforms(self, slots: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

@@ -241,7 +241,10 @@ class EngineSession:
         its stalls at 16 sessions (docs/loadtest.md, "Measured choices").
 
         Past the text only to finish its audio once the buffer delay expired
-        (`running_out`)."""
+        (`running_out`).
+
+        With a letter schedule, the speech also waits at the last letter laid, except
+        at its start (`lay_letters_for_this_step`)."""
         n = self.n_in_memory
         if n == 0:
             return False
@@ -249,12 +252,22 @@ class EngineSession:
             return True
         if self.covered_chars == self.n_chars:
             return self.running_out()
-        if self.letters is not None and self.step_count >= self.letters.n_frames:
-            return False  # its letters wait for the ones after them (the schedule's window)
         c = self.timeline.current_chunk(max(0, self.step_count - self.audio_lag_frames))
-        if c <= self.lookahead_waived_through:
+        if c > self.lookahead_waived_through and \
+                n - 1 < c + min(self.config.n_future_chunks, self.config.start_future_chunks + c):
+            return False
+        return self.lay_letters_for_this_step()
+
+    def lay_letters_for_this_step(self) -> bool:
+        """Whether the speech has a letter laid for this step: the first word is laid whole
+        once the speech reaches its last letter laid (`LetterSchedule.lay_first_word`: the
+        first audio need not wait for the second word); a later letter waits for the
+        letters its window reads (laying mid-text words early cost WER:
+        docs/architecture.md, "The letter schedule")."""
+        if self.letters is None or self.step_count < self.letters.n_frames:
             return True
-        return n - 1 >= c + min(self.config.n_future_chunks, self.config.start_future_chunks + c)
+        self.letters.lay_first_word(self.step_count)
+        return self.step_count < self.letters.n_frames
 
     def waive_lookahead(self) -> None:
         """The chunks released so far are spoken without waiting for more text."""

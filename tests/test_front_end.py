@@ -4,6 +4,7 @@ and a whole session through the engine spoken on the schedule."""
 import dataclasses
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -51,6 +52,21 @@ def test_letters_wait_for_their_window_then_lay_one_after_another():
     assert s.grapheme(s.n_frames) == -1 and s.phone(-1) == -1
 
 
+def test_the_first_word_can_be_laid_before_the_letters_after_it_arrive():
+    s = LetterSchedule(toy_front_end(), engine=0)
+    words_of(s, "hi")
+    s.lay(0, final=False)
+    assert s.laid == 0
+    s.lay_first_word(0)
+    assert s.laid == 2 and s.graphemes == [g for g in G.text_to_ids("hi") for _ in range(3)]
+    words_of(s, "there you")
+    s.lay(s.n_frames, final=False)
+    assert s.laid == len(G.text_to_ids("hi there you")) - WINDOW
+    laid = s.laid
+    s.lay_first_word(s.n_frames)  # the first word is laid: later letters wait for their window
+    assert s.laid == laid
+
+
 def test_every_letter_gets_a_frame_and_the_rounding_carries():
     s = LetterSchedule(toy_front_end(frames_per_letter=0.2), engine=0)
     words_of(s, "abc de")
@@ -72,13 +88,36 @@ def test_a_voice_takes_the_engine_its_codes_name():
     assert fe.voice_engine(torch.tensor([1, 2, 6, 3])) == 0
 
 
+def soft_table() -> torch.Tensor:
+    """log p(phone | code): code c sounds phone c % 5 three times in four and c % 5 + 1 once."""
+    p = torch.zeros(N_PHONES, 1024)
+    c = torch.arange(1024)
+    p[c % N_PHONES, c] = 0.75
+    p[(c + 1) % N_PHONES, c] = 0.25
+    return p.log()
+
+
+def test_codebook_1s_bias_is_log_p_phone_given_code_or_a_mask_without_it():
+    fe = toy_front_end()
+    fe.code_phones[fe.code_phones == 4] = -1  # phone 4: no code names it
+    hard = fe.first_code_bias()
+    assert hard.shape == (N_PHONES, 1024)
+    assert (hard[2, 2::N_PHONES] == 0).all() and (hard[2, 3::N_PHONES] == -1e4).all()
+    assert (hard[4] == 0).all()  # no code names it: no bias
+    fe.phone_given_code = soft_table()
+    soft = fe.first_code_bias()
+    assert torch.allclose(soft[2, 2], torch.tensor(0.75).log()) and torch.allclose(soft[3, 2], torch.tensor(0.25).log())
+    assert soft[4, 2] == -1e4  # log 0, kept finite
+
+
 def test_a_front_end_round_trips_through_its_file(tmp_path):
     fe = toy_front_end(duration_scale=1.25)
+    fe.phone_given_code = soft_table()
     torch.save(fe.to_dict(), tmp_path / "front_end.pt")
     back = load_front_end(tmp_path)
     assert back.phone_names == fe.phone_names and back.engines == fe.engines
     assert (back.pace, back.duration_scale) == (fe.pace, fe.duration_scale)
-    assert torch.equal(back.code_phones, fe.code_phones)
+    assert torch.equal(back.code_phones, fe.code_phones) and torch.equal(back.phone_given_code, fe.phone_given_code)
     ctx = torch.randint(0, 40, (6, 2 * WINDOW + 1))
     eng = torch.zeros(6, dtype=torch.long)
     assert torch.equal(back.phones(ctx, torch.arange(6), eng), fe.phones(ctx, torch.arange(6), eng))
@@ -112,6 +151,25 @@ def test_the_runner_forces_graphemes_and_holds_codebook_1_to_the_phone(bundle):
     assert not all(c % N_PHONES == 2 for c in free)  # the row without a phone samples as before
 
 
+def test_given_how_often_codes_sound_the_phone_codebook_1_draws_among_them(bundle):
+    soft = dataclasses.replace(bundle, front_end=toy_front_end())
+    soft.front_end.phone_given_code = soft_table()
+    runner = ModelRunner(soft, capacity=1)
+    runner.admit(0, runner.make_voice("v", np.zeros(24000, np.float32), 24000), seed=0)
+    runner.add_chunk(0, soft.tokenizer.encode_words(["hello"], first_in_text=True), 0, 0)
+    from livespeech.models.guidance import GuidanceState
+
+    drawn = []
+    for t in range(60):
+        step = runner.step([0], [(0, 0)], [GuidanceState()], [0.0], [20], [False], forced_graphemes=[G.SPACE],
+                           first_code_phones=[2])[0]
+        assert not step.failed
+        if step.frame is not None:
+            drawn.append(step.frame[0] % N_PHONES)
+    # codes sounding phone 2 three times in four (c % 5 == 2) or once in four (c % 5 == 1)
+    assert set(drawn) == {1, 2} and drawn.count(2) > drawn.count(1)
+
+
 def test_a_session_speaks_on_its_schedule_and_every_word_is_spoken(bundle):
     eng = Engine(bundle, EngineConfig(max_sessions=2, low_water_steps=0))
     eng.start()
@@ -135,6 +193,43 @@ def test_a_session_speaks_on_its_schedule_and_every_word_is_spoken(bundle):
         # an untrained decoder follows the text only because its letters are forced
         assert summary.all_words_spoken and summary.spoken_text == text
         assert summary.frames == 3 * len(G.text_to_ids(text))  # the schedule's frames, then EOS
+    finally:
+        eng.stop()
+
+
+def test_the_first_word_is_spoken_without_waiting_for_the_next_and_later_ones_wait(bundle):
+    eng = Engine(bundle, EngineConfig(max_sessions=1, low_water_steps=0))
+    eng.start()
+    try:
+        done = threading.Event()
+        voice = eng.make_voice("v", np.zeros(24000, np.float32), 24000)
+        events = []
+
+        def sink(ev):
+            events.append(ev)
+            if isinstance(ev, Finished):
+                done.set()
+
+        h = eng.open_session(SessionConfig(seed=3, max_buffer_delay_ms=0), voice, sink)
+        h.push_text("hello ")
+        deadline = time.monotonic() + 60
+        while h.step_count < 13 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        # all its letters laid (their windows read the text's end) and spoken, 3 frames
+        # each, up to the first frame of the last, where the text is covered: then a wait
+        assert h.letters.laid == 5 and h.step_count == 4 * 3 + 1 and not done.is_set()
+        h.push_text("there ")
+        deadline = time.monotonic() + 60
+        while h.step_count < 6 * 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        # its space and first letter laid (the four after them are there), the rest wait
+        assert h.letters.laid == 7 and h.step_count == 7 * 3 and not done.is_set()
+        h.end_input()
+        assert done.wait(60)
+        summary = [e for e in events if isinstance(e, Finished)][0].summary
+        assert summary.all_words_spoken and summary.frames == 3 * len(G.text_to_ids("hello there"))
     finally:
         eng.stop()
 

@@ -36,6 +36,7 @@ def test_trained_on_the_smoke_corpus_it_drives_the_timed_modes(tmp_path):
     table = PhoneTable.fit(bundle.codec, corpus, rows, min_count=1)
     assert front_end.phone_names == table.vocab.names
     assert torch.equal(front_end.code_phones, table.code_phones(bundle.model.cfg.codebook_size))
+    assert torch.equal(front_end.phone_given_code, table.phone_given_code(bundle.model.cfg.codebook_size))
     assert front_end.duration_scale > 0
     utt = select_utterances(rows, tmp_path / "corpus", 1, split="dev")[0]
     p = diagnose.prepare(bundle, rows, [utt], str(tmp_path / "codes"))[0]

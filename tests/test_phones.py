@@ -75,3 +75,19 @@ def test_phone_table_counts_frames_whose_code_names_the_timeline_phone():
     codes = np.array([1, 1, 7, 7, 7, 7, 9, 9, 9])  # frame 2 says "a" during the pause: a miss
     hit, n = table.hits(rec, codes)
     assert n == 9 and hit == 2 + 3 + 3
+
+
+def test_phone_given_code_is_each_codes_share_of_frames_per_phone():
+    from collections import Counter
+
+    from livespeech.training.phones import PhoneTable
+
+    vocab = PhoneVocab(("_", "espeak:a", "espeak:b"))
+    table = PhoneTable(vocab, {7: 1}, 0, 320, 24000, Counter({(1, 7): 3, (2, 7): 1, (0, 5): 2}))
+    logp = table.phone_given_code(10, smoothing=0.0)
+    assert logp.shape == (3, 10)
+    assert torch.allclose(logp[:, 7].exp(), torch.tensor([0.0, 0.75, 0.25]))
+    assert torch.allclose(logp[:, 5].exp(), torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.isinf(logp[:, 3]).all()  # a code never seen sounds no phone
+    smoothed = table.phone_given_code(10, smoothing=0.1)
+    assert torch.isfinite(smoothed[:, 7]).all() and torch.allclose(smoothed[:, 7].exp().sum(), torch.tensor(1.0))

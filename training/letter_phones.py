@@ -6,11 +6,11 @@ the speech becomes intelligible (docs/eval.md, "How the letter schedule was foun
 The front end gives the letters' timing and each frame's phone from the text alone:
 `LetterPhoneModel` (cross-entropy on the corpus's phone timelines) and
 `LetterDurationModel` (MSE on log(1 + frames) of each letter), both on the letters laid
-on the phones as the decoder's training lays them (`--letters phones`), and the phone
-each of the codec's codebook-1 codes names (`PhoneTable`).
+on the phones as the decoder's training lays them (`--letters phones`), and how often
+each of the codec's codebook-1 codes sounds each phone (`PhoneTable`).
 
     python -m livespeech.training.letter_phones --corpus data/corpus \
-        --codec models/weights/default/codec.pt --out models/weights/default/front_end.pt
+        --codec models/weights/default/codec.pt --codes data/codes --out models/weights/default/front_end.pt
 """
 from __future__ import annotations
 
@@ -98,6 +98,9 @@ def main(argv=None) -> int:
     p.add_argument("--corpus", default="data/corpus")
     p.add_argument("--codec", default="models/weights/default/codec.pt",
                    help="the codec whose codebook-1 codes the phones are read from (the decoder's)")
+    p.add_argument("--codes", default=None,
+                   help="the corpus encoded with --codec (livespeech.training.encode_corpus's output): the code-phone "
+                        "table counts all its train utterances instead of encoding 300")
     p.add_argument("--out", required=True, help="front_end.pt (livespeech.models.front_end.FrontEnd)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch", type=int, default=2048)
@@ -126,14 +129,16 @@ def main(argv=None) -> int:
     from livespeech.models.loading import load_codec
 
     codec = load_codec(a.codec, 1)
-    table = PhoneTable.fit(codec, a.corpus, rows, min_count=a.phone_min_count)
+    table = PhoneTable.fit(codec, a.corpus, rows, min_count=a.phone_min_count,
+                           **({"n": 0, "codes_dir": a.codes} if a.codes else {}))
     if table.vocab.names != vocab.names:
         print("the codec's phone table has other phones than the classifier", file=sys.stderr)
         return 1
     pace = float(np.median([pace_of(phone_letter_positions(r)[1]) for r in rows if r["split"] == "train"]))
     with torch.no_grad():  # exp of a log-space regression is short of the mean: rescale to the train total
         scale = float((dtrain[3].exp() - 1).sum() / (dur(*dtrain[:3]).exp() - 1).clamp_min(0).sum())
-    fe = FrontEnd(model, dur, table.code_phones(codec.config.codebook_size), vocab.names, engines, pace, scale)
+    size = codec.config.codebook_size
+    fe = FrontEnd(model, dur, table.code_phones(size), vocab.names, engines, pace, scale, table.phone_given_code(size))
     torch.save(fe.to_dict(), a.out)
     print(f"wrote {a.out}: pace {pace:.3f} (log frames a letter), durations scaled by {scale:.3f}, "
           f"{int((fe.code_phones >= 0).sum())} codes name a phone")

@@ -28,14 +28,14 @@ import os
 import random
 import sys
 from collections import Counter
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from .corpus.align import PAUSE
-from .dataset import read_manifest, read_wav_segment
+from .dataset import codes_path, read_manifest, read_wav_segment
 
 IGNORE = -100  # frames without a label (torch's cross_entropy ignore_index)
 
@@ -128,27 +128,48 @@ def _table_accuracy(fit: Counter, score: Counter) -> float:
 class PhoneTable:
     """Which phone a codebook-1 code stands for (the majority over train utterances):
     reads codes a decoder emits as phones, to count the frames whose code names the
-    phone the ground truth has there (livespeech.training.eval.diagnose)."""
+    phone the ground truth has there (livespeech.training.eval.diagnose); and how often
+    each code sounds each phone (`phone_given_code`, the letter schedule's)."""
 
     vocab: PhoneVocab
     table: dict
     default: int
     hop: int
     sample_rate: int
+    pairs: Counter = field(default_factory=Counter)  # (phone, code) -> frames of the fit
 
     @classmethod
     def fit(cls, codec, corpus: str, records: Sequence[dict], n: int = 300, device="cpu", seed: int = 0,
-            min_count: int = 20) -> "PhoneTable":
+            min_count: int = 20, codes_dir: Optional[str] = None) -> "PhoneTable":
+        """Over `n` train utterances (seeded choice; 0: all) with a phone timeline, encoded
+        with `codec`, or read from `codes_dir` (livespeech.training.encode_corpus's output
+        with that codec; utterances it lacks are left out)."""
         labelled = [r for r in records if r.get("phones")]
         vocab = PhoneVocab.from_records(labelled, min_count)
         fit = [r for r in labelled if r["split"] == "train"]
         random.Random(seed).shuffle(fit)
+        if codes_dir is not None:
+            fit = [r for r in fit if os.path.exists(codes_path(codes_dir, r["id"]))]
+        fit = fit[:n] if n else fit
+        codes_of = ([np.load(codes_path(codes_dir, r["id"]))[0] for r in fit] if codes_dir is not None
+                    else first_codebook(codec, corpus, fit, device))
         pairs: Counter = Counter()
-        for r, codes in zip(fit[:n], first_codebook(codec, corpus, fit[:n], device)):
+        for r, codes in zip(fit, codes_of):
             ph = vocab.frame_labels(r, 0, len(codes), codec.hop_length, codec.sample_rate)
             pairs.update((int(p), int(c)) for p, c in zip(ph, codes) if p != IGNORE)
         table, default = _majority_table(pairs)
-        return cls(vocab, table, -1 if default is None else int(default), codec.hop_length, codec.sample_rate)
+        return cls(vocab, table, -1 if default is None else int(default), codec.hop_length, codec.sample_rate,
+                   pairs)
+
+    def phone_given_code(self, codebook_size: int, smoothing: float = 0.1) -> torch.Tensor:
+        """[phones, codebook_size] log p(phone | code) over the fit's frames (each pair's
+        count plus `smoothing`); -inf for a code unseen in the fit."""
+        counts = torch.zeros(codebook_size, len(self.vocab), dtype=torch.float64)
+        for (phone, code), c in self.pairs.items():
+            counts[code, phone] += c
+        total = counts.sum(1, keepdim=True)
+        logp = ((counts + smoothing) / (total + smoothing * len(self.vocab))).log()
+        return logp.masked_fill(total == 0, float("-inf")).T.float().contiguous()
 
     def hits(self, rec: dict, codes: np.ndarray) -> tuple[int, int]:
         """(frames whose code names the record's phone there, frames with a phone label)."""

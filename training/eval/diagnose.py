@@ -219,7 +219,8 @@ class Synth:
 
 
 # a codebook-1 rule: (frame, the grapheme row so far, codebook 1's logits [1, V]) -> the
-# codes codebook 1 may take at that frame ([V] bool), or None to leave it free
+# codes codebook 1 may take at that frame ([V] bool) or a bias on its logits ([V] float),
+# or None to leave it free
 Cb1Rule = Callable[[int, list, torch.Tensor], Optional[torch.Tensor]]
 
 
@@ -229,7 +230,7 @@ def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int =
                cb1_rule: Optional[Cb1Rule] = None, row_forced: Optional[list[int]] = None) -> Synth:
     """Decode one utterance in slot 0 of `runner` (a livespeech.server.runner.ModelRunner), stepping
     the model as ModelRunner.step does (its model step; guidance off), with the forcing
-    of `mode` and, for codebook 1, the codes `cb1_rule` allows (the phone modes). The
+    of `mode` and, for codebook 1, what `cb1_rule` allows or favours (the phone modes). The
     forced graphemes are the ground truth's, or `row_forced` (then EOS)."""
     if mode not in SYNTH_MODES:
         raise ValueError(f"mode must be one of {SYNTH_MODES}")
@@ -272,7 +273,9 @@ def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int =
         row.append(int(g[0]))
         acoustic = logits.acoustic.float()
         allowed = cb1_rule(t - delays[1], row, acoustic[:, 0]) if cb1_rule is not None and t >= delays[1] else None
-        if allowed is not None and bool(allowed.any()):
+        if allowed is not None and allowed.dtype != torch.bool:
+            acoustic[:, 0] += allowed.to(acoustic.device)  # a bias (the letter schedule's)
+        elif allowed is not None and bool(allowed.any()):
             acoustic[:, 0].masked_fill_(~allowed.to(acoustic.device), float("-inf"))
         a = sample_top_k(acoustic, [top_k], u[:, 1:])
         for k in range(1, 1 + n_ac):  # codebook k at step t carries frame t - delay_k
@@ -318,8 +321,10 @@ def letter_phone_rule(front_end, letters: list[int], engine: int, positions: Opt
 
 
 def schedule_rule(front_end, schedule) -> Cb1Rule:
-    """The codes of the phone a `LetterSchedule` gives the frame."""
-    return lambda f, row, logits: front_end.code_phones == schedule.phone(f) if schedule.phone(f) >= 0 else None
+    """Codebook 1 given the phone a `LetterSchedule` gives the frame, as the server draws it
+    (the front end's `first_code_bias`)."""
+    bias = front_end.first_code_bias()
+    return lambda f, row, logits: bias[schedule.phone(f)] if schedule.phone(f) >= 0 else None
 
 
 def cb1_rule(mode: str, phones: Optional[PhoneTable], rec: dict, prep: Prepared, codebook_size: int,
