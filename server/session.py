@@ -262,7 +262,7 @@ class EngineSession:
         """Whether the speech has a letter laid for this step: the first word is laid whole
         once the speech reaches its last letter laid (`LetterSchedule.lay_first_word`: the
         first audio need not wait for the second word); a later letter waits for the
-        letters its window reads (laying mid-text words early cost WER:
+        letters its window reads (laying every word early measured worse:
         docs/architecture.md, "The letter schedule")."""
         if self.letters is None or self.step_count < self.letters.n_frames:
             return True

@@ -221,7 +221,7 @@ def test_the_first_word_is_spoken_without_waiting_for_the_next_and_later_ones_wa
         assert h.letters.laid == 5 and h.step_count == 4 * 3 + 1 and not done.is_set()
         h.push_text("there ")
         deadline = time.monotonic() + 60
-        while h.step_count < 6 * 3 and time.monotonic() < deadline:
+        while h.step_count < 7 * 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.3)
         # its space and first letter laid (the four after them are there), the rest wait

@@ -1,5 +1,8 @@
 """livespeech.training.letter_phones: a front end trained on the smoke corpus loads with
 the model directory, matches the codec's phone table, and drives diagnose's timed modes."""
+import os
+
+import numpy as np
 import torch
 
 from livespeech.models import graphemes as G
@@ -22,7 +25,8 @@ def test_trained_on_the_smoke_corpus_it_drives_the_timed_modes(tmp_path):
     from livespeech.training.dataset import phone_letter_positions, read_manifest
     from livespeech.training.eval import diagnose
     from livespeech.training.eval.evaluate import SR, read_audio, select_utterances
-    from livespeech.training.phones import PhoneTable
+    from livespeech.training.dataset import codes_path
+    from livespeech.training.phones import PhoneTable, first_codebook
     from livespeech.training.smoke import make_smoke_corpus
 
     torch.set_num_threads(1)
@@ -37,6 +41,14 @@ def test_trained_on_the_smoke_corpus_it_drives_the_timed_modes(tmp_path):
     assert front_end.phone_names == table.vocab.names
     assert torch.equal(front_end.code_phones, table.code_phones(bundle.model.cfg.codebook_size))
     assert torch.equal(front_end.phone_given_code, table.phone_given_code(bundle.model.cfg.codebook_size))
+    # the same table from the corpus encoded beforehand (encode_corpus's layout)
+    train = [r for r in rows if r["split"] == "train" and r.get("phones")]
+    for r, codes in zip(train, first_codebook(bundle.codec, corpus, train)):
+        path = codes_path(str(tmp_path / "codes"), r["id"])
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.save(path, codes[None])
+    assert table.pairs and PhoneTable.fit(bundle.codec, corpus, rows, n=0, min_count=1,
+                                          codes_dir=str(tmp_path / "codes")).pairs == table.pairs
     assert front_end.duration_scale > 0
     utt = select_utterances(rows, tmp_path / "corpus", 1, split="dev")[0]
     p = diagnose.prepare(bundle, rows, [utt], str(tmp_path / "codes"))[0]
