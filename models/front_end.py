@@ -2,17 +2,18 @@
 frame sounds.
 
 The decoder alone loses the phone once it reads back its own codebook-1 samples; with
-the letters forced on a timeline and codebook 1 sampled among the codes of each frame's
-phone, it speaks (docs/eval.md, "The letter schedule"). Two small networks give that
-from the text alone, without the acoustic history:
+the letters forced on a timeline and codebook 1 drawn given each frame's phone, it
+speaks (docs/eval.md, "What ships now"). Two small networks give that from the text
+alone, without the acoustic history:
 
 - `LetterDurationModel`: frames of each letter (or word gap) from its letter window,
   the synthesiser's engine and the voice's pace;
 - `LetterPhoneModel`: the phone of a frame from its letter window, how many frames the
   letter has lasted, and the engine (phone sets are per engine);
 
-and a table of the phone each codebook-1 code names (the codec's). `FrontEnd` holds
-them (a model directory's `front_end.pt`, written by livespeech.training.letter_phones);
+and, for the codec's codebook-1 codes, how often each sounds each phone and the phone
+each sounds most often. `FrontEnd` holds them (a model directory's `front_end.pt`,
+written by livespeech.training.letter_phones);
 `LetterSchedule` is one session's timeline, laid as its text arrives.
 """
 from __future__ import annotations

@@ -63,8 +63,8 @@ class ServerConfig:
     # session, about doubling the step); 0 = off
     text_cfg_scale: float = 0.0
     # the model's letter schedule (models/front_end.py), where the model directory has
-    # one: each session's letters forced on a predicted timeline and codebook 1 sampled
-    # among the codes of each frame's phone; off = the decoder's own graphemes
+    # one: each session's letters forced on a predicted timeline and codebook 1 drawn
+    # given each frame's phone; off = the decoder's own graphemes
     letter_schedule: bool = True
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
