@@ -212,8 +212,6 @@ class EngineSession:
         self.n_chars += len(ids)
         self.chunks.append(chunk)
         self.words.extend(words)
-        if self.letters is not None:
-            self.letters.lay(self.step_count, final=self.text_complete)
         return chunk
 
     @property
@@ -248,6 +246,7 @@ class EngineSession:
         n = self.n_in_memory
         if n == 0:
             return False
+        self.lay_letters_reached()
         if self.eos_added:
             return True
         if self.covered_chars == self.n_chars:
@@ -257,6 +256,15 @@ class EngineSession:
                 n - 1 < c + min(self.config.n_future_chunks, self.config.start_future_chunks + c):
             return False
         return self.lay_letters_for_this_step()
+
+    def lay_letters_reached(self) -> None:
+        """Once the speech reaches the last letter laid, lay every letter the text so far
+        completes, in one call of the front end's networks: laid as each word arrived,
+        ~1.3 ms a word on the engine thread fell on the sessions' starts, where the text
+        comes (docs/loadtest.md, "What holds now"). The frames are the same either way:
+        a letter is laid once its window is complete, whenever that is."""
+        if self.letters is not None and self.step_count >= self.letters.n_frames:
+            self.letters.lay(self.step_count, final=self.text_complete)
 
     def lay_letters_for_this_step(self) -> bool:
         """Whether the speech has a letter laid for this step: the first word is laid whole

@@ -67,6 +67,26 @@ def test_the_first_word_can_be_laid_before_the_letters_after_it_arrive():
     assert s.laid == laid
 
 
+def test_letters_laid_in_one_call_are_those_laid_word_by_word():
+    """The session lays letters once its speech reaches the last one laid, all the text
+    so far in one call: the frames and phones are those laid as each word arrived."""
+    fe = toy_front_end()
+    torch.manual_seed(1)
+    torch.nn.init.normal_(fe.durations.mlp[-1].weight, std=0.3)  # durations that vary by context
+    text = "the quick brown fox jumps over the lazy dog and then it runs away again"
+    by_word, at_once = LetterSchedule(fe, engine=1), LetterSchedule(fe, engine=1)
+    for w in text.split():
+        by_word.add_word(G.word_graphemes(w))
+        by_word.lay(by_word.n_frames, final=False)
+    words_of(at_once, text)
+    at_once.lay(0, final=False)
+    assert len(set(fe.frames_of(at_once.letters, 0, len(at_once.letters), 1, 0.0)[0])) > 1  # not all alike
+    assert (at_once.laid, at_once.graphemes, at_once.phones) == (by_word.laid, by_word.graphemes, by_word.phones)
+    by_word.lay(by_word.n_frames, final=True)
+    at_once.lay(at_once.n_frames, final=True)
+    assert (at_once.graphemes, at_once.phones) == (by_word.graphemes, by_word.phones)
+
+
 def test_every_letter_gets_a_frame_and_the_rounding_carries():
     s = LetterSchedule(toy_front_end(frames_per_letter=0.2), engine=0)
     words_of(s, "abc de")
