@@ -23,12 +23,11 @@
 # committed, with the Piper voice's codes of models/weights/next/piper.tar.gz (made here:
 # its manifest.jsonl and codes/) in the training data, on training sentences the committed
 # decoder has not seen ($NEXT/TRAINED_BEFORE); export it. The CANDIDATES (candidate_args)
-# train side by side (each with a share of the GPU). By default one: the recipe with its own
-# samples compounded over OWN_PASSES passes as half of the history (decoder_own:
-# --own-history OWN_HISTORY, 0.5, --own-passes OWN_PASSES, 4; on the CPU it held the phone
-# through its own history and lowered online CER against its control, docs/eval.md; beside
-# the plain recipe on an H100 it was level with what ships at half the GPU, while the recipe
-# alone was not better, models/weights/next/README.md); decoder is the recipe as it is;
+# train side by side (each with a share of the GPU). By default one, decoder: the recipe as
+# it is (not measured under the letter schedule yet; decoder_own was, alone on an H100, and
+# was not better, models/weights/next/README.md); decoder_own: the recipe with its own
+# samples compounded over OWN_PASSES passes as half of the history (--own-history
+# OWN_HISTORY, 0.5, --own-passes OWN_PASSES, 4);
 # decoder_own_session samples those
 # passes as a server session does (--own-sampling session; no better on the CPU); decoder_bf16 the recipe under
 # bfloat16 autocast (its steps against the recipe's measure what bf16 buys); decoder_phone adds
@@ -36,15 +35,17 @@
 # --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1);
 # decoder_cfg trains a share of its utterances without text (--text-dropout TEXT_DROPOUT, 0.1)
 # for classifier-free guidance (the server's --text-cfg-scale).
-# Beside them, on the CPU cores, the letter schedule's front end on this larger corpus
-# (livespeech.training.letter_phones with the same codec).
+# Beside them on the GPU (CODEC_FT=1, the default), the codec's decoder fine-tuned alone,
+# adversarially (codec_train --decoder-only --adversarial, from the committed codec): its
+# codes do not change, so it serves the shipped decoder as it is.
 # $OUT holds, for each NAME in CANDIDATES, NAME.pt.partNN (cat them), NAME_log.jsonl and
-# NAME_MODEL_CARD.md, TRAINED_BEFORE (commit it with the decoder kept), and front_end.pt
-# with front_end.log (evaluate it against the shipped one before it replaces it).
-# Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3), READ_WEIGHT (1),
+# NAME_MODEL_CARD.md, TRAINED_BEFORE (commit it with the decoder kept), and codec_ft.pt
+# (fp16, its best dev mel; its log in logs.tgz): evaluate each against what ships before
+# it replaces it.
+# Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), CODEC_FT (1), CODEC_FT_LR (3e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3), READ_WEIGHT (1),
 # TEXT_DROPOUT (0.1),
 # OWN_HISTORY (0.5), OWN_PASSES (4),
-# CANDIDATES ("decoder_own"),
+# CANDIDATES ("decoder"),
 # BATCH_FRAMES (80000), LR (5e-4, a continued decoder's), MARGIN (70 s, the decoder stage 60, kept for the
 # probe or export and the copy back).
 set -uo pipefail
@@ -59,7 +60,7 @@ export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$R/.dev/multilingual.tiktoken
 export LIVESPEECH_FLITE=$FL/usr/bin/flite LD_LIBRARY_PATH=$FL/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 STAGE=$(cat $NEXT/STAGE 2>/dev/null || echo codec)
 # the decoder stage's candidates: the recipe (training/train.py's defaults) and its variants
-CANDIDATES=${CANDIDATES:-decoder_own}
+CANDIDATES=${CANDIDATES:-decoder}
 candidate_args() {
   case $1 in
     decoder) ;;
@@ -143,8 +144,6 @@ decoder)
     $PY -m livespeech.training.encode_corpus --corpus $W/corpus --codec $CODEC --out $W/codes --device $DEVICE \
       --max-seconds 8 --threads 1 --batch 64 --shard $k/2 > $W/encode$k.log 2>&1 &
   done
-  $PY -m livespeech.training.letter_phones --corpus $W/corpus --codec $CODEC --out $OUT/front_end.pt --threads 4 \
-    > $OUT/front_end.log 2>&1 &
   sleep 20
   INIT=(); [ -e $NEXT/decoder.pt ] && INIT=(--init $NEXT/decoder.pt --lr "${LR:-5e-4}")
   # the Piper voice, synthesised here on a CPU and brought as this codec's codes
@@ -159,7 +158,7 @@ decoder)
   MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-60}) / 60), 2))")
   stamp "decoder: $MIN min ${INIT[*]:-from scratch}; candidates: $CANDIDATES"
   # each candidate caps its share of the GPU's memory (CUDA contexts take the rest)
-  SHARE=$($PY -c "print(round(0.95 / len('$CANDIDATES'.split()), 3))")
+  SHARE=$($PY -c "print(round((0.85 if '${CODEC_FT:-1}' == '1' else 0.95) / len('$CANDIDATES'.split()), 3))")
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   pids=()
   for v in $CANDIDATES; do
@@ -169,8 +168,24 @@ decoder)
       > $W/$v.log 2>&1 &
     pids+=($!)
   done
+  # beside them, the codec's decoder alone, adversarially (the codes do not change, so it
+  # serves any decoder on this codec): for codec resynthesis within 1.2x the ground truth
+  FT=
+  if [ "${CODEC_FT:-1}" = 1 ]; then
+    $PY -m livespeech.training.codec_train --corpus $W/corpus --out $W/codec_ft --device $DEVICE --init $CODEC \
+      --decoder-only --adversarial --minutes "$MIN" --steps 1000000 --batch "${CODEC_BATCH:-64}" \
+      --lr "${CODEC_FT_LR:-3e-4}" --warmup 100 --threads 2 --eval-every 500 --ckpt-every 500 --log-every 100 \
+      > $W/codec_ft.log 2>&1 &
+    FT=$!
+  fi
   ok=0; for p in "${pids[@]}"; do wait $p && ok=1; done
-  wait  # the encoders and the front end
+  if [ -n "$FT" ]; then
+    wait $FT; grep '"eval"' $W/codec_ft.log | tail -n 2 | cut -c1-400
+    [ -e $W/codec_ft/best.pt ] && $PY -c "
+from livespeech.models.codec import CodecModel
+CodecModel.from_checkpoint('$W/codec_ft/best.pt').save('$OUT/codec_ft.pt', half=True)" && sha256sum $OUT/codec_ft.pt
+  fi
+  wait  # the encoders
   for v in $CANDIDATES; do
     [ -e $W/$v.log ] || continue
     echo "== $v: $(grep '^scan\|autocast' $W/$v.log | head -n 1)"; grep '"eval"' $W/$v.log | tail -n 2 | cut -c1-900
