@@ -3,6 +3,7 @@ sampling + commit, then the codec decode of one packet, at several batch sizes.
 
     python -m livespeech.loadtest.bench_step --preset tiny --threads 1 --batch 1 16
     python -m livespeech.loadtest.bench_step --guidance-only --batch 1 16 64   # guidance alone
+    python -m livespeech.loadtest.bench_step --first-calls --batch 1 2 3 4 8 16   # a batch size's first step
 """
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eager-step", action="store_true", help="the eager model step on the CPU (default: frozen graph)")
     ap.add_argument("--device-guidance", action="store_true",
                     help="every slot's guidance as tensors on the device (ServerConfig.device_guidance)")
+    ap.add_argument("--first-calls", action="store_true",
+                    help="one runner for the largest batch; each batch size's first whole step against its next ones "
+                         "(what a server pays as its batch grows to sizes it has not run)")
     ap.add_argument("--guidance-only", action="store_true",
                     help="time the guidance alone: per session in Python against all slots as tensors")
     add_bf16_argument(ap)
@@ -96,6 +100,8 @@ def main(argv=None) -> int:
     out = {"preset": args.preset, "threads": args.threads, "device": args.device,
            "cuda_graphs": args.cuda_graphs, "device_guidance": args.device_guidance, "frozen_step": None, "rows": [],
            "bf16_matmuls": bf16_matmuls_enabled(args.bf16_matmuls, args.device)}
+    if args.first_calls:
+        return first_calls(bundle, args, out)
     for b in args.batch:
         runner = ModelRunner(bundle, b, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
                              bf16_matmuls=out["bf16_matmuls"], device_guidance=args.device_guidance)
@@ -129,6 +135,41 @@ def main(argv=None) -> int:
             "per_frame_ms": (t_full + t_codec / pf) * 1e3,
             "realtime_sessions_bound": b * (1000 / FRAME_RATE) / ((t_full + t_codec / pf) * 1e3),
         }
+        out["rows"].append(row)
+        print(json.dumps(row))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+def first_calls(bundle, args, out: dict) -> int:
+    """Each batch size's first runner step, in the order given, against the median of its
+    next five: a server's batch grows through sizes it has not stepped yet."""
+    from livespeech.models import graphemes
+    from livespeech.models.guidance import GuidanceState
+    from livespeech.server.runner import ModelRunner
+
+    capacity = max(args.batch)
+    runner = ModelRunner(bundle, capacity, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
+                         bf16_matmuls=out["bf16_matmuls"], device_guidance=args.device_guidance)
+    voice = runner.make_voice("v", noise_reference(), 24000)
+    guides = []
+    for s in range(capacity):
+        text = GuidanceState(graphemes.text_to_ids("hello world this is a test " * 40))
+        guides.append(runner.admit(s, voice, seed=s, guidance=text))
+        runner.add_chunk(s, list(range(100, 112)), 0, 0)
+
+    def step(b: int) -> float:
+        t = time.perf_counter()
+        with torch.inference_mode():  # the step's results come back to the host: it waits for the device
+            runner.step(list(range(b)), [(0, 0)] * b, guides[:b], [1.0] * b, [20] * b, [False] * b)
+        return time.perf_counter() - t
+
+    for b in args.batch:
+        first = step(b)
+        row = {"batch": b, "first_step_ms": first * 1e3,
+               "next_steps_ms": statistics.median(step(b) for _ in range(5)) * 1e3}
         out["rows"].append(row)
         print(json.dumps(row))
     if args.json:

@@ -406,3 +406,13 @@ def test_replay_max_delay_caps_the_decoders_codebook_delays(tmp_path):
     assert [r["finished"] for r in res["turn_results"]] == [True] and res["turn_results"][0]["first_packets"]
     with pytest.raises(SystemExit):
         replay.main(["--model-path", "random:tiny", "--max-delay", "-1"])
+
+
+def test_bench_step_times_each_batch_sizes_first_step(tmp_path):
+    from livespeech.loadtest import bench_step
+
+    out = tmp_path / "first.json"
+    assert bench_step.main(["--first-calls", "--batch", "1", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["first_step_ms"] > 0 and r["next_steps_ms"] > 0 for r in rows)

@@ -16,7 +16,8 @@
 # $OUT gets loadtest.tgz (a report and JSON per run, the step profile of each:
 # livespeech.loadtest.profile_step, and its host reads per step: livespeech.loadtest.host_reads)
 # and the logs, and guidance_bench.txt (the guidance tests, their recorded graph included,
-# then livespeech.loadtest.bench_step with and without --device-guidance). Knobs: DURATION (20 s a level), MODEL
+# then livespeech.loadtest.bench_step with and without --device-guidance, then its
+# --first-calls: each batch size's first step). Knobs: DURATION (20 s a level), MODEL
 # (random:paper/encodec_24khz), DEVICE (cuda), PY (python3), SITE, PROFILE (1; 0: no
 # profiles), PROFILE_BATCH ("1 16 64"), EAGER (1; 0: only the CUDA-graph runs).
 set -uo pipefail
@@ -57,6 +58,12 @@ guidance() {  # $1: PYTHONPATH. The runner step with per-session guidance, then 
   for g in "" --device-guidance; do
     PYTHONPATH=$1 $PY -m livespeech.loadtest.bench_step --preset paper --codec encodec_24khz --device "${DEVICE:-cuda}" \
       --batch 1 16 64 256 --steps 50 --cuda-graphs $g 2>&1 | tee -a "$OUT/guidance_bench.txt" | tail -n 4
+  done
+  # each batch size's first step as a server's batch grows (the gRPC run of 2026-11-27 had
+  # ~2 s steps while its batch ramped up), with and without the CUDA graph
+  for g in "" --cuda-graphs; do
+    PYTHONPATH=$1 $PY -m livespeech.loadtest.bench_step --preset paper --codec encodec_24khz --device "${DEVICE:-cuda}" \
+      --first-calls --batch 1 2 3 4 6 8 12 16 24 32 48 64 $g 2>&1 | tee -a "$OUT/guidance_bench.txt" | tail -n 12
   done
 }
 variants() {  # $1: name prefix; $2: PYTHONPATH
