@@ -92,27 +92,28 @@ def main(argv=None) -> int:
         for b in args.batch:
             print(json.dumps(guidance_cost(b, args.steps, args.device)))
         return 0
-    from livespeech.server.runner import ModelRunner, bf16_matmuls_enabled
-    from livespeech.models.guidance import GuidanceState
-    from livespeech.models import graphemes
+    from livespeech.server.runner import bf16_matmuls_enabled
 
     bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
     out = {"preset": args.preset, "threads": args.threads, "device": args.device,
            "cuda_graphs": args.cuda_graphs, "device_guidance": args.device_guidance, "frozen_step": None, "rows": [],
            "bf16_matmuls": bf16_matmuls_enabled(args.bf16_matmuls, args.device)}
-    if args.first_calls:
-        return first_calls(bundle, args, out)
+    rows = first_call_rows(bundle, args, out) if args.first_calls else step_cost_rows(bundle, args, out)
+    for row in rows:
+        out["rows"].append(row)
+        print(json.dumps(row))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+def step_cost_rows(bundle, args, out: dict):
+    """Per batch size (a runner of its own): the model step, the whole runner step and a
+    codec packet, each the median of --steps calls."""
     for b in args.batch:
-        runner = ModelRunner(bundle, b, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
-                             bf16_matmuls=out["bf16_matmuls"], device_guidance=args.device_guidance)
-        out["frozen_step"] = runner.frozen
-        voice = runner.make_voice("v", noise_reference(), 24000)
+        runner, guides = runner_with_sessions(bundle, args, out, b)
         slots = list(range(b))
-        guides = []
-        for s in slots:
-            text = GuidanceState(graphemes.text_to_ids("hello world this is a test " * 40))
-            guides.append(runner.admit(s, voice, seed=s, guidance=text))
-            runner.add_chunk(s, list(range(100, 112)), 0, 0)
         st = runner.state
         with torch.inference_mode():
             def model_only():
@@ -129,36 +130,37 @@ def main(argv=None) -> int:
             pf = max(6, bundle.codec.min_first_frames)  # the first packet of a stream
             frames = [[[1] * bundle.model.cfg.n_acoustic_codebooks] * pf] * b
             t_codec = bench(lambda: runner.decode(slots, frames), max(10, args.steps // 5))
-        row = {
+        yield {
             "batch": b, "model_step_ms": t_model * 1e3, "full_step_ms": t_full * 1e3,
             "codec_packet_frames": pf, "codec_packet_ms": t_codec * 1e3,
             "per_frame_ms": (t_full + t_codec / pf) * 1e3,
             "realtime_sessions_bound": b * (1000 / FRAME_RATE) / ((t_full + t_codec / pf) * 1e3),
         }
-        out["rows"].append(row)
-        print(json.dumps(row))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-    return 0
 
 
-def first_calls(bundle, args, out: dict) -> int:
-    """Each batch size's first runner step, in the order given, against the median of its
-    next five: a server's batch grows through sizes it has not stepped yet."""
+def runner_with_sessions(bundle, args, out: dict, capacity: int):
+    """A runner of `capacity` slots, each holding a session with a text chunk in memory;
+    returns it and the sessions' guidance."""
     from livespeech.models import graphemes
     from livespeech.models.guidance import GuidanceState
     from livespeech.server.runner import ModelRunner
 
-    capacity = max(args.batch)
     runner = ModelRunner(bundle, capacity, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
                          bf16_matmuls=out["bf16_matmuls"], device_guidance=args.device_guidance)
+    out["frozen_step"] = runner.frozen
     voice = runner.make_voice("v", noise_reference(), 24000)
     guides = []
     for s in range(capacity):
         text = GuidanceState(graphemes.text_to_ids("hello world this is a test " * 40))
         guides.append(runner.admit(s, voice, seed=s, guidance=text))
         runner.add_chunk(s, list(range(100, 112)), 0, 0)
+    return runner, guides
+
+
+def first_call_rows(bundle, args, out: dict):
+    """Each batch size's first runner step, in the order given, against the median of its
+    next five: a server's batch grows through sizes it has not stepped yet."""
+    runner, guides = runner_with_sessions(bundle, args, out, max(args.batch))
 
     def step(b: int) -> float:
         t = time.perf_counter()
@@ -168,14 +170,8 @@ def first_calls(bundle, args, out: dict) -> int:
 
     for b in args.batch:
         first = step(b)
-        row = {"batch": b, "first_step_ms": first * 1e3,
+        yield {"batch": b, "first_step_ms": first * 1e3,
                "next_steps_ms": statistics.median(step(b) for _ in range(5)) * 1e3}
-        out["rows"].append(row)
-        print(json.dumps(row))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":
