@@ -14,7 +14,8 @@ alone, without the acoustic history:
 and, for the codec's codebook-1 codes, how often each sounds each phone and the phone
 each sounds most often. `FrontEnd` holds them (a model directory's `front_end.pt`,
 written by livespeech.training.letter_phones);
-`LetterSchedule` is one session's timeline, laid as its text arrives.
+`LetterSchedule` is one session's timeline: words are added as their text arrives, letters
+laid as the session's speech reaches them (server/session.py).
 """
 from __future__ import annotations
 
@@ -156,10 +157,11 @@ class FrontEnd:
 
 
 class LetterSchedule:
-    """One session's letters on its frames. Words are added as their text arrives; a
-    letter is laid once the letters its window reads are there (`lay`; all of them
-    when the text is complete). Frames the speech stepped with no letter laid (waiting
-    at the end of the text) stay unscheduled: the next letters start where the speech is."""
+    """One session's letters on its frames. Words are added as their text arrives; `lay`
+    lays every letter whose window (the letters it reads) is there, all of them when the
+    text is complete; the session calls it when its speech reaches the last letter laid.
+    Frames the speech stepped with no letter laid (waiting at the end of the text) stay
+    unscheduled: the next letters start where the speech is."""
 
     def __init__(self, front_end: FrontEnd, engine: int):
         self.front_end, self.engine = front_end, engine
