@@ -61,6 +61,7 @@ export LIVESPEECH_FLITE=$FL/usr/bin/flite LD_LIBRARY_PATH=$FL/usr/lib/x86_64-lin
 STAGE=$(cat $NEXT/STAGE 2>/dev/null || echo codec)
 # the decoder stage's candidates: the recipe (training/train.py's defaults) and its variants
 CANDIDATES=${CANDIDATES:-decoder}
+CODEC_FT=${CODEC_FT:-1}  # the codec's decoder fine-tuned beside them (the decoder stage)
 candidate_args() {
   case $1 in
     decoder) ;;
@@ -158,7 +159,7 @@ decoder)
   MIN=$($PY -c "print(round(max(1.0, ($(left) - ${MARGIN:-60}) / 60), 2))")
   stamp "decoder: $MIN min ${INIT[*]:-from scratch}; candidates: $CANDIDATES"
   # each candidate caps its share of the GPU's memory (CUDA contexts take the rest)
-  SHARE=$($PY -c "print(round((0.85 if '${CODEC_FT:-1}' == '1' else 0.95) / len('$CANDIDATES'.split()), 3))")
+  SHARE=$($PY -c "print(round((0.85 if '$CODEC_FT' == '1' else 0.95) / len('$CANDIDATES'.split()), 3))")
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   pids=()
   for v in $CANDIDATES; do
@@ -171,7 +172,7 @@ decoder)
   # beside them, the codec's decoder alone, adversarially (the codes do not change, so it
   # serves any decoder on this codec): for codec resynthesis within 1.2x the ground truth
   FT=
-  if [ "${CODEC_FT:-1}" = 1 ]; then
+  if [ "$CODEC_FT" = 1 ]; then
     $PY -m livespeech.training.codec_train --corpus $W/corpus --out $W/codec_ft --device $DEVICE --init $CODEC \
       --decoder-only --adversarial --minutes "$MIN" --steps 1000000 --batch "${CODEC_BATCH:-64}" \
       --lr "${CODEC_FT_LR:-3e-4}" --warmup 100 --threads 2 --eval-every 500 --ckpt-every 500 --log-every 100 \
