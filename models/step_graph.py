@@ -2,18 +2,22 @@
 (`CapturedStep`), as frozen TorchScript graphs on the CPU (`FrozenStep` for the model,
 `FrozenCodecStep` for the streaming codec).
 
-CUDA graph: the decode step over every slot of a DecodeState.
+CUDA graph: the decode step over the first slots of a DecodeState, one graph per
+batch-size bucket.
 
 On a GPU the eager step is bound by kernel launches, not by math: the paper preset's
 step costs about the same at batch 1 and at batch 128 (docs/loadtest.md), hundreds of
 small kernels each. A CUDA graph replays all of them as one launch, but only for fixed
-shapes and fixed memory: so the captured step runs every slot of the caller's
-`DecodeState` (its tensors stay where they are) with the whole text memory under the
-mask, reading its inputs from buffers of its own. Stepping a batch of slots copies
-their inputs in, replays, and puts back the recurrent state of the slots outside the
-batch, which the replay advanced too: the result equals `LiveSpeech2.step` on those
-slots alone. With `capture=False` (any device) the same calls run eagerly, which is how
-the CPU tests check everything but the recording itself.
+shapes and fixed memory. So a graph is recorded for each bucket b (powers of two, and
+the capacity): it steps slots 0..b-1 of the caller's `DecodeState` (its tensors stay
+where they are) with the whole text memory under the mask, reading its inputs from
+buffers of its own. The engine gives a session the lowest free slot, so the sessions
+sit in a prefix of the slots and a step replays the smallest bucket that holds the
+highest slot stepped: its cost follows the sessions, not the capacity. Stepping a batch
+of slots copies their inputs in, replays, and puts back the recurrent state of the
+bucket's slots outside the batch, which the replay advanced too: the result equals
+`LiveSpeech2.step` on those slots alone. With `capture=False` (any device) the same
+calls run eagerly, which is how the CPU tests check everything but the recording itself.
 """
 from __future__ import annotations
 
@@ -31,6 +35,12 @@ from .livespeech import LiveSpeech2, StepLogits
 log = logging.getLogger(__name__)
 
 
+def buckets(capacity: int) -> list[int]:
+    """Batch-size buckets of a state of `capacity` slots: 1, 2, 4, ... below it, and it."""
+    out = [1 << i for i in range(capacity.bit_length()) if 1 << i < capacity]
+    return out + [capacity]
+
+
 class CapturedStep:
     def __init__(self, model: LiveSpeech2, state: DecodeState, capture: bool = True, warmup: int = 3):
         self.model, self.state = model, state
@@ -38,25 +48,31 @@ class CapturedStep:
         self.inputs = state.inputs.clone()
         self.frame = state.step.clone()
         self.mask = torch.zeros(capacity, state.txt_chunk.shape[1], dtype=torch.bool, device=dev)
-        self.graph = None
+        self.buckets = buckets(capacity)
+        # bucket -> (its CUDA graph, its output); empty when not captured
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepLogits]] = {}
+        self.batch_sizes: list[int] = []  # the bucket of each step (for tests and reports)
         if capture:
             saved = state.conv.clone(), state.ssm.clone()  # warm-up steps advance them
-            # warm up on a side stream (lazy initialisations, derived weights, library
-            # workspaces must not happen during the recording), then record
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side), torch.inference_mode():
-                for _ in range(warmup):
-                    self._eager()
-            torch.cuda.current_stream(dev).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph), torch.inference_mode():
-                self.out = self._eager()
+            pool = torch.cuda.graph_pool_handle()  # one memory pool: a step replays one graph
+            for b in reversed(self.buckets):  # the largest first: the pool's blocks fit the rest
+                # warm up on a side stream (lazy initialisations, derived weights, library
+                # workspaces must not happen during the recording), then record
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side), torch.inference_mode():
+                    for _ in range(warmup):
+                        self._eager(b)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                    out = self._eager(b)
+                self.graphs[b] = graph, out
             state.conv.copy_(saved[0])
             state.ssm.copy_(saved[1])
 
-    def _eager(self) -> StepLogits:
-        return self.model.step(self.inputs, self.frame, self.state, self.mask)
+    def _eager(self, b: int) -> StepLogits:
+        return self.model.step(self.inputs[:b], self.frame[:b], self.state.view(range(b)), self.mask[:b])
 
     @torch.inference_mode()
     def __call__(self, slots: Sequence[int], inputs: torch.Tensor, frame: torch.Tensor,
@@ -65,16 +81,22 @@ class CapturedStep:
         the first l <= L text slots): the state's rows of those slots are updated in
         place, every other row is as it was; returns the batch's logits (a copy)."""
         dev = self.frame.device
+        b = next(b for b in self.buckets if b > max(slots))
+        self.batch_sizes.append(b)
         idx = torch.tensor(list(slots), device=dev)
         self.inputs.index_copy_(0, idx, inputs)
         self.frame.index_copy_(0, idx, frame)
-        self.mask.zero_()
+        self.mask[:b].zero_()
         self.mask[:, : text_mask.shape[1]].index_copy_(0, idx, text_mask)
-        others = sorted(set(range(self.state.capacity)) - set(slots))
+        others = sorted(set(range(b)) - set(slots))
         if others:
             keep = torch.tensor(others, device=dev)
             saved = self.state.conv.index_select(1, keep), self.state.ssm.index_select(1, keep)
-        out = self._eager() if self.graph is None else (self.graph.replay(), self.out)[1]
+        if b in self.graphs:
+            graph, out = self.graphs[b]
+            graph.replay()
+        else:
+            out = self._eager(b)
         if others:
             self.state.conv.index_copy_(1, keep, saved[0])
             self.state.ssm.index_copy_(1, keep, saved[1])

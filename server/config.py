@@ -271,7 +271,7 @@ class EngineConfig:
     # while a session's packets ramp up to packet_ms, a shorter one goes out as soon as
     # its listener has less than this many step periods of audio left
     low_water_steps: float = 3.0
-    # the model step replayed from a CUDA graph over every slot (models/step_graph.py)
+    # the model step replayed from CUDA graphs, one per batch-size bucket (models/step_graph.py)
     cuda_graphs: bool = ServerConfig.cuda_graphs
     # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
     frozen_step: bool = ServerConfig.frozen_step

@@ -96,8 +96,8 @@ class ModelRunner:
         self.device = bundle.device
         self.capacity = capacity
         self.state = DecodeState.allocate(self.model, capacity, device=self.device)
-        # the model step over every slot, replayed from a CUDA graph (eagerly off CUDA,
-        # which only tests use: it costs the whole capacity at every step)
+        # the model step over the smallest bucket of slots holding the batch, replayed
+        # from a CUDA graph (eagerly off CUDA, which only tests use)
         self.captured = (CapturedStep(self.model, self.state, capture=self.device.type == "cuda")
                          if cuda_graphs else None)
         # classifier-free guidance on the text (`text_guided`): the decoder without text
