@@ -17,6 +17,8 @@ import torch
 from livespeech.models.config import FRAME_RATE
 from livespeech.models.loading import load_bundle
 
+from livespeech.models.scripted import kernel_fusion
+
 from .profile_step import add_bf16_argument, noise_reference
 
 
@@ -83,6 +85,8 @@ def main(argv=None) -> int:
     ap.add_argument("--first-calls", action="store_true",
                     help="one runner for the largest batch; each batch size's first whole step against its next ones "
                          "(what a server pays as its batch grows to sizes it has not run)")
+    ap.add_argument("--jit-fuser", action="store_true",
+                    help="keep TorchScript's fused kernels on CUDA (the runner turns them off: models/scripted.py)")
     ap.add_argument("--guidance-only", action="store_true",
                     help="time the guidance alone: per session in Python against all slots as tensors")
     add_bf16_argument(ap)
@@ -148,6 +152,9 @@ def runner_with_sessions(bundle, args, out: dict, capacity: int):
     runner = ModelRunner(bundle, capacity, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
                          bf16_matmuls=out["bf16_matmuls"], device_guidance=args.device_guidance)
     out["frozen_step"] = runner.frozen
+    if args.jit_fuser:
+        kernel_fusion(True)
+    out["jit_fuser"] = args.jit_fuser
     voice = runner.make_voice("v", noise_reference(), 24000)
     guides = []
     for s in range(capacity):

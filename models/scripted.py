@@ -31,3 +31,12 @@ def scripted(fn: F) -> Callable[[], F]:
                 log.warning("%s runs eagerly: TorchScript failed (%s)", fn.__qualname__, str(exc).splitlines()[0])
                 return fn
     return get
+
+
+def kernel_fusion(on: bool) -> None:
+    """Whether TorchScript generates fused kernels for scripted functions (process-wide).
+    On CUDA its fuser compiles a kernel for each new input shape, and a server's batch
+    takes new sizes as sessions come and go: steps of ~2 s at new batch sizes on an H100
+    (docs/loadtest.md, "GPU over gRPC"); the runner turns it off there. On the CPU it
+    fuses nothing unless told to."""
+    torch._C._jit_set_texpr_fuser_enabled(on)

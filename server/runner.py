@@ -22,6 +22,7 @@ from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
 from livespeech.models.inference import DecodeState, DecodeStateView, enrollment_kv
 from livespeech.models.livespeech import StepLogits, text_guided
 from livespeech.models.loading import ModelBundle
+from livespeech.models.scripted import kernel_fusion
 from livespeech.models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
 from livespeech.server.config import BF16_SETTINGS
 
@@ -98,6 +99,8 @@ class ModelRunner:
         self.state = DecodeState.allocate(self.model, capacity, device=self.device)
         # the model step over the smallest bucket of slots holding the batch, replayed
         # from a CUDA graph (eagerly off CUDA, which only tests use)
+        if self.device.type == "cuda":
+            kernel_fusion(False)  # no kernel compiled mid-service for a new batch size
         self.captured = (CapturedStep(self.model, self.state, capture=self.device.type == "cuda")
                          if cuda_graphs else None)
         # classifier-free guidance on the text (`text_guided`): the decoder without text

@@ -60,8 +60,9 @@ guidance() {  # $1: PYTHONPATH. The runner step with per-session guidance, then 
       --batch 1 16 64 256 --steps 50 --cuda-graphs $g 2>&1 | tee -a "$OUT/guidance_bench.txt" | tail -n 4
   done
   # each batch size's first step as a server's batch grows (the gRPC run of 2026-11-27 had
-  # ~2 s steps while its batch ramped up), with and without the CUDA graph
-  for g in "" --cuda-graphs; do
+  # ~2 s steps while its batch ramped up), with and without the CUDA graphs, and with
+  # TorchScript's fused kernels kept on (the suspect; the runner turns them off on CUDA)
+  for g in "" --cuda-graphs "--cuda-graphs --jit-fuser"; do
     PYTHONPATH=$1 $PY -m livespeech.loadtest.bench_step --preset paper --codec encodec_24khz --device "${DEVICE:-cuda}" \
       --first-calls --batch 1 2 3 4 6 8 12 16 24 32 48 64 $g 2>&1 | tee -a "$OUT/guidance_bench.txt" | tail -n 12
   done
