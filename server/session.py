@@ -65,7 +65,12 @@ class Word:
 
 @dataclass
 class Chunk:
-    index: int
+    """One word's tokens in the model's text memory (or the end-of-text token): the
+    memory holds a chunk a word, placed at its own frame, while the np/nf window counts
+    the text chunks the chunker released (docs/architecture.md, "Text chunks and the
+    model's memory")."""
+    index: int  # in `EngineSession.chunks`, the model's memory and the timeline
+    text_chunk: int  # the released text chunk it belongs to
     token_ids: list[int]
     n_chars: int
     placed_tau: int = 0  # position its cached keys are rotated to
@@ -99,6 +104,8 @@ class EngineSession:
         self.temperatures = Temperatures(config.grapheme_temperature, config.first_codebook_temperature,
                                          config.acoustic_temperature)
         self.chunks: list[Chunk] = []
+        # the index in `chunks` of each released text chunk's first word
+        self.text_chunk_starts: list[int] = []
         # chunks move into the model's text memory oldest first (`TextMemory.fill`): the
         # first n_in_memory of them are there (or were, and left the np window)
         self.n_in_memory = 0
@@ -192,11 +199,16 @@ class EngineSession:
             self.first_text_at = now
         return self.chunker.flush(now)
 
-    def register_chunk(self, tc: TextChunk, token_ids: list[int]) -> Chunk:
-        """Account a released text chunk in the transcript (graphemes, words)."""
+    def begin_text_chunk(self) -> None:
+        """The chunks registered next belong to a new text chunk."""
+        self.text_chunk_starts.append(len(self.chunks))
+
+    def register_chunk(self, words_in: list[str], token_ids: list[int]) -> Chunk:
+        """Account a word (or the end of the text: no words) of the current text chunk in
+        the transcript (graphemes, words) and as a chunk of the model's memory."""
         words = []
         ids: list[int] = []
-        for w in tc.words:
+        for w in words_in:
             g = graphemes.collapse_repeats(graphemes.word_graphemes(w))
             if not g:
                 continue
@@ -207,7 +219,7 @@ class EngineSession:
             words.append(Word(w, start, self.n_chars + len(ids)))
             if self.letters is not None:
                 self.letters.add_word(graphemes.word_graphemes(w))
-        chunk = Chunk(tc.index, token_ids, len(ids))
+        chunk = Chunk(len(self.chunks), len(self.text_chunk_starts) - 1, token_ids, len(ids))
         self.guidance.extend_transcript(ids)
         self.n_chars += len(ids)
         self.chunks.append(chunk)
@@ -220,10 +232,25 @@ class EngineSession:
 
     def window(self) -> tuple[int, int]:
         """First and last chunk of the np/nf window at this step, among the chunks in the
-        model's text memory."""
+        model's text memory: the words of the np text chunks before the current word's
+        and of the nf after it."""
+        if not self.chunks:
+            return 0, -1
         c = self.timeline.current_chunk(self.step_count)
         n_past = None if self.config.n_past_chunks < 0 else self.config.n_past_chunks
-        return window_chunk_range(c, n_past, self.config.n_future_chunks, self.n_in_memory)
+        lo, hi = window_chunk_range(self.chunks[c].text_chunk, n_past, self.config.n_future_chunks,
+                                    len(self.text_chunk_starts))
+        return self.text_chunk_starts[lo], min(self._text_chunk_end(hi), self.n_in_memory) - 1
+
+    def _text_chunk_end(self, k: int) -> int:
+        """One past the last of `chunks` of text chunk k."""
+        return self.text_chunk_starts[k + 1] if k + 1 < len(self.text_chunk_starts) else len(self.chunks)
+
+    def chunks_after_window(self, c: int, extra: int) -> int:
+        """How many chunks follow chunk c through the end of the text chunk `extra` past
+        the window's last (nf after c's own)."""
+        last = min(self.chunks[c].text_chunk + self.config.n_future_chunks + extra, len(self.text_chunk_starts) - 1)
+        return self._text_chunk_end(last) - 1 - c
 
     def lookahead_ready(self) -> bool:
         """The start policy: current chunk c is spoken once min(nf, start_future_chunks + c)
@@ -252,8 +279,11 @@ class EngineSession:
         if self.covered_chars == self.n_chars:
             return self.running_out()
         c = self.timeline.current_chunk(max(0, self.step_count - self.audio_lag_frames))
+        k = self.chunks[c].text_chunk
+        # text chunks wholly in memory
+        in_memory = self.chunks[n - 1].text_chunk + (self._text_chunk_end(self.chunks[n - 1].text_chunk) == n)
         if c > self.lookahead_waived_through and \
-                n - 1 < c + min(self.config.n_future_chunks, self.config.start_future_chunks + c):
+                in_memory - 1 < k + min(self.config.n_future_chunks, self.config.start_future_chunks + k):
             return False
         return self.lay_letters_for_this_step()
 

@@ -1,11 +1,8 @@
-"""A session's text in the model's text memory (`ModelRunner`): released chunks tokenized,
-placed on the session's speech timeline, moved in oldest first, re-placed as the timeline
+"""A session's text in the model's text memory (`ModelRunner`): released chunks tokenized
+a word a chunk, placed on the session's speech timeline, moved in oldest first, re-placed as the timeline
 moves and evicted once they left the np window."""
 from __future__ import annotations
 
-import time
-
-from .chunker import TextChunk
 from .metrics import Metrics
 from .session import EngineSession, Phase
 
@@ -27,17 +24,22 @@ class TextMemory:
 
     def release(self, s: EngineSession, chunks) -> None:
         for tc in chunks:
-            first = not s.chunks
-            ids = self._tokenizer.encode_words(tc.words, first_in_text=first)[: self._max_text_tokens - 1]
-            ch = s.register_chunk(tc, ids)
-            self._metrics.text_tokens_total.inc(len(ids))
-            s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s)
+            s.begin_text_chunk()
+            for i, word in enumerate(tc.words):
+                first = not s.chunks
+                ids = self._tokenizer.encode_words([word], first_in_text=first)[: self._max_text_tokens - 1]
+                ch = s.register_chunk([word], ids)
+                self._metrics.text_tokens_total.inc(len(ids))
+                # a client's timestamp is its chunk's first word's; the timeline spaces
+                # the words after it
+                s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s if i == 0 else None)
         self.fill(s)
 
     def add_eos(self, s: EngineSession) -> None:
         """The end of the text, once all of it was released."""
         if s.text_complete and not s.eos_added and s.chunks:
-            eos = s.register_chunk(TextChunk(len(s.chunks), [], time.monotonic()), [self._tokenizer.eos_id])
+            s.begin_text_chunk()
+            eos = s.register_chunk([], [self._tokenizer.eos_id])
             s.timeline.add(eos.n_chars, s.step_count)
             s.guidance.input_complete = True
             s.eos_added = True
@@ -62,8 +64,9 @@ class TextMemory:
 
     def replace(self, s: EngineSession) -> None:
         """Re-place the chunks the timeline moved (after a step)."""
-        # the window reaches nf chunks past the current one; one more may become current
-        for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count, horizon=s.config.n_future_chunks + 2):
+        # the window reaches nf text chunks past the current one; one more may become current
+        horizon = s.chunks_after_window(s.timeline.current_chunk(s.step_count), 2)
+        for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count, horizon=horizon):
             ch = s.chunks[chunk]
             # re-rotating keys costs a call per layer: skip sub-frame-scale drift
             if chunk < s.n_in_memory and abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:

@@ -1,0 +1,81 @@
+"""Released text chunks in the model's memory: a chunk a word, the np/nf window and the
+start policy counted in the text chunks the chunker released."""
+from livespeech.api.session import ChunkingConfig, SessionConfig
+from livespeech.models.tokenizer import get_tokenizer
+from livespeech.server.chunker import TextChunk
+from livespeech.server.metrics import Metrics
+from livespeech.server.session import EngineSession, SessionLimits
+from livespeech.server.text_memory import TextMemory
+
+TEXT_CHUNKS = [["Hello", "there", "my"], ["good", "friend,"], ["how", "are", "you"], ["today?"]]
+
+
+class MemoryRecorder:
+    """The part of `ModelRunner` the text memory calls: records the chunks added."""
+
+    def __init__(self):
+        self.added: list[tuple[list[int], int, int]] = []  # (token ids, tau, chunk)
+
+    def text_room(self, slot):
+        return 10_000
+
+    def add_chunk(self, slot, token_ids, tau, chunk):
+        self.added.append((list(token_ids), tau, chunk))
+
+    def place_chunk(self, slot, chunk, tau):
+        pass
+
+    def evict_chunks_before(self, slot, chunk):
+        pass
+
+    def tokens_before(self, slot, chunk):
+        return 0
+
+
+def session(n_past: int, n_future: int, start_future: int = 0) -> EngineSession:
+    config = SessionConfig(n_past_chunks=n_past, n_future_chunks=n_future, start_future_chunks=start_future,
+                           chunking=ChunkingConfig(min_words=1, max_words=3))
+    limits = SessionLimits(max_text_piece_chars=1000, max_session_text_chars=10_000, max_session_s=60,
+                           max_overrun_s=5)
+    s = EngineSession("s", config, None, None, lambda *a: None, limits, audio_lag_frames=0)
+    s.slot = 0
+    return s
+
+
+def release(s: EngineSession, memory: TextMemory, text_chunks) -> None:
+    memory.release(s, [TextChunk(len(s.text_chunk_starts) + i, words, 0.0) for i, words in enumerate(text_chunks)])
+
+
+def test_each_word_is_a_chunk_of_the_memory_at_its_own_frame():
+    runner, tok = MemoryRecorder(), get_tokenizer()
+    s = session(n_past=1, n_future=1)
+    release(s, TextMemory(runner, tok, 64, Metrics()), TEXT_CHUNKS)
+    words = [w for chunk in TEXT_CHUNKS for w in chunk]
+    assert [chunk for _, _, chunk in runner.added] == list(range(len(words)))
+    # the same ids as the whole text tokenized at once: ids do not depend on chunking
+    assert [i for ids, _, _ in runner.added for i in ids] == tok.encode_words(words, first_in_text=True)
+    taus = [tau for _, tau, _ in runner.added]
+    assert taus == sorted(taus) and len(set(taus)) == len(taus)
+    assert [c.text_chunk for c in s.chunks] == [0, 0, 0, 1, 1, 2, 2, 2, 3]
+
+
+def test_the_window_counts_released_text_chunks_not_words():
+    s = session(n_past=1, n_future=1)
+    release(s, TextMemory(MemoryRecorder(), get_tokenizer(), 64, Metrics()), TEXT_CHUNKS)
+    tau = [ch.tau for ch in s.timeline.chunks]
+    seen = {}
+    for word in (0, 4, 5, 8):  # "Hello", "friend,", "how", "today?"
+        s.step_count = tau[word]
+        seen[word] = s.window()
+    # the words of the text chunk before the current word's, its own, and the one after
+    assert seen == {0: (0, 4), 4: (0, 7), 5: (3, 8), 8: (5, 8)}
+
+
+def test_the_start_waits_for_whole_text_chunks_of_lookahead():
+    s = session(n_past=4, n_future=1, start_future=1)
+    memory = TextMemory(MemoryRecorder(), get_tokenizer(), 64, Metrics())
+    release(s, memory, TEXT_CHUNKS[:1])
+    # three words in memory, but no text chunk after the first
+    assert len(s.chunks) == 3 and not s.lookahead_ready()
+    release(s, memory, TEXT_CHUNKS[1:2])
+    assert s.lookahead_ready()
