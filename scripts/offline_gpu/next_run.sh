@@ -40,8 +40,8 @@
 # codes do not change, so it serves the shipped decoder as it is.
 # $OUT holds, for each NAME in CANDIDATES, NAME.pt.partNN (cat them), NAME_log.jsonl and
 # NAME_MODEL_CARD.md, TRAINED_BEFORE (commit it with the decoder kept), and codec_ft.pt
-# (fp16, its best dev mel; its log in logs.tgz): evaluate each against what ships before
-# it replaces it.
+# (fp16, its last checkpoint; its log in logs.tgz): evaluate each against what ships
+# before it replaces it.
 # Knobs: HOURS (corpus, 20), CODEC_BATCH (64), CODEC_LR (4e-4), CODEC_FT (1), CODEC_FT_LR (3e-4), PHONE_WEIGHT (1), HISTORY_NOISE (0.3), READ_WEIGHT (1),
 # TEXT_DROPOUT (0.1),
 # OWN_HISTORY (0.5), OWN_PASSES (4),
@@ -182,9 +182,11 @@ decoder)
   ok=0; for p in "${pids[@]}"; do wait $p && ok=1; done
   if [ -n "$FT" ]; then
     wait $FT; grep '"eval"' $W/codec_ft.log | tail -n 2 | cut -c1-400
-    [ -e $W/codec_ft/best.pt ] && $PY -c "
+    # its last checkpoint, not its best dev mel: the discriminator's losses trade mel
+    # distance for what a listener hears, which resynthesis WER judges here
+    [ -e $W/codec_ft/last.pt ] && $PY -c "
 from livespeech.models.codec import CodecModel
-CodecModel.from_checkpoint('$W/codec_ft/best.pt').save('$OUT/codec_ft.pt', half=True)" && sha256sum $OUT/codec_ft.pt
+CodecModel.from_checkpoint('$W/codec_ft/last.pt').save('$OUT/codec_ft.pt', half=True)" && sha256sum $OUT/codec_ft.pt
   fi
   wait  # the encoders
   for v in $CANDIDATES; do
