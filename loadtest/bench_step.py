@@ -16,7 +16,6 @@ import torch
 
 from livespeech.models.config import FRAME_RATE
 from livespeech.models.loading import load_bundle
-
 from livespeech.models.scripted import kernel_fusion
 
 from .profile_step import add_bf16_argument, noise_reference

@@ -97,10 +97,10 @@ class ModelRunner:
         self.device = bundle.device
         self.capacity = capacity
         self.state = DecodeState.allocate(self.model, capacity, device=self.device)
-        # the model step over the smallest bucket of slots holding the batch, replayed
-        # from a CUDA graph (eagerly off CUDA, which only tests use)
         if self.device.type == "cuda":
             kernel_fusion(False)  # no kernel compiled mid-service for a new batch size
+        # the model step over the smallest bucket of slots holding the batch, replayed
+        # from a CUDA graph (eagerly off CUDA, which only tests use)
         self.captured = (CapturedStep(self.model, self.state, capture=self.device.type == "cuda")
                          if cuda_graphs else None)
         # classifier-free guidance on the text (`text_guided`): the decoder without text
