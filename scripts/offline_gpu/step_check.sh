@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 29's short GPU check, a second call right after next_run.sh's (the same carry,
+# [".dev"]; ~2 minutes): the step-graph tests on CUDA (each batch-size bucket's recorded
+# graph against the eager step), then each batch size's first runner step against its
+# next ones (`bench_step --first-calls`) with the CUDA graphs, with the graphs and
+# TorchScript's fuser kept on (`--jit-fuser`: the suspect of ~2 s first steps, which the
+# runner now turns off on CUDA), and eagerly; then the step's cost at batch 1, 16 and 64
+# with the graphs. The paper preset with random weights. Writes $OUT/step_check.txt.
+#   export OUT; bash scripts/offline_gpu/step_check.sh
+# Knobs: PY (python3), DEVICE (cuda), PRESET (paper), CODEC (encodec_24khz).
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_out}; PY=${PY:-python3}
+mkdir -p "$OUT"
+bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --codec "${CODEC:-encodec_24khz}" \
+  --device "${DEVICE:-cuda}" "$@"; }
+{
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+  $PY -m pytest -q -p no:cacheprovider tests/test_step_graph.py 2>&1 | tail -n 3
+  for g in "--cuda-graphs" "--cuda-graphs --jit-fuser" ""; do
+    echo "== first calls: ${g:-eager}"
+    # shellcheck disable=SC2086  # $g is zero, one or two flags
+    bench --first-calls --batch 1 2 3 4 6 8 12 16 24 32 48 64 $g
+  done
+  echo "== the step at batch 1, 16, 64 with the CUDA graphs"
+  bench --batch 1 16 64 --steps 30 --cuda-graphs
+} 2>&1 | tee "$OUT/step_check.txt"
