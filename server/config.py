@@ -283,12 +283,12 @@ class EngineConfig:
     text_cfg_scale: float = ServerConfig.text_cfg_scale
     # the letter schedule, where the bundle has a front end (server/session.py)
     letter_schedule: bool = ServerConfig.letter_schedule
-    # on the CPU, packets after a session's first are decoded on a codec thread while the
-    # next model step runs on the other core (their audio goes out a step later; a
-    # session's first and last packets stay on the engine thread). On 2 cores it cut the
-    # starved audio at four sessions four- to sevenfold (docs/loadtest.md); its memory
-    # cost was within the soak's noise (docs/reliability.md, section 4). CUDA devices
-    # keep the codec on the engine thread (unmeasured there).
+    # packets after a session's first are decoded on a codec thread while the next model
+    # step runs (on the CPU on the other core, on CUDA on a stream of its own; their audio
+    # goes out a step later; a session's first and last packets stay on the engine
+    # thread). On 2 CPU cores it cut the starved audio at four sessions four- to
+    # sevenfold (docs/loadtest.md); its memory cost was within the soak's noise
+    # (docs/reliability.md, section 4). Unmeasured on CUDA yet.
     codec_thread: bool = ServerConfig.codec_thread
 
     def validate(self) -> "EngineConfig":

@@ -51,7 +51,7 @@ class Engine:
         self.clock = StepClock()
         self.packets = PacketPolicy(self.clock, config.low_water_steps, self.runner.min_first_frames)
         self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,
-                                 threaded=config.codec_thread and self.runner.device.type == "cpu")
+                                 threaded=config.codec_thread)
         self.memory = TextMemory(self.runner, bundle.tokenizer, bundle.model.cfg.max_text_tokens, self.metrics)
         self.scheduler = Scheduler(config.max_lead_s, config.yield_lead_s)
         self._session_limits = SessionLimits(config.max_text_piece_chars, config.max_session_text_chars,

@@ -8,6 +8,7 @@ knows about gRPC, timers or text chunking.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -124,6 +125,12 @@ class ModelRunner:
             n_codebooks = self.model.cfg.n_acoustic_codebooks
             self.codec_step = frozen_or_eager(lambda: FrozenCodecStep(self.codec, n_codebooks), self.codec.decode_step)
         self.codec_state = self.codec.streaming_state(capacity)
+        # on CUDA the codec runs on a stream of its own, so its calls (on the codec thread,
+        # server/codec_worker.py) overlap the model steps; every use of its streaming
+        # state is on that stream, which starts after the state's allocation
+        self._codec_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self._codec_stream is not None:
+            self._codec_stream.wait_stream(torch.cuda.current_stream(self.device))
         # every slot's guidance as tensors on the device (models/guidance_batch.py): no
         # per-session Python and no read of the device for it in a step
         self.guidance = (GuidanceBatch(capacity, ring=ring_capacity(max_text_chars), device=self.device)
@@ -176,7 +183,8 @@ class ModelRunner:
         self.state.reset_slot(slot, voice.kv)
         if self.unconditioned is not None:
             self.unconditioned.reset_slot(slot, voice.kv)
-        self.codec_state.update([slot], self.codec.streaming_state(1))
+        with self._on_codec_stream():
+            self.codec_state.update([slot], self.codec.streaming_state(1))
         seed = seed if seed is not None else torch.seed()
         # a uint64 seed (the wire's) as the int64 with its bits (counter_uniforms hashes bits)
         self.seeds[slot] = seed - (1 << 64) if seed >= 1 << 63 else seed
@@ -310,7 +318,10 @@ class ModelRunner:
         A stream's first packet shorter than the codec's `min_first_frames` (the engine
         sends one only when the whole speech was that short) is padded with its last
         frame, and its audio cut back to its own frames."""
-        slots = list(slots)
+        with self._on_codec_stream():
+            return self._decode(list(slots), frames)
+
+    def _decode(self, slots: list[int], frames: Sequence[Sequence[Sequence[int]]]) -> list[np.ndarray]:
         codes = torch.tensor([list(zip(*f)) for f in frames], dtype=torch.long, device=self.device)  # [B, Q, F]
         n, pad = codes.shape[-1], self.codec.min_first_frames - codes.shape[-1]
         fresh = (self.codec_state.frames[slots] == 0).tolist() if pad > 0 else [False] * len(slots)
@@ -326,6 +337,9 @@ class ModelRunner:
             for i, w in zip(rows, wav):
                 out[i] = w[: len(w) * n // c.shape[-1]]
         return out
+
+    def _on_codec_stream(self):
+        return torch.cuda.stream(self._codec_stream) if self._codec_stream is not None else contextlib.nullcontext()
 
     def _decode_step(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
         sub = self.codec_state.select(slots)

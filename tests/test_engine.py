@@ -245,17 +245,22 @@ def test_steady_packets_of_concurrent_sessions_are_decoded_together(voice, monke
     assert max(per_step.values()) == 3  # all three in one codec call
 
 
-def test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order(voice, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the codec's own CUDA stream needs a CUDA device"))])
+def test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order(device, voice, monkeypatch):
     """A session's first packet (its TTFA) and its last are decoded on the engine thread;
-    ramp and steady packets on the codec thread, overlapping the next model step. The
-    audio is the same as without the codec thread, and a session's end comes after all
-    its packets."""
+    ramp and steady packets on the codec thread, overlapping the next model step (on
+    CUDA, on a stream of its own). The audio is the same as without the codec thread,
+    and a session's end comes after all its packets."""
     torch.set_num_threads(1)
     monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)  # no timing in the packet sizes
     runs = {}
     for codec_thread in (False, True):
-        eng = Engine(load_bundle(random_init=True),
+        eng = Engine(load_bundle(random_init=True, device=device),
                      EngineConfig(max_sessions=2, low_water_steps=0, max_lead_s=100.0, codec_thread=codec_thread))
+        if device != "cpu":  # the module's voice lives on the CPU engine
+            rng = np.random.default_rng(0)
+            voice = eng.make_voice("test", (rng.standard_normal(24000) * 0.1).astype(np.float32), 24000)
         threads, decode = [], eng.runner.decode
         eng.runner.decode = lambda slots, frames: threads.append(threading.current_thread().name) or decode(slots, frames)
         c = speak_alone(eng, voice, "The codec thread decodes the steady packets of this session.")

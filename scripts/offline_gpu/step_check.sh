@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 29's short GPU check, a second call right after next_run.sh's (the same carry,
 # [".dev"]; ~2 minutes): the step-graph tests on CUDA (each batch-size bucket's recorded
-# graph against the eager step), then each batch size's first runner step against its
+# graph against the eager step) and the codec thread's on CUDA (its own stream: the same
+# audio as without it), then each batch size's first runner step against its
 # next ones (`bench_step --first-calls`) with the CUDA graphs, with the graphs and
 # TorchScript's fuser kept on (`--jit-fuser`: the suspect of ~2 s first steps, which the
 # runner now turns off on CUDA), and eagerly; then the step's cost at batch 1, 16 and 64
@@ -15,7 +16,8 @@ bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --co
   --device "${DEVICE:-cuda}" "$@"; }
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
-  $PY -m pytest -q -p no:cacheprovider tests/test_step_graph.py 2>&1 | tail -n 3
+  $PY -m pytest -q -p no:cacheprovider tests/test_step_graph.py \
+    tests/test_engine.py::test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order 2>&1 | tail -n 3
   for g in "--cuda-graphs" "--cuda-graphs --jit-fuser" ""; do
     echo "== first calls: ${g:-eager}"
     # shellcheck disable=SC2086  # $g is zero, one or two flags
