@@ -203,27 +203,22 @@ class EngineSession:
         """The chunks registered next belong to a new text chunk."""
         self.text_chunk_starts.append(len(self.chunks))
 
-    def register_chunk(self, words_in: list[str], token_ids: list[int]) -> Chunk:
-        """Account a word (or the end of the text: no words) of the current text chunk in
-        the transcript (graphemes, words) and as a chunk of the model's memory."""
-        words = []
+    def register_chunk(self, word: Optional[str], token_ids: list[int]) -> Chunk:
+        """Account a word (None: the end of the text) of the current text chunk in the
+        transcript (graphemes, words) and as a chunk of the model's memory."""
         ids: list[int] = []
-        for w in words_in:
-            g = graphemes.collapse_repeats(graphemes.word_graphemes(w))
-            if not g:
-                continue
-            if self.n_chars + len(ids) > 0:
+        g = graphemes.collapse_repeats(graphemes.word_graphemes(word)) if word is not None else []
+        if g:  # a word of punctuation alone has no graphemes
+            if self.n_chars > 0:
                 ids.append(graphemes.SPACE)
-            start = self.n_chars + len(ids)
             ids.extend(g)
-            words.append(Word(w, start, self.n_chars + len(ids)))
+            self.words.append(Word(word, self.n_chars + len(ids) - len(g), self.n_chars + len(ids)))
             if self.letters is not None:
-                self.letters.add_word(graphemes.word_graphemes(w))
+                self.letters.add_word(graphemes.word_graphemes(word))
         chunk = Chunk(len(self.chunks), len(self.text_chunk_starts) - 1, token_ids, len(ids))
         self.guidance.extend_transcript(ids)
         self.n_chars += len(ids)
         self.chunks.append(chunk)
-        self.words.extend(words)
         return chunk
 
     @property
@@ -245,12 +240,6 @@ class EngineSession:
     def _text_chunk_end(self, k: int) -> int:
         """One past the last of `chunks` of text chunk k."""
         return self.text_chunk_starts[k + 1] if k + 1 < len(self.text_chunk_starts) else len(self.chunks)
-
-    def chunks_after_window(self, c: int, extra: int) -> int:
-        """How many chunks follow chunk c through the end of the text chunk `extra` past
-        the window's last (nf after c's own)."""
-        last = min(self.chunks[c].text_chunk + self.config.n_future_chunks + extra, len(self.text_chunk_starts) - 1)
-        return self._text_chunk_end(last) - 1 - c
 
     def lookahead_ready(self) -> bool:
         """The start policy: current chunk c is spoken once min(nf, start_future_chunks + c)

@@ -1,6 +1,6 @@
 """A session's text in the model's text memory (`ModelRunner`): released chunks tokenized
-a word a chunk, placed on the session's speech timeline, moved in oldest first, re-placed as the timeline
-moves and evicted once they left the np window."""
+a word a chunk, placed on the session's speech timeline, moved in oldest first,
+re-placed as the timeline moves and evicted once they left the np window."""
 from __future__ import annotations
 
 from .metrics import Metrics
@@ -28,7 +28,7 @@ class TextMemory:
             for i, word in enumerate(tc.words):
                 first = not s.chunks
                 ids = self._tokenizer.encode_words([word], first_in_text=first)[: self._max_text_tokens - 1]
-                ch = s.register_chunk([word], ids)
+                ch = s.register_chunk(word, ids)
                 self._metrics.text_tokens_total.inc(len(ids))
                 # a client's timestamp is its chunk's first word's; the timeline spaces
                 # the words after it
@@ -39,7 +39,7 @@ class TextMemory:
         """The end of the text, once all of it was released."""
         if s.text_complete and not s.eos_added and s.chunks:
             s.begin_text_chunk()
-            eos = s.register_chunk([], [self._tokenizer.eos_id])
+            eos = s.register_chunk(None, [self._tokenizer.eos_id])
             s.timeline.add(eos.n_chars, s.step_count)
             s.guidance.input_complete = True
             s.eos_added = True
@@ -64,8 +64,9 @@ class TextMemory:
 
     def replace(self, s: EngineSession) -> None:
         """Re-place the chunks the timeline moved (after a step)."""
-        # the window reaches nf text chunks past the current one; one more may become current
-        horizon = s.chunks_after_window(s.timeline.current_chunk(s.step_count), 2)
+        # the window reaches nf text chunks past the current one and one more may become
+        # current: the words of at most nf + 2 text chunks
+        horizon = (s.config.n_future_chunks + 2) * s.config.chunking.max_words
         for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count, horizon=horizon):
             ch = s.chunks[chunk]
             # re-rotating keys costs a call per layer: skip sub-frame-scale drift
