@@ -51,7 +51,6 @@ class CapturedStep:
         self.buckets = buckets(capacity)
         # bucket -> (its CUDA graph, its output); empty when not captured
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepLogits]] = {}
-        self.batch_sizes: list[int] = []  # the bucket of each step (for tests and reports)
         if capture:
             saved = state.conv.clone(), state.ssm.clone()  # warm-up steps advance them
             pool = torch.cuda.graph_pool_handle()  # one memory pool: a step replays one graph
@@ -82,7 +81,6 @@ class CapturedStep:
         place, every other row is as it was; returns the batch's logits (a copy)."""
         dev = self.frame.device
         b = next(b for b in self.buckets if b > max(slots))
-        self.batch_sizes.append(b)
         idx = torch.tensor(list(slots), device=dev)
         self.inputs.index_copy_(0, idx, inputs)
         self.frame.index_copy_(0, idx, frame)
