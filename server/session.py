@@ -269,8 +269,8 @@ class EngineSession:
             return self.running_out()
         c = self.timeline.current_chunk(max(0, self.step_count - self.audio_lag_frames))
         k = self.chunks[c].text_chunk
-        # text chunks wholly in memory
-        in_memory = self.chunks[n - 1].text_chunk + (self._text_chunk_end(self.chunks[n - 1].text_chunk) == n)
+        last = self.chunks[n - 1].text_chunk
+        in_memory = last + (self._text_chunk_end(last) == n)  # text chunks wholly in memory
         if c > self.lookahead_waived_through and \
                 in_memory - 1 < k + min(self.config.n_future_chunks, self.config.start_future_chunks + k):
             return False
