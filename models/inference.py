@@ -10,6 +10,7 @@ runs on a `view` of any subset of slots (a plain slice when the slots are contig
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
@@ -86,6 +87,7 @@ class DecodeState(DecodeStateView):
         st.n_enroll = cfg.n_enroll
         st.head_dim = hd
         st.txt_k = z(n_layers, capacity, cfg.n_heads, n_text, hd)
+        st.text_kv = TextKV(model)
         st.txt_pos = z(capacity, n_text, dt=torch.float32)
         st.delays = torch.tensor(cfg.delays, device=device)
         st.none = torch.tensor(model.none_ids(), device=device)
@@ -178,10 +180,9 @@ class DecodeState(DecodeStateView):
         if n > self.text_room(slot):
             raise ValueError("text memory full: evict past chunks first")
         a, e = len(self.chunk_ids[slot]), self.n_enroll
-        ids = torch.tensor([list(token_ids)], device=self.step.device)
-        for i, (k, v) in enumerate(self.model.project_text(ids)):
-            self.txt_k[i, slot, :, a : a + n] = k[0].to(self.txt_k.dtype)
-            self.mem_v[i, slot, :, e + a : e + a + n] = v[0].to(self.mem_v.dtype)
+        kv = self.text_kv(token_ids)
+        self.txt_k[:, slot, :, a : a + n] = kv[:, 0]
+        self.mem_v[:, slot, :, e + a : e + a + n] = kv[:, 1]
         self.txt_chunk[slot, a : a + n] = chunk
         self.chunk_ids[slot] += [chunk] * n
         first = self.spans[slot].get(chunk, (a, a))[0]
@@ -311,5 +312,42 @@ def _contiguous(slots: Sequence[int]) -> bool:
 
 def enrollment_kv(model: LiveSpeech2, enroll: torch.Tensor) -> torch.Tensor:
     """Per-layer enrollment K/V for one voice: [N, D] -> [layers, 2, H, N, hd]."""
-    kv = model.project_enrollment(enroll.unsqueeze(0))
+    return _stack_kv(model.project_enrollment(enroll.unsqueeze(0)))
+
+
+def _stack_kv(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Per-layer ([1, H, n, hd], [1, H, n, hd]) -> [layers, 2, H, n, hd]."""
     return torch.stack([torch.stack((k[0], v[0])) for k, v in kv])
+
+
+class TextKV:
+    """Text tokens' unrotated per-layer K/V, kept for the `capacity` tokens used last.
+    A token's K/V depend on its id alone (its embedding, then each layer's projection),
+    and projecting each arriving word through the spelling encoder and every layer cost
+    the engine thread ~1.8 ms a word on the CPU default model (docs/loadtest.md); the
+    words of running text are mostly a few thousand common tokens. The model's weights
+    must not change while the cache lives (it belongs to one `DecodeState`)."""
+
+    def __init__(self, model: LiveSpeech2, capacity: int = 2048):
+        self.model = model
+        self.capacity = capacity
+        self._kv: OrderedDict[int, torch.Tensor] = OrderedDict()  # token id -> [layers, 2, H, hd]
+
+    def __len__(self) -> int:
+        return len(self._kv)
+
+    @torch.no_grad()
+    def __call__(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """[layers, 2, H, n, hd] for the n tokens, projecting only those not kept."""
+        missing = [t for t in dict.fromkeys(token_ids) if t not in self._kv]
+        if missing:
+            device = next(self.model.parameters()).device
+            kv = _stack_kv(self.model.project_text(torch.tensor([missing], device=device)))
+            for j, t in enumerate(missing):
+                self._kv[t] = kv[:, :, :, j].clone()
+        for t in token_ids:
+            self._kv.move_to_end(t)
+        out = torch.stack([self._kv[t] for t in token_ids], dim=3)
+        while len(self._kv) > self.capacity:
+            self._kv.popitem(last=False)
+        return out

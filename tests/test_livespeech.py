@@ -393,3 +393,36 @@ def test_re_placements_of_many_sessions_are_applied_together(model):
     assert torch.equal(lazy.txt_pos, ref.txt_pos)
     assert torch.allclose(lazy.mem_k, ref.mem_k, atol=1e-6)
     assert lazy.unrotated == [{3: 57.0}, {}, {}]  # slot 0's chunk 3 is outside its window
+
+
+def test_text_kv_keeps_each_tokens_projection_and_forgets_the_least_recently_used(model):
+    """A text token's K/V is its own projection whatever chunk it arrives in; repeated
+    tokens are not projected again, and past its capacity the cache drops the token used
+    longest ago."""
+    from livespeech.models.inference import TextKV
+
+    project = model.project_text
+
+    def direct(ids):
+        with torch.no_grad():
+            return torch.stack([torch.stack((k[0], v[0])) for k, v in project(torch.tensor([ids]))])
+
+    cache = TextKV(model, capacity=4)
+    calls = []
+
+    def counted(ids):
+        calls.append(ids.tolist()[0])
+        return project(ids)
+
+    model.project_text = counted
+    try:
+        assert torch.allclose(cache([5, 6, 5]), direct([5, 6, 5]), atol=1e-6)
+        assert torch.allclose(cache([7, 5, 8]), direct([7, 5, 8]), atol=1e-6)
+        assert calls == [[5, 6], [7, 8]]  # each token once, 5 not again
+        cache([9])  # five tokens seen, room for four: 6 (used longest ago) goes
+        assert len(cache) == 4
+        cache([6, 7])
+        assert calls[-1] == [6]
+    finally:
+        del model.project_text
+    assert torch.allclose(cache([6, 9, 7]), direct([6, 9, 7]), atol=1e-6)
