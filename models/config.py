@@ -119,6 +119,10 @@ PRESETS: dict[str, ModelConfig] = {
         enc_heads=8, max_text_tokens=75,
     ),
     "tiny": ModelConfig(),
+    # the server's host work without its tensor work: one narrow layer, the tiny
+    # preset's codebooks and text memory (`profile_step --model-path random:micro/micro`)
+    "micro": ModelConfig(d_model=32, n_shared_layers=1, n_group_layers=1, n_heads=2, d_state=4,
+                         enc_d_model=32, enc_layers=1, enc_heads=2),
 }
 
 

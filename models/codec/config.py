@@ -107,6 +107,9 @@ PRESETS: dict[str, CodecConfig] = {
     # decoder then needs no 7-frame first packet (reflect padding reads 6 frames ahead at
     # the start of a stream), and sessions can join a batch with any packet size.
     "small": CodecConfig(n_filters=16, n_codebooks=8, n_q=8, pad_mode="constant"),
+    # the server's host work around a codec call without its tensor work (benchmarks)
+    "micro": CodecConfig(n_filters=2, dimension=16, lstm_layers=0, n_residual_layers=0, n_codebooks=8, n_q=8,
+                         pad_mode="constant"),
 }
 
 
