@@ -218,8 +218,13 @@ class DecodeState(DecodeStateView):
         """The text slots a step of `slots` with windows lo..hi must read: up to the last
         slot any row shows (`window_mask`'s last true column + 1), from the host's chunk
         spans, so cutting the mask there reads nothing back from the device."""
-        ends = [end for slot, a, b in zip(slots, lo, hi) for c, (_, end) in self.spans[slot].items() if a <= c <= b]
-        return max(ends, default=0)
+        length = 0
+        for slot, a, b in zip(slots, lo, hi):
+            ids = self.chunk_ids[slot]  # cached in chunk order
+            end = bisect.bisect_right(ids, b)  # past the tokens of chunks <= b
+            if bisect.bisect_left(ids, a) < end:  # one of them is >= a
+                length = max(length, end)
+        return length
 
     def _chunk_span(self, slot: int, chunk: int) -> Optional[tuple[int, int]]:
         return self.spans[slot].get(chunk)

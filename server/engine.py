@@ -12,7 +12,6 @@ a model step, sends their audio itself (server/codec_worker.py).
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import time
@@ -216,14 +215,9 @@ class Engine:
         if flush:
             s.waive_lookahead()
 
-    @contextlib.contextmanager
-    def _isolated(self, s: EngineSession, what: str):
+    def _isolated(self, s: EngineSession, what: str) -> "_Isolated":
         """An error in one session's bookkeeping ends that session only."""
-        try:
-            yield
-        except Exception as exc:
-            log.exception("session %s: error while %s", s.session_id, what)
-            self._fail(s, "INTERNAL", f"{type(exc).__name__} while {what}")
+        return _Isolated(self, s, what)
 
     def _admit(self, s: EngineSession) -> None:
         slot = self._free_slots.pop(0)
@@ -371,3 +365,22 @@ class Engine:
         self.metrics.active_sessions.dec()
         with self._admit_lock:
             self._n_active -= 1
+
+
+class _Isolated:
+    """`Engine._isolated`'s context: a class, not a generator-based context manager,
+    because it wraps every session's work at every step (~2 us less each time)."""
+    __slots__ = ("engine", "session", "what")
+
+    def __init__(self, engine: Engine, session: EngineSession, what: str):
+        self.engine, self.session, self.what = engine, session, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        log.error("session %s: error while %s", self.session.session_id, self.what, exc_info=exc)
+        self.engine._fail(self.session, "INTERNAL", f"{kind.__name__} while {self.what}")
+        return True

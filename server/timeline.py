@@ -16,7 +16,6 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
-from livespeech.models.attention import current_chunk
 from livespeech.models.config import FRAME_RATE
 
 DEFAULT_FRAMES_PER_CHAR = FRAME_RATE / 14.0  # ~14 characters/s of conversational speech
@@ -39,6 +38,8 @@ class SpeechTimeline:
     client_speech_time: bool = False
     chunks: list[PlacedChunk] = field(default_factory=list)
     _fixed_below: int = field(init=False, default=0)  # every chunk before this index is fixed
+    # the running maximum of those chunks' taus (a fixed chunk's tau never changes)
+    _fixed_tau_max: list[int] = field(init=False, default_factory=list)
     _placed_through: int = field(init=False, default=-1)  # the last chunk the last `replace` brought up to date
 
     @property
@@ -61,8 +62,17 @@ class SpeechTimeline:
         return tau
 
     def current_chunk(self, frame: int) -> int:
-        # a generator: the walk stops at the first chunk after the frame
-        return current_chunk(frame, (ch.tau for ch in self.chunks))
+        """`models.attention.current_chunk` over the chunks' taus, without walking the
+        chunks already spoken: the walk passes fixed chunk i iff the running maximum of
+        the fixed taus through i is <= frame, so a bisection finds how far it gets through
+        the fixed chunks, and only the few chunks after those are walked."""
+        k = bisect.bisect_right(self._fixed_tau_max, frame)
+        c = max(0, k - 1)
+        for i in range(k, len(self.chunks)):
+            if self.chunks[i].tau > frame:
+                break
+            c = i
+        return c
 
     def last_tau(self) -> Optional[int]:
         """The last chunk's tau if it is up to date (fixed, or re-placed by the last
@@ -94,6 +104,8 @@ class SpeechTimeline:
                 changed.append((i, frame))
             ch.fixed = ch.fixed or ch.tau <= frame
         while self._fixed_below < len(self.chunks) and self.chunks[self._fixed_below].fixed:
+            tau = self.chunks[self._fixed_below].tau
+            self._fixed_tau_max.append(max(tau, self._fixed_tau_max[-1]) if self._fixed_tau_max else tau)
             self._fixed_below += 1
         expected = frame + max(0, self.chunks[cur].char_start + self.chunks[cur].n_chars - spoken_chars) * self.frames_per_char
         i, moving = cur + 1, 0

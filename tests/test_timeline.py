@@ -77,3 +77,27 @@ def test_text_far_ahead_is_not_walked_at_every_step():
     assert tl.last_tau() is None  # the runaway guard cannot see the end as passed
     near_end = tl.replace(spoken_chars=6 * 4998, frame=90000, horizon=4)
     assert near_end and tl.last_tau() == tl.chunks[-1].tau > 90000
+
+
+def test_current_chunk_equals_the_walk_over_every_chunk():
+    """The current chunk found without walking the chunks already spoken is the one a walk
+    from the first chunk finds (models.attention.current_chunk), at the frames a step
+    reads (the frame, and the audio's 8 frames back), while chunks arrive, are spoken
+    early or late, and some carry the client's speech time."""
+    import random
+
+    from livespeech.models.attention import current_chunk
+
+    for seed in range(20):
+        rng = random.Random(seed)
+        tl = SpeechTimeline(frames_per_char=rng.choice((2.0, 5.0, 9.0)), client_speech_time=seed % 3 == 0)
+        spoken = 0
+        for frame in range(0, 1500):
+            if rng.random() < 0.08:
+                t = rng.uniform(0, frame / 75 + 2) if rng.random() < 0.5 else None
+                tl.add(rng.randint(1, 12), frame, t)
+            if tl.chunks:
+                spoken = min(tl.n_chars, max(0, spoken + rng.choice((-1, 0, 0, 1, 1, 2))))
+                tl.replace(spoken, frame, horizon=rng.choice((2, 4, 10**9)))
+            for t in (frame, max(0, frame - 8), frame + 3):
+                assert tl.current_chunk(t) == current_chunk(t, (ch.tau for ch in tl.chunks)), (seed, frame, t)
