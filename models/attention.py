@@ -47,6 +47,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+def rope_query_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[..., hd/2] cos/sin of the query's angles -> [..., hd, 2 hd], the matrix R with
+    q @ R = [q ; apply_rope(q)] (`CrossAttention.attend_step`'s query). Made once a step
+    for every layer and head: one matmul a layer in place of the rotation's eight ops."""
+    half = cos.shape[-1]
+    rot = (torch.diag_embed(torch.cat((cos, cos), dim=-1))
+           + torch.diag_embed(sin, offset=half) - torch.diag_embed(sin, offset=-half))
+    eye = torch.eye(2 * half, dtype=rot.dtype, device=rot.device).expand_as(rot)
+    return torch.cat((eye, rot), dim=-1)
+
+
 class CrossAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, rope_base: float = 10_000.0):
         super().__init__()
@@ -94,21 +105,21 @@ class CrossAttention(nn.Module):
         out = torch.matmul(w[..., :n], enr_v) + torch.matmul(w[..., n:], txt_v)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def attend_step(self, x: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
+    def attend_step(self, x: torch.Tensor, q_rope: torch.Tensor,
                     mem_k: torch.Tensor, mem_v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Eq. 1 for one query per session, in one fused attention call.
 
-        x [B, D]; q_cos/q_sin [B, 1, hd/2] (the query's frame); mem_k [B, H, N+L, 2*hd]
-        holds enrollment keys in the first half of the last dim and *rotated* text keys
-        in the second half (zeros elsewhere), so [q ; RoPE(q, t)] . k gives the
-        unrotated enrollment scores and the rotated text scores at once; mem_v
-        [B, H, N+L, hd]; bias [B, 1, 1, N+L] (0 or -inf: the np/nf window).
+        x [B, D]; q_rope [B, hd, 2*hd] (`rope_query_matrix` of the query's frame);
+        mem_k [B, H, N+L, 2*hd] holds enrollment keys in the first half of the last dim
+        and *rotated* text keys in the second half (zeros elsewhere), so [q ; RoPE(q, t)]
+        . k gives the unrotated enrollment scores and the rotated text scores at once;
+        mem_v [B, H, N+L, hd]; bias [B, 1, 1, N+L] (0 or -inf: the np/nf window).
         """
         b = x.shape[0]
         w_q, w_out = derived(self, "_step_weights", (self.q_proj.weight, self.out_proj.weight),
                              lambda: (transposed(self.q_proj.weight), transposed(self.out_proj.weight)))
-        q = torch.mm(x, w_q).view(b, self.n_heads, 1, self.head_dim)
-        q2 = torch.cat((q, apply_rope(q, q_cos, q_sin)), dim=-1)
+        q = torch.mm(x, w_q).view(b, self.n_heads, self.head_dim)
+        q2 = torch.bmm(q, q_rope).unsqueeze(2)  # [B, H, 1, 2*hd]: [q ; RoPE(q, t)]
         scale = 1.0 / math.sqrt(self.head_dim)
         if x.device.type == "cpu":
             # one query per head: on CPU, SDPA takes its unfused math path here, which

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import CrossAttention, rope_angles
+from .attention import CrossAttention, rope_angles, rope_query_matrix
 from .config import ModelConfig
 from .derived import derived, matmul_t, transposed
 from .mamba import make_mamba
@@ -44,13 +44,13 @@ class DecoderLayer(nn.Module):
         a = self.xattn.attend(self.norm2(h), qpos, *enr_kv, *txt_kv, txt_pos, txt_mask, text_weights)
         return h + a
 
-    def step(self, h, conv_state, ssm_state, q_cos, q_sin, mem_k, mem_v, bias, matmul_dtype=None):
+    def step(self, h, conv_state, ssm_state, q_rope, mem_k, mem_v, bias, matmul_dtype=None):
         """h [B, D]; Mamba states updated in place (mamba-ssm's step convention)."""
         # only our block takes a matmul dtype (the CPU's bf16 path); mamba-ssm's keeps its own
         kw = {} if matmul_dtype is None else {"matmul_dtype": matmul_dtype}
         y, _, _ = self.mamba.step(self.norm1(h).unsqueeze(1), conv_state, ssm_state, **kw)
         h = h + y.view(h.shape)
-        return h + self.xattn.attend_step(self.norm2(h), q_cos, q_sin, mem_k, mem_v, bias)
+        return h + self.xattn.attend_step(self.norm2(h), q_rope, mem_k, mem_v, bias)
 
 
 @dataclass
@@ -197,8 +197,7 @@ class LiveSpeech2(nn.Module):
         """
         h = self._embed_step(inputs)
         cfg = self.cfg
-        q_cos, q_sin = rope_angles(frame, cfg.d_model // cfg.n_heads, cfg.rope_base)
-        q_cos, q_sin = q_cos[:, None, None, :], q_sin[:, None, None, :]
+        q_rope = rope_query_matrix(*rope_angles(frame, cfg.d_model // cfg.n_heads, cfg.rope_base))
         # additive window mask: enrollment always visible, text keys by the np/nf window
         m = cfg.n_enroll + text_mask.shape[1]
         bias = torch.zeros(h.shape[0], 1, 1, m, dtype=h.dtype, device=h.device)
@@ -210,7 +209,7 @@ class LiveSpeech2(nn.Module):
 
         def run(h, ids):
             for i in ids:
-                h = self.layers[i].step(h, conv[i], ssm[i], q_cos, q_sin, mem_k[i], mem_v[i], bias, matmul_dtype)
+                h = self.layers[i].step(h, conv[i], ssm[i], q_rope, mem_k[i], mem_v[i], bias, matmul_dtype)
             return h
 
         outs = self._grouped_logits(h, run, fused_heads=True, matmul_dtype=matmul_dtype)

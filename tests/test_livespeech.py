@@ -124,6 +124,16 @@ def test_rope_is_a_rotation():
     assert torch.allclose(y[0], x[0])
 
 
+def test_the_query_rotation_as_a_matrix_is_the_rotation():
+    """A step's query, [q ; RoPE(q)], as one matmul with the frame's `rope_query_matrix`."""
+    from livespeech.models.attention import rope_query_matrix
+
+    q = torch.randn(3, 4, 16)  # [B, H, hd]
+    cos, sin = rope_angles(torch.tensor([0.0, 7.0, 4321.0]), 16, 10_000.0)
+    want = torch.cat((q, apply_rope(q, cos[:, None], sin[:, None])), dim=-1)
+    assert torch.allclose(torch.bmm(q, rope_query_matrix(cos, sin)), want, atol=1e-5)
+
+
 def test_enrollment_keys_are_not_rotated():
     torch.manual_seed(0)
     att = CrossAttention(16, 2)
