@@ -95,12 +95,13 @@ def main(argv=None) -> int:
         for b in args.batch:
             print(json.dumps(guidance_cost(b, args.steps, args.device)))
         return 0
-    from livespeech.server.runner import bf16_matmuls_enabled
+    from livespeech.server.runner import bf16_matmuls_enabled, onnx_codec_enabled
 
     bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
     out = {"preset": args.preset, "threads": args.threads, "device": args.device,
            "cuda_graphs": args.cuda_graphs, "device_guidance": args.device_guidance, "frozen_step": None, "rows": [],
-           "bf16_matmuls": bf16_matmuls_enabled(args.bf16_matmuls, args.device)}
+           "bf16_matmuls": bf16_matmuls_enabled(args.bf16_matmuls, args.device),
+           "onnx_codec": onnx_codec_enabled(args.codec_runtime, args.device)}
     rows = first_call_rows(bundle, args, out) if args.first_calls else step_cost_rows(bundle, args, out)
     for row in rows:
         out["rows"].append(row)
@@ -149,7 +150,8 @@ def runner_with_sessions(bundle, args, out: dict, capacity: int):
     from livespeech.server.runner import ModelRunner
 
     runner = ModelRunner(bundle, capacity, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
-                         bf16_matmuls=out["bf16_matmuls"], device_guidance=args.device_guidance)
+                         bf16_matmuls=out["bf16_matmuls"], onnx_codec=out["onnx_codec"],
+                         device_guidance=args.device_guidance)
     out["frozen_step"] = runner.frozen
     if args.jit_fuser:
         kernel_fusion(True)

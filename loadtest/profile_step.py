@@ -58,8 +58,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from livespeech.server.config import BF16_SETTINGS
-from livespeech.server.runner import BF16_FROM_BATCH, bf16_matmuls_enabled
+from livespeech.server.config import BF16_SETTINGS, CODEC_RUNTIMES
+from livespeech.server.runner import BF16_FROM_BATCH, bf16_matmuls_enabled, onnx_codec_enabled
 
 # ------------------------------------------------------------------ scopes
 
@@ -213,7 +213,8 @@ TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs back into
 
 def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_function: bool = False,
                 trace_dir: Optional[Path] = None, text_chars: int = 160, timeout_s: float = 600.0,
-                cuda_graphs: bool = False, frozen_step: bool = True, bf16_matmuls: bool = False) -> dict:
+                cuda_graphs: bool = False, frozen_step: bool = True, bf16_matmuls: bool = False,
+                onnx_codec: bool = False) -> dict:
     """Run the engine on `batch` sessions of `text_chars` characters each (all sent at
     once, like an LLM far ahead of the speech; a finished session is replaced at once)
     and time `steps` steps after `warmup`."""
@@ -224,7 +225,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     # it with the next steps on a codec thread, where these scopes do not see it)
     engine = Engine(bundle, EngineConfig(max_sessions=batch, max_lead_s=1e6, max_session_s=3600.0,
                                          cuda_graphs=cuda_graphs, frozen_step=frozen_step, codec_thread=False,
-                                         bf16_matmuls=bf16_matmuls))
+                                         bf16_matmuls=bf16_matmuls, onnx_codec=onnx_codec))
     voice = engine.make_voice("profile", noise_reference(), 24000)
     text_chars = text_chars or 160
     text = (TEXT * (text_chars // len(TEXT) + 1))[:text_chars]
@@ -522,7 +523,7 @@ def roofline(flops: float, nbytes: float, t_s: float, machine: dict, bf16_flops:
 
 def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, trace_dir: Optional[Path] = None,
             plain: bool = True, packet_ms: int = 80, text_chars: int = 160, cuda_graphs: bool = False,
-            frozen_step: bool = True, bf16_matmuls: bool = False) -> dict:
+            frozen_step: bool = True, bf16_matmuls: bool = False, onnx_codec: bool = False) -> dict:
     from livespeech.models.config import FRAME_RATE
 
     machine = measure_machine(bundle.device, bf16=bf16_matmuls)
@@ -532,20 +533,20 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
     out: dict[str, Any] = {"model": bundle.source, "device": str(bundle.device), "threads": threads,
                            "torch": torch.__version__, "machine": machine, "analytic": cost,
                            "codec": ccost, "packet_frames": pf, "text_chars": text_chars, "steps": steps,
-                           "cuda_graphs": cuda_graphs,
+                           "cuda_graphs": cuda_graphs, "onnx_codec": onnx_codec,
                            "warmup": warmup, "batches": []}
     for b in batches:
         la = list(os.getloadavg())
         run = _engine_run(bundle, b, steps, warmup, fine=True, record_function=trace_dir is not None,
                           trace_dir=trace_dir, text_chars=text_chars, cuda_graphs=cuda_graphs, frozen_step=frozen_step,
-                          bf16_matmuls=bf16_matmuls)
+                          bf16_matmuls=bf16_matmuls, onnx_codec=onnx_codec)
         rows, cats = scope_table(run)
         # what the runner made of the request
         out["frozen_step"], out["bf16_matmuls"] = run["frozen_step"], run["bf16_matmuls"]
         plain_ms = None
         if plain:
             pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, cuda_graphs=cuda_graphs,
-                             frozen_step=frozen_step, bf16_matmuls=bf16_matmuls)
+                             frozen_step=frozen_step, bf16_matmuls=bf16_matmuls, onnx_codec=onnx_codec)
             plain_ms = pr["iteration_ms"]
         counted = counted_cost(bundle, b, pf)
         step_s = run["window_s"] / steps
@@ -585,10 +586,14 @@ def noise_reference(seed: int = 0) -> np.ndarray:
 
 
 def add_bf16_argument(ap: argparse.ArgumentParser) -> None:
-    """`--bf16-matmuls`, as the server's setting (server/runner.py; default auto, as there)."""
+    """`--bf16-matmuls` and `--codec-runtime`, as the server's settings (server/runner.py;
+    default auto, as there)."""
     ap.add_argument("--bf16-matmuls", choices=BF16_SETTINGS, default="auto",
                     help="the step's widest matmuls in bfloat16 from batch 2, as the server's setting "
                          "(auto: where the CPU has bf16 dot products)")
+    ap.add_argument("--codec-runtime", choices=CODEC_RUNTIMES, default="auto",
+                    help="what runs the streaming codec on the CPU, as the server's setting "
+                         "(auto: ONNX Runtime where it imports)")
 
 
 def main(argv=None) -> int:
@@ -623,7 +628,8 @@ def main(argv=None) -> int:
     res = profile(bundle, args.batch, args.steps, args.warmup, torch.get_num_threads(),
                   Path(args.trace) if args.trace else None, plain=not args.no_plain, text_chars=args.text_chars,
                   cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
-                  bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, args.device))
+                  bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, args.device),
+                  onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device))
     res["loadavg"] = list(os.getloadavg())
     from .report import render_profile_markdown
 

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from livespeech.server.runner import bf16_matmuls_enabled
+from livespeech.server.runner import bf16_matmuls_enabled, onnx_codec_enabled
 
 from .playback import Packet, describe, simulate_playback
 from .profile_step import Patches, add_bf16_argument, noise_reference
@@ -41,7 +41,7 @@ from .workload import Pacing, load_sentences, make_turn
 def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pacing = Pacing(),
            sentences_per_turn: int = 2, text_file: Optional[str] = None, frozen_step: bool = True,
            seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None,
-           release_when_waiting: Optional[bool] = None, bf16_matmuls: bool = False,
+           release_when_waiting: Optional[bool] = None, bf16_matmuls: bool = False, onnx_codec: bool = False,
            chunk_words: Optional[tuple[int, int]] = None) -> dict[str, Any]:
     from livespeech.server.engine import Engine, EngineConfig
     from livespeech.server.session import EngineSession, Phase
@@ -54,7 +54,8 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
         chunking["release_when_waiting"] = release_when_waiting
     if chunking:
         options["chunking"] = ChunkingConfig(**chunking)
-    engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step, bf16_matmuls=bf16_matmuls))
+    engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step, bf16_matmuls=bf16_matmuls,
+                                         onnx_codec=onnx_codec))
     voice = engine.make_voice("replay", noise_reference(seed), 24000)
     waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
     ready = EngineSession.lookahead_ready
@@ -172,6 +173,7 @@ def main(argv=None) -> int:
                  start_future_chunks=args.start_future_chunks,
                  release_when_waiting=None if args.release_when_waiting is None else args.release_when_waiting == "on",
                  bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, "cpu"),
+                 onnx_codec=onnx_codec_enabled(args.codec_runtime, "cpu"),
                  chunk_words=None if args.chunk_words is None else tuple(int(x) for x in args.chunk_words.split(",")))
     res["delays"] = list(bundle.model.cfg.delays)
     print(f"codebook delays {res['delays']}")

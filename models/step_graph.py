@@ -21,6 +21,7 @@ calls run eagerly, which is how the CPU tests check everything but the recording
 """
 from __future__ import annotations
 
+import io
 import logging
 import warnings
 from typing import Optional, Sequence
@@ -171,6 +172,55 @@ class FrozenCodecStep:
             return self.codec.decode_step(codes, state)
         with torch.inference_mode():
             wav, *tensors = self.graph(codes, *state.tensors)
+        state.tensors = tensors
+        state.frames = state.frames + codes.shape[-1]
+        return wav
+
+
+class OnnxCodecStep:
+    """`CodecModel.decode_step` run by ONNX Runtime, called like it (`FrozenCodecStep`).
+
+    The streaming codec's packet is many small convolutions, LSTM cells and ELUs; ONNX
+    Runtime's CPU kernels and executor run them with less overhead an op than
+    TorchScript's: 6 frames of one session 3.3 -> 1.5 ms, of 16 sessions 21.7 -> 16.6 ms
+    (default codec, one thread; docs/loadtest.md, "Measured choices"). The codec's
+    streaming step is exported once, in memory, from the weights loaded (nothing is
+    stored beside them), with batch size and frame count symbolic; its outputs equal the
+    torch step's to float rounding (tests/test_codec.py). Like the frozen graph, it
+    runs started streams only: a first packet on a reflect-padded codec, or codes with
+    another number of codebooks, decode eagerly.
+    """
+
+    def __init__(self, codec: CodecModel, n_codebooks: int, threads: int = 1):
+        import onnxruntime  # the `onnx` extra; the caller falls back to torch without it
+
+        self.codec, self.n_codebooks = codec, n_codebooks
+        example = codec.streaming_state(2)
+        self._names = [f"state{i}" for i in range(len(example.tensors))]
+        codes = torch.zeros(2, n_codebooks, 2, dtype=torch.long, device=example.frames.device)
+        dims = {name: {0: "batch"} for name in self._names}
+        dims.update(codes={0: "batch", 2: "frames"}, wav={0: "batch", 2: "samples"})
+        dims.update({f"new_{name}": {0: "batch"} for name in self._names})
+        buf = io.BytesIO()
+        with warnings.catch_warnings(), torch.inference_mode():
+            warnings.simplefilter("ignore")  # the tracer's, as in `_frozen`
+            torch.onnx.export(codec.stream_step_module().eval(), (codes, *example.tensors), buf, dynamo=False,
+                              input_names=["codes", *self._names], opset_version=17, dynamic_axes=dims,
+                              output_names=["wav", *(f"new_{name}" for name in self._names)])
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        # a worker thread that spins while it waits takes a core the engine needs
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = onnxruntime.InferenceSession(buf.getvalue(), options, providers=["CPUExecutionProvider"])
+        self.reflect = codec.config.pad_mode == "reflect"
+
+    def __call__(self, codes: torch.Tensor, state: StreamState) -> torch.Tensor:
+        started = self.codec.check_step(codes, state)
+        if (started is not None and self.reflect) or codes.shape[1] != self.n_codebooks:
+            return self.codec.decode_step(codes, state)
+        feeds = {"codes": codes.contiguous().numpy()}
+        feeds.update((name, t.contiguous().numpy()) for name, t in zip(self._names, state.tensors))
+        wav, *tensors = (torch.from_numpy(a) for a in self.session.run(None, feeds))
         state.tensors = tensors
         state.frames = state.frames + codes.shape[-1]
         return wav

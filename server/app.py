@@ -215,7 +215,7 @@ async def build_server(
 
 def engine_config(config: ServerConfig):
     """The engine's settings that come from the server's."""
-    from livespeech.server.runner import bf16_matmuls_enabled
+    from livespeech.server.runner import bf16_matmuls_enabled, onnx_codec_enabled
 
     return EngineConfig(
         max_sessions=config.max_sessions,
@@ -225,6 +225,7 @@ def engine_config(config: ServerConfig):
         frozen_step=config.frozen_step,
         codec_thread=config.codec_thread,
         bf16_matmuls=bf16_matmuls_enabled(config.bf16_matmuls, config.device),
+        onnx_codec=onnx_codec_enabled(config.codec_runtime, config.device),
         device_guidance=config.device_guidance,
         text_cfg_scale=config.text_cfg_scale,
         letter_schedule=config.letter_schedule,
@@ -288,6 +289,7 @@ def make_engine(config: ServerConfig, metrics: Metrics) -> EngineAPI:
         raise SystemExit(f"livespeech: cannot load the model: {e}") from None
     settings = engine_config(config)
     log.info("bf16 matmuls: %s (%s)", "on" if settings.bf16_matmuls else "off", config.bf16_matmuls)
+    log.info("codec runtime: %s (%s)", "onnx" if settings.onnx_codec else "torch", config.codec_runtime)
     return Engine(bundle, settings, metrics)
 
 

@@ -21,6 +21,7 @@ _ALIASES = {"model_path": ("--model",)}
 # settings that hold secrets: env (or a file) only, never a flag, never in repr()
 ENV_ONLY = frozenset({"auth_tokens"})
 BF16_SETTINGS = ("auto", "on", "off")  # ServerConfig.bf16_matmuls
+CODEC_RUNTIMES = ("auto", "onnx", "torch")  # ServerConfig.codec_runtime
 
 
 def default_voices_dir() -> Path:
@@ -43,8 +44,9 @@ class ServerConfig:
     device: str = "cpu"  # cpu | cuda | cuda:N
     # replay the decode step from a CUDA graph (models/step_graph.py); CUDA devices only
     cuda_graphs: bool = False
-    # on the CPU, run the model step and the streaming codec as frozen TorchScript graphs
-    # (models/step_graph.py): the same ops without Python between them; false = eager
+    # on the CPU, run the model step (and the streaming codec under codec_runtime torch) as
+    # frozen TorchScript graphs (models/step_graph.py): the same ops without Python
+    # between them; false = eager
     frozen_step: bool = True
     # on the CPU, decode steady-state packets on a second thread, beside the next model step
     codec_thread: bool = True
@@ -52,6 +54,10 @@ class ServerConfig:
     # with bfloat16 weights from 2 sessions a step: auto = where the CPU has bf16 dot
     # products (AVX512-BF16, AMX), on, off (server/runner.py; docs/loadtest.md)
     bf16_matmuls: str = "auto"
+    # on the CPU, what runs the streaming codec: onnx = ONNX Runtime (its kernels run the
+    # codec's small ops ~1.3-2.2x faster than TorchScript), torch = the frozen graph above,
+    # auto = onnx where onnxruntime and onnx import (server/runner.py; docs/loadtest.md)
+    codec_runtime: str = "auto"
     # every session's grapheme guidance as tensors on the model's device
     # (models/guidance_batch.py: no per-session Python and no device read for it in a
     # step); off by default: on the CPU it costs more than the per-session Python
@@ -137,6 +143,9 @@ class ServerConfig:
         need(self.bf16_matmuls in BF16_SETTINGS,
              f"bf16_matmuls must be one of {', '.join(BF16_SETTINGS)}, got {self.bf16_matmuls!r}")
         need(self.bf16_matmuls != "on" or self.device == "cpu", "bf16_matmuls on applies to the cpu device")
+        need(self.codec_runtime in CODEC_RUNTIMES,
+             f"codec_runtime must be one of {', '.join(CODEC_RUNTIMES)}, got {self.codec_runtime!r}")
+        need(self.codec_runtime != "onnx" or self.device == "cpu", "codec_runtime onnx applies to the cpu device")
         need(0 <= self.text_cfg_scale <= 10, f"text_cfg_scale must be in [0, 10], got {self.text_cfg_scale}")
         need(1 <= self.max_sessions <= 4096, f"max_sessions must be in [1, 4096], got {self.max_sessions}")
         need(self.max_text_piece_chars >= 1, "max_text_piece_chars must be >= 1")
@@ -277,6 +286,8 @@ class EngineConfig:
     frozen_step: bool = ServerConfig.frozen_step
     # on the CPU, the step's widest matmuls in bfloat16 from 2 sessions (server/runner.py)
     bf16_matmuls: bool = False
+    # on the CPU, the streaming codec run by ONNX Runtime (server/runner.py)
+    onnx_codec: bool = False
     # every session's guidance as tensors in the runner (server/runner.py, SlotGuidance)
     device_guidance: bool = ServerConfig.device_guidance
     # classifier-free guidance on the text (server/runner.py)

@@ -9,6 +9,8 @@ knows about gRPC, timers or text chunking.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -24,8 +26,10 @@ from livespeech.models.inference import DecodeState, DecodeStateView, enrollment
 from livespeech.models.livespeech import StepLogits, text_guided
 from livespeech.models.loading import ModelBundle
 from livespeech.models.scripted import kernel_fusion
-from livespeech.models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, frozen_or_eager
-from livespeech.server.config import BF16_SETTINGS
+from livespeech.models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, OnnxCodecStep, frozen_or_eager
+from livespeech.server.config import BF16_SETTINGS, CODEC_RUNTIMES
+
+log = logging.getLogger(__name__)
 
 
 # On the CPU, the bf16 step graph (models/derived.py) runs from this batch size: against
@@ -43,6 +47,17 @@ def bf16_matmuls_enabled(setting: str, device: str) -> bool:
     if torch.device(device).type != "cpu" or setting == "off":
         return False
     return setting == "on" or cpu_has_bf16_dot()
+
+
+def onnx_codec_enabled(setting: str, device: str) -> bool:
+    """Whether ONNX Runtime runs the streaming codec (`ServerConfig.codec_runtime`): "auto"
+    on the CPU where onnxruntime and onnx (its export) import, "onnx" on the CPU, never
+    on a GPU."""
+    if setting not in CODEC_RUNTIMES:
+        raise ValueError(f"codec_runtime must be one of {', '.join(CODEC_RUNTIMES)}, got {setting!r}")
+    if torch.device(device).type != "cpu" or setting == "torch":
+        return False
+    return setting == "onnx" or all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx"))
 
 
 @dataclass
@@ -90,7 +105,8 @@ class Voice:
 
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
-                 bf16_matmuls: bool = False, device_guidance: bool = False, max_text_chars: int = 100_000,
+                 bf16_matmuls: bool = False, onnx_codec: bool = False, device_guidance: bool = False,
+                 max_text_chars: int = 100_000,
                  text_cfg_scale: float = 0.0):
         self.bundle = bundle
         self.model = bundle.model
@@ -121,9 +137,7 @@ class ModelRunner:
         if frozen and self.captured is None:
             self.model_step = frozen_or_eager(lambda: FrozenStep(self.model, matmul_dtype=self.low_precision),
                                               self.model.step)
-        if frozen:
-            n_codebooks = self.model.cfg.n_acoustic_codebooks
-            self.codec_step = frozen_or_eager(lambda: FrozenCodecStep(self.codec, n_codebooks), self.codec.decode_step)
+        self.codec_step = self._codec_step(frozen, onnx_codec and self.device.type == "cpu")
         self.codec_state = self.codec.streaming_state(capacity)
         # on CUDA the codec runs on a stream of its own, so its calls (on the codec thread,
         # server/codec_worker.py) overlap the model steps; every use of its streaming
@@ -281,6 +295,19 @@ class ModelRunner:
             else:
                 g.observe(r[0])
         return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
+
+    def _codec_step(self, frozen: bool, onnx: bool):
+        """What decodes packets: ONNX Runtime's codec step, else the frozen graph (where
+        either fails to build, the next; each gives the same audio), else the eager one."""
+        n_codebooks = self.model.cfg.n_acoustic_codebooks
+        if onnx:
+            try:
+                return OnnxCodecStep(self.codec, n_codebooks, threads=torch.get_num_threads())
+            except Exception as e:  # noqa: BLE001 - any failure here only costs speed
+                log.warning("the codec runs on torch: its ONNX Runtime step failed (%s: %s)", type(e).__name__, e)
+        if frozen:
+            return frozen_or_eager(lambda: FrozenCodecStep(self.codec, n_codebooks), self.codec.decode_step)
+        return self.codec.decode_step
 
     def _first_code_given_phone(self, acoustic: torch.Tensor, phones: Sequence[int]) -> torch.Tensor:
         """Codebook 1's logits plus the front end's bias for each row's phone (a row with

@@ -201,6 +201,25 @@ def test_bf16_matmuls_auto_follows_the_cpu_and_reaches_the_engine(monkeypatch) -
         ServerConfig.from_args(["--bf16-matmuls", "on", "--device", "cuda"], env={})
 
 
+def test_codec_runtime_auto_follows_onnx_runtime_and_reaches_the_engine(monkeypatch) -> None:
+    """auto: ONNX Runtime on the CPU where onnxruntime and onnx import, torch elsewhere;
+    onnx / torch as set; never on a GPU; anything else refused at the edge."""
+    import importlib.util
+
+    from livespeech.server.app import engine_config
+    real = importlib.util.find_spec
+    for missing, want in ((None, True), ("onnxruntime", False), ("onnx", False)):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, m=missing: None if name == m else real(name))
+        assert engine_config(ServerConfig()).onnx_codec is want
+        assert engine_config(ServerConfig.from_args(["--codec-runtime", "onnx"], env={})).onnx_codec
+        assert not engine_config(ServerConfig.from_args([], env={"LIVESPEECH_CODEC_RUNTIME": "torch"})).onnx_codec
+        assert not engine_config(ServerConfig.from_args(["--device", "cuda"], env={})).onnx_codec
+    with pytest.raises(ConfigError, match="codec_runtime must be one of auto, onnx, torch"):
+        ServerConfig.from_args(["--codec-runtime", "tensorrt"], env={})
+    with pytest.raises(ConfigError, match="codec_runtime onnx applies to the cpu"):
+        ServerConfig.from_args(["--codec-runtime", "onnx", "--device", "cuda"], env={})
+
+
 def test_device_guidance_reaches_the_engine() -> None:
     from livespeech.server.app import engine_config
     assert not engine_config(ServerConfig.from_args(["--device", "cuda"], env={})).device_guidance

@@ -6,7 +6,8 @@ them equals the eager step of those slots alone, and leaves every other slot as 
 
 The frozen steps (TorchScript, CPU): the model's equals the eager step at every batch
 size and text length, on gathered and sliced batches; the codec's equals `decode_step`
-at every batch and packet size; the runner uses both unless told not to.
+at every batch and packet size, and so does ONNX Runtime's (`OnnxCodecStep`); the
+runner uses them unless told not to.
 """
 import logging
 
@@ -16,8 +17,21 @@ import torch
 
 from livespeech.models.inference import DecodeState, enrollment_kv
 from livespeech.models.livespeech import LiveSpeech2
-from livespeech.models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, buckets, frozen_or_eager
+from livespeech.models.step_graph import (CapturedStep, FrozenCodecStep, FrozenStep, OnnxCodecStep, buckets,
+                                          frozen_or_eager)
 from tests.test_livespeech import small_cfg
+
+
+def _codec_steps():
+    """The codec steps to check: the frozen graph, and ONNX Runtime's where it imports."""
+    onnx = pytest.mark.skipif(not _onnx_runtime(), reason="onnxruntime or onnx not installed")
+    return [FrozenCodecStep, pytest.param(OnnxCodecStep, marks=onnx)]
+
+
+def _onnx_runtime() -> bool:
+    from livespeech.server.runner import onnx_codec_enabled
+
+    return onnx_codec_enabled("auto", "cpu")
 
 
 def _state(model, device="cpu"):
@@ -127,6 +141,31 @@ def test_runner_steps_through_the_frozen_graph_unless_told_not_to():
     assert eager.model_step == bundle.model.step and eager.codec_step == bundle.codec.decode_step
 
 
+@pytest.mark.skipif(not _onnx_runtime(), reason="onnxruntime or onnx not installed")
+def test_runner_decodes_with_onnx_runtime_when_told_to_and_with_torch_where_it_fails(monkeypatch, caplog):
+    """`onnx_codec`: ONNX Runtime's codec step, whose packets equal the frozen graph's;
+    where it cannot be built, the frozen graph, with a warning."""
+    from livespeech.models.loading import load_bundle
+    from livespeech.server.runner import ModelRunner
+
+    bundle = load_bundle(random_init=True)
+    onnx, frozen = ModelRunner(bundle, 2, onnx_codec=True), ModelRunner(bundle, 2)
+    assert isinstance(onnx.codec_step, OnnxCodecStep)
+    g = torch.Generator().manual_seed(2)
+    for n in (6, 1, 4):
+        frames = torch.randint(0, 1024, (2, n, 8), generator=g).tolist()
+        for a, b in zip(onnx.decode([0, 1], frames), frozen.decode([0, 1], frames)):
+            assert np.allclose(a, b, atol=1e-4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no ONNX Runtime here")
+
+    monkeypatch.setattr("livespeech.server.runner.OnnxCodecStep", broken)
+    with caplog.at_level(logging.WARNING, logger="livespeech.server.runner"):
+        assert isinstance(ModelRunner(bundle, 2, onnx_codec=True).codec_step, FrozenCodecStep)
+    assert "no ONNX Runtime here" in caplog.text
+
+
 def test_a_step_that_cannot_be_traced_runs_eagerly(monkeypatch, caplog):
     def no_jit(*args, **kwargs):
         raise RuntimeError("no TorchScript here")
@@ -144,14 +183,15 @@ def _codec(pad_mode: str = "constant"):
     return random_model("small", pad_mode=pad_mode)
 
 
+@pytest.mark.parametrize("step_class", _codec_steps())
 @pytest.mark.parametrize("batch", [1, 3])
-def test_frozen_codec_step_equals_the_eager_one(batch):
-    """Traced at 2 streams x 2 frames, it decodes any batch and packet size (here 1 to
-    9 frames in a row, past the 8-frame GEMM path and the LSTM's own switch), with the
-    same audio and the same carried state as `decode_step`."""
+def test_frozen_codec_step_equals_the_eager_one(batch, step_class):
+    """Traced (or exported) at 2 streams x 2 frames, it decodes any batch and packet
+    size (here 1 to 9 frames in a row, past the 8-frame GEMM path and the LSTM's own
+    switch), with the same audio and the same carried state as `decode_step`."""
     torch.set_num_threads(1)
     codec = _codec()
-    frozen = FrozenCodecStep(codec, n_codebooks=8)
+    frozen = step_class(codec, n_codebooks=8)
     eager_state, frozen_state = codec.streaming_state(batch), codec.streaming_state(batch)
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
@@ -163,11 +203,12 @@ def test_frozen_codec_step_equals_the_eager_one(batch):
             assert torch.equal(eager_state.frames, frozen_state.frames)
 
 
-def test_frozen_codec_step_leaves_what_it_cannot_run_to_the_eager_one(monkeypatch):
+@pytest.mark.parametrize("step_class", _codec_steps())
+def test_frozen_codec_step_leaves_what_it_cannot_run_to_the_eager_one(monkeypatch, step_class):
     """A reflect-padded codec's first packet (its padding reads the packet) and codes
     with another number of codebooks go to `decode_step`; started streams do not."""
     codec = _codec("reflect")
-    frozen = FrozenCodecStep(codec, n_codebooks=8)
+    frozen = step_class(codec, n_codebooks=8)
     calls = []
     real = codec.decode_step
     monkeypatch.setattr(codec, "decode_step", lambda codes, state: calls.append(codes.shape) or real(codes, state))
