@@ -1,6 +1,7 @@
 """The decode step recorded once and replayed: as a CUDA graph on a GPU
 (`CapturedStep`), as frozen TorchScript graphs on the CPU (`FrozenStep` for the model,
-`FrozenCodecStep` for the streaming codec).
+`FrozenCodecStep` for the streaming codec), and the streaming codec as an ONNX Runtime
+session on the CPU (`OnnxCodecStep`, the server's default there).
 
 CUDA graph: the decode step over the first slots of a DecodeState, one graph per
 batch-size bucket.
@@ -186,13 +187,13 @@ class OnnxCodecStep:
     (default codec, one thread; docs/loadtest.md, "Measured choices"). The codec's
     streaming step is exported once, in memory, from the weights loaded (nothing is
     stored beside them), with batch size and frame count symbolic; its outputs equal the
-    torch step's to float rounding (tests/test_codec.py). Like the frozen graph, it
+    torch step's to float rounding (tests/test_step_graph.py). Like the frozen graph, it
     runs started streams only: a first packet on a reflect-padded codec, or codes with
     another number of codebooks, decode eagerly.
     """
 
     def __init__(self, codec: CodecModel, n_codebooks: int, threads: int = 1):
-        import onnxruntime  # the `onnx` extra; the caller falls back to torch without it
+        import onnxruntime  # a dependency; where it fails to load the runner uses torch
 
         self.codec, self.n_codebooks = codec, n_codebooks
         example = codec.streaming_state(2)

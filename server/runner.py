@@ -106,8 +106,7 @@ class Voice:
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
                  bf16_matmuls: bool = False, onnx_codec: bool = False, device_guidance: bool = False,
-                 max_text_chars: int = 100_000,
-                 text_cfg_scale: float = 0.0):
+                 max_text_chars: int = 100_000, text_cfg_scale: float = 0.0):
         self.bundle = bundle
         self.model = bundle.model
         self.codec = bundle.codec
@@ -129,7 +128,8 @@ class ModelRunner:
             CapturedStep(self.model, self.unconditioned, capture=self.device.type == "cuda")
             if cuda_graphs and self.unconditioned is not None else None)
         # on the CPU, the model step and the streaming codec as frozen TorchScript graphs
-        # (the same ops, no Python between them); the eager calls elsewhere
+        # (the same ops, no Python between them), the codec on ONNX Runtime when asked
+        # (`_codec_step`); the eager calls elsewhere
         frozen = frozen_step and self.device.type == "cpu"
         # the widest matmuls in bfloat16 from BF16_FROM_BATCH sessions (CPU only)
         self.low_precision = torch.bfloat16 if bf16_matmuls and self.device.type == "cpu" else None
