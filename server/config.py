@@ -20,6 +20,7 @@ ENV_PREFIX = "LIVESPEECH_"
 _ALIASES = {"model_path": ("--model",)}
 # settings that hold secrets: env (or a file) only, never a flag, never in repr()
 ENV_ONLY = frozenset({"auth_tokens"})
+# CPU-only choices, each in the order (auto, on, off) that server/runner.py reads
 BF16_SETTINGS = ("auto", "on", "off")  # ServerConfig.bf16_matmuls
 CODEC_RUNTIMES = ("auto", "onnx", "torch")  # ServerConfig.codec_runtime
 

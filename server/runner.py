@@ -13,7 +13,7 @@ import importlib.util
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -42,22 +42,24 @@ def bf16_matmuls_enabled(setting: str, device: str) -> bool:
     """Whether the step's widest matmuls run in bfloat16 (`ServerConfig.bf16_matmuls`):
     "auto" where the CPU has bf16 dot products (`cpu_has_bf16_dot`), "on" on any CPU,
     never on a GPU."""
-    if setting not in BF16_SETTINGS:
-        raise ValueError(f"bf16_matmuls must be one of {', '.join(BF16_SETTINGS)}, got {setting!r}")
-    if torch.device(device).type != "cpu" or setting == "off":
-        return False
-    return setting == "on" or cpu_has_bf16_dot()
+    return _cpu_choice("bf16_matmuls", setting, BF16_SETTINGS, device, cpu_has_bf16_dot)
 
 
 def onnx_codec_enabled(setting: str, device: str) -> bool:
     """Whether ONNX Runtime runs the streaming codec (`ServerConfig.codec_runtime`): "auto"
     on the CPU where onnxruntime and onnx (its export) import, "onnx" on the CPU, never
     on a GPU."""
-    if setting not in CODEC_RUNTIMES:
-        raise ValueError(f"codec_runtime must be one of {', '.join(CODEC_RUNTIMES)}, got {setting!r}")
-    if torch.device(device).type != "cpu" or setting == "torch":
+    return _cpu_choice("codec_runtime", setting, CODEC_RUNTIMES, device,
+                       lambda: all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx")))
+
+
+def _cpu_choice(name: str, setting: str, choices: Sequence[str], device: str, auto: Callable[[], bool]) -> bool:
+    """A CPU-only setting of the form (auto, on, off): auto asks `auto()`; never on a GPU."""
+    if setting not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {setting!r}")
+    if torch.device(device).type != "cpu" or setting == choices[2]:
         return False
-    return setting == "onnx" or all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx"))
+    return setting == choices[1] or auto()
 
 
 @dataclass
