@@ -511,10 +511,13 @@ def main(argv=None) -> int:
         log(f"loaded {bundle.source} in {time.perf_counter() - t0:.1f} s")
         if modes:
             from livespeech.server.engine import Engine, EngineConfig
+            from livespeech.server.runner import onnx_codec_enabled
 
-            # no pacing to real time: sessions run as fast as compute allows (RTF is measured)
+            # no pacing to real time: sessions run as fast as compute allows (RTF is measured);
+            # the codec on the runtime the server picks
             engine = Engine(bundle, EngineConfig(max_sessions=1, max_lead_s=1e6, max_overrun_s=a.max_overrun_s,
-                                                 text_cfg_scale=a.text_cfg_scale, letter_schedule=a.letter_schedule))
+                                                 text_cfg_scale=a.text_cfg_scale, letter_schedule=a.letter_schedule,
+                                                 onnx_codec=onnx_codec_enabled("auto", a.device)))
             engine.start()
     else:
         modes = []
