@@ -147,7 +147,29 @@ class FrozenStep:
         return StepLogits(graphemes=g, acoustic=a)
 
 
-class FrozenCodecStep:
+class _CodecStepGraph:
+    """`CodecModel.decode_step` through a graph over plain tensors, called like it: the
+    graph (`_run`) decodes started streams; a batch with a stream's first packet on a
+    reflect-padded codec (its padding reads the packet itself) decodes eagerly, and so
+    do codes with another number of codebooks than `n_codebooks`."""
+
+    def __init__(self, codec: CodecModel, n_codebooks: int):
+        self.codec, self.n_codebooks = codec, n_codebooks
+        self.reflect = codec.config.pad_mode == "reflect"
+
+    def _run(self, codes: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        raise NotImplementedError
+
+    def __call__(self, codes: torch.Tensor, state: StreamState) -> torch.Tensor:
+        started = self.codec.check_step(codes, state)
+        if (started is not None and self.reflect) or codes.shape[1] != self.n_codebooks:
+            return self.codec.decode_step(codes, state)
+        wav, state.tensors = self._run(codes, state.tensors)
+        state.frames = state.frames + codes.shape[-1]
+        return wav
+
+
+class FrozenCodecStep(_CodecStepGraph):
     """`CodecModel.decode_step` as a frozen TorchScript graph, called like it.
 
     The streaming codec is dispatch-bound too at a packet's size: on the default codec
@@ -155,30 +177,22 @@ class FrozenCodecStep:
     ms, 6 frames 9.5 -> 6.6 ms), and 3-6 ms at 16 sessions x 6 frames, a tenth of
     such a call (docs/loadtest.md). Batch size and frame count stay symbolic (the LSTM's loop
     over frames is scripted, ELU runs in one piece); the number of codebooks is fixed
-    (`n_codebooks`). Only started streams: a batch with a stream's first packet on a
-    reflect-padded codec (its padding reads the packet itself) decodes eagerly, and so
-    do codes with another number of codebooks.
+    (`n_codebooks`).
     """
 
     def __init__(self, codec: CodecModel, n_codebooks: int, warmup: int = 3):
-        self.codec, self.n_codebooks = codec, n_codebooks
+        super().__init__(codec, n_codebooks)
         example = codec.streaming_state(2)
         codes = torch.zeros(2, n_codebooks, 2, dtype=torch.long, device=example.frames.device)
         self.graph = _frozen(codec.stream_step_module(), (codes, *example.tensors), warmup)
-        self.reflect = codec.config.pad_mode == "reflect"
 
-    def __call__(self, codes: torch.Tensor, state: StreamState) -> torch.Tensor:
-        started = self.codec.check_step(codes, state)
-        if (started is not None and self.reflect) or codes.shape[1] != self.n_codebooks:
-            return self.codec.decode_step(codes, state)
+    def _run(self, codes, tensors):
         with torch.inference_mode():
-            wav, *tensors = self.graph(codes, *state.tensors)
-        state.tensors = tensors
-        state.frames = state.frames + codes.shape[-1]
-        return wav
+            wav, *new = self.graph(codes, *tensors)
+        return wav, new
 
 
-class OnnxCodecStep:
+class OnnxCodecStep(_CodecStepGraph):
     """`CodecModel.decode_step` run by ONNX Runtime, called like it (`FrozenCodecStep`).
 
     The streaming codec's packet is many small convolutions, LSTM cells and ELUs; ONNX
@@ -187,15 +201,13 @@ class OnnxCodecStep:
     (default codec, one thread; docs/loadtest.md, "Measured choices"). The codec's
     streaming step is exported once, in memory, from the weights loaded (nothing is
     stored beside them), with batch size and frame count symbolic; its outputs equal the
-    torch step's to float rounding (tests/test_step_graph.py). Like the frozen graph, it
-    runs started streams only: a first packet on a reflect-padded codec, or codes with
-    another number of codebooks, decode eagerly.
+    torch step's to float rounding (tests/test_step_graph.py).
     """
 
     def __init__(self, codec: CodecModel, n_codebooks: int, threads: int = 1):
         import onnxruntime  # a dependency; where it fails to load the runner uses torch
 
-        self.codec, self.n_codebooks = codec, n_codebooks
+        super().__init__(codec, n_codebooks)
         example = codec.streaming_state(2)
         self._names = [f"state{i}" for i in range(len(example.tensors))]
         codes = torch.zeros(2, n_codebooks, 2, dtype=torch.long, device=example.frames.device)
@@ -213,18 +225,12 @@ class OnnxCodecStep:
         # a worker thread that spins while it waits takes a core the engine needs
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(buf.getvalue(), options, providers=["CPUExecutionProvider"])
-        self.reflect = codec.config.pad_mode == "reflect"
 
-    def __call__(self, codes: torch.Tensor, state: StreamState) -> torch.Tensor:
-        started = self.codec.check_step(codes, state)
-        if (started is not None and self.reflect) or codes.shape[1] != self.n_codebooks:
-            return self.codec.decode_step(codes, state)
+    def _run(self, codes, tensors):
         feeds = {"codes": codes.contiguous().numpy()}
-        feeds.update((name, t.contiguous().numpy()) for name, t in zip(self._names, state.tensors))
-        wav, *tensors = (torch.from_numpy(a) for a in self.session.run(None, feeds))
-        state.tensors = tensors
-        state.frames = state.frames + codes.shape[-1]
-        return wav
+        feeds.update((name, t.contiguous().numpy()) for name, t in zip(self._names, tensors))
+        wav, *new = (torch.from_numpy(a) for a in self.session.run(None, feeds))
+        return wav, new
 
 
 def _frozen(module: nn.Module, args: tuple, warmup: int):

@@ -185,7 +185,7 @@ def _codec(pad_mode: str = "constant"):
 
 @pytest.mark.parametrize("step_class", _codec_steps())
 @pytest.mark.parametrize("batch", [1, 3])
-def test_frozen_codec_step_equals_the_eager_one(batch, step_class):
+def test_codec_step_graphs_equal_the_eager_step(batch, step_class):
     """Traced (or exported) at 2 streams x 2 frames, it decodes any batch and packet
     size (here 1 to 9 frames in a row, past the 8-frame GEMM path and the LSTM's own
     switch), with the same audio and the same carried state as `decode_step`."""
@@ -204,7 +204,7 @@ def test_frozen_codec_step_equals_the_eager_one(batch, step_class):
 
 
 @pytest.mark.parametrize("step_class", _codec_steps())
-def test_frozen_codec_step_leaves_what_it_cannot_run_to_the_eager_one(monkeypatch, step_class):
+def test_codec_step_graphs_leave_what_they_cannot_run_to_the_eager_step(monkeypatch, step_class):
     """A reflect-padded codec's first packet (its padding reads the packet) and codes
     with another number of codebooks go to `decode_step`; started streams do not."""
     codec = _codec("reflect")
