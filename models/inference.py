@@ -325,6 +325,9 @@ def _stack_kv(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return torch.stack([torch.stack((k[0], v[0])) for k, v in kv])
 
 
+TEXT_KV_CAPACITY = 2048  # text tokens whose K/V a decode state keeps (`TextKV`)
+
+
 class TextKV:
     """Text tokens' unrotated per-layer K/V, kept for the `capacity` tokens used last.
     A token's K/V depend on its id alone (its embedding, then each layer's projection),
@@ -335,13 +338,22 @@ class TextKV:
     preset. The model's weights must not change while the cache lives (it belongs to one
     `DecodeState`)."""
 
-    def __init__(self, model: LiveSpeech2, capacity: int = 2048):
+    def __init__(self, model: LiveSpeech2, capacity: int = TEXT_KV_CAPACITY):
         self.model = model
         self.capacity = capacity
         self._kv: OrderedDict[int, torch.Tensor] = OrderedDict()  # token id -> [layers, 2, H, hd]
 
     def __len__(self) -> int:
         return len(self._kv)
+
+    @torch.no_grad()
+    def warm(self, token_ids: Sequence[int], batch: int = 256) -> None:
+        """Project and keep `token_ids` now (at most `capacity` of them, in batches): a
+        cold cache makes the first sessions' words cost the engine thread a projection
+        each, where the text comes (docs/loadtest.md)."""
+        ids = list(dict.fromkeys(token_ids))[: self.capacity]
+        for i in range(0, len(ids), batch):
+            self(ids[i: i + batch])
 
     @torch.no_grad()
     def __call__(self, token_ids: Sequence[int]) -> torch.Tensor:

@@ -215,6 +215,7 @@ async def build_server(
 
 def engine_config(config: ServerConfig):
     """The engine's settings that come from the server's."""
+    from livespeech.models.inference import TEXT_KV_CAPACITY
     from livespeech.server.runner import bf16_matmuls_enabled, onnx_codec_enabled
 
     return EngineConfig(
@@ -226,6 +227,7 @@ def engine_config(config: ServerConfig):
         codec_thread=config.codec_thread,
         bf16_matmuls=bf16_matmuls_enabled(config.bf16_matmuls, config.device),
         onnx_codec=onnx_codec_enabled(config.codec_runtime, config.device),
+        warm_text_tokens=TEXT_KV_CAPACITY,
         device_guidance=config.device_guidance,
         text_cfg_scale=config.text_cfg_scale,
         letter_schedule=config.letter_schedule,

@@ -289,6 +289,10 @@ class EngineConfig:
     bf16_matmuls: bool = False
     # on the CPU, the streaming codec run by ONNX Runtime (server/runner.py)
     onnx_codec: bool = False
+    # the text tokens with the lowest ids (the BPE's first merges, its most frequent)
+    # projected into the text K/V cache at start-up, so a fresh server's first sessions
+    # do not pay a projection a word (models/inference.py, TextKV); the server: 2,048
+    warm_text_tokens: int = 0
     # every session's guidance as tensors in the runner (server/runner.py, SlotGuidance)
     device_guidance: bool = ServerConfig.device_guidance
     # classifier-free guidance on the text (server/runner.py)
@@ -314,4 +318,6 @@ class EngineConfig:
             raise ConfigError(f"text_cfg_scale must be in [0, 10], got {self.text_cfg_scale}")
         if not 0 <= self.low_water_steps <= 100:
             raise ConfigError("low_water_steps must be in [0, 100]")
+        if self.warm_text_tokens < 0:
+            raise ConfigError("warm_text_tokens must be >= 0")
         return self

@@ -44,7 +44,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs,
                                   frozen_step=config.frozen_step, bf16_matmuls=config.bf16_matmuls,
-                                  onnx_codec=config.onnx_codec,
+                                  onnx_codec=config.onnx_codec, warm_text_tokens=config.warm_text_tokens,
                                   device_guidance=config.device_guidance,
                                   max_text_chars=config.max_session_text_chars,
                                   text_cfg_scale=config.text_cfg_scale)

@@ -108,7 +108,7 @@ class Voice:
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
                  bf16_matmuls: bool = False, onnx_codec: bool = False, device_guidance: bool = False,
-                 max_text_chars: int = 100_000, text_cfg_scale: float = 0.0):
+                 max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0):
         self.bundle = bundle
         self.model = bundle.model
         self.codec = bundle.codec
@@ -160,12 +160,14 @@ class ModelRunner:
         self.first_code_bias = (bundle.front_end.first_code_bias().to(self.device)
                                 if bundle.front_end is not None else None)
         self._voice_lock = threading.Lock()
-        self._warm_up()
+        self._warm_up(warm_text_tokens)
 
     @torch.inference_mode()
-    def _warm_up(self) -> None:
+    def _warm_up(self, text_tokens: int) -> None:
         """Compile the TorchScript sampler and commit now: their first calls cost ~0.1 s,
-        which would otherwise land in the first session's first packet."""
+        which would otherwise land in the first session's first packet. Project the
+        `text_tokens` lowest token ids into the text K/V cache."""
+        self.state.text_kv.warm(range(text_tokens))
         view = self.state.view([0, 0])  # a gathered copy: the state itself is not written
         cfg = self.model.cfg
         g = torch.zeros(2, cfg.n_graphemes, device=self.device)

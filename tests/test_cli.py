@@ -220,6 +220,21 @@ def test_codec_runtime_auto_follows_onnx_runtime_and_reaches_the_engine(monkeypa
         ServerConfig.from_args(["--codec-runtime", "onnx", "--device", "cuda"], env={})
 
 
+def test_the_server_starts_with_a_warm_text_cache() -> None:
+    """The server's engine projects the text cache's capacity of lowest token ids at
+    start-up; an engine made without saying so starts cold."""
+    from livespeech.models.inference import TEXT_KV_CAPACITY
+    from livespeech.models.loading import load_bundle
+    from livespeech.server.app import engine_config
+    from livespeech.server.runner import ModelRunner
+
+    warm = engine_config(ServerConfig()).warm_text_tokens
+    assert warm == TEXT_KV_CAPACITY
+    bundle = load_bundle(random_init=True)
+    assert len(ModelRunner(bundle, 1, warm_text_tokens=warm).state.text_kv) == TEXT_KV_CAPACITY
+    assert len(ModelRunner(bundle, 1).state.text_kv) == 0
+
+
 def test_device_guidance_reaches_the_engine() -> None:
     from livespeech.server.app import engine_config
     assert not engine_config(ServerConfig.from_args(["--device", "cuda"], env={})).device_guidance

@@ -436,3 +436,21 @@ def test_text_kv_keeps_each_tokens_projection_and_forgets_the_least_recently_use
     finally:
         del model.project_text
     assert torch.allclose(cache([6, 9, 7]), direct([6, 9, 7]), atol=1e-6)
+
+
+def test_a_warmed_text_kv_projects_no_warmed_token_again(model):
+    """`TextKV.warm` keeps the tokens' own projections, in batches, at most its capacity
+    of them; a later call on warmed tokens projects nothing."""
+    from livespeech.models.inference import TextKV
+
+    project, calls = model.project_text, []
+    model.project_text = lambda ids: calls.append(ids.shape[1]) or project(ids)
+    try:
+        cache = TextKV(model, capacity=10)
+        cache.warm(range(30), batch=4)
+        assert calls == [4, 4, 2] and len(cache) == 10
+        warmed = cache(list(range(10)))
+        assert calls == [4, 4, 2]
+    finally:
+        del model.project_text
+    assert torch.allclose(warmed, TextKV(model)(list(range(10))), atol=1e-6)
