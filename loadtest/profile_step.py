@@ -585,7 +585,7 @@ def noise_reference(seed: int = 0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(24000) * 0.1).astype(np.float32)
 
 
-def add_bf16_argument(ap: argparse.ArgumentParser) -> None:
+def add_cpu_path_arguments(ap: argparse.ArgumentParser) -> None:
     """`--bf16-matmuls` and `--codec-runtime`, as the server's settings (server/runner.py;
     default auto, as there)."""
     ap.add_argument("--bf16-matmuls", choices=BF16_SETTINGS, default="auto",
@@ -614,7 +614,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eager-step", action="store_true",
                     help="the eager model step on the CPU, whose layers are timed one by one (default: the frozen "
                          "graph the server runs, timed as one scope)")
-    add_bf16_argument(ap)
+    add_cpu_path_arguments(ap)
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, help="write the tables as markdown here")
     args = ap.parse_args(argv)

@@ -34,7 +34,7 @@ import torch
 from livespeech.server.runner import bf16_matmuls_enabled, onnx_codec_enabled
 
 from .playback import Packet, describe, simulate_playback
-from .profile_step import Patches, add_bf16_argument, noise_reference
+from .profile_step import Patches, add_cpu_path_arguments, noise_reference
 from .workload import Pacing, load_sentences, make_turn
 
 
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-delay", type=int, default=None,
                     help="cap the decoder's codebook delays (latency what-if; the speech is not meaningful)")
     ap.add_argument("--seed", type=int, default=0)
-    add_bf16_argument(ap)
+    add_cpu_path_arguments(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.sessions < 1 or args.turns < 1:

@@ -157,6 +157,11 @@ class _CodecStepGraph:
         self.codec, self.n_codebooks = codec, n_codebooks
         self.reflect = codec.config.pad_mode == "reflect"
 
+    def _example_args(self) -> tuple[torch.Tensor, ...]:
+        """(codes, *state tensors) of 2 streams x 2 frames, to trace or export the graph on."""
+        state = self.codec.streaming_state(2)
+        return (torch.zeros(2, self.n_codebooks, 2, dtype=torch.long, device=state.frames.device), *state.tensors)
+
     def _run(self, codes: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         raise NotImplementedError
 
@@ -182,9 +187,7 @@ class FrozenCodecStep(_CodecStepGraph):
 
     def __init__(self, codec: CodecModel, n_codebooks: int, warmup: int = 3):
         super().__init__(codec, n_codebooks)
-        example = codec.streaming_state(2)
-        codes = torch.zeros(2, n_codebooks, 2, dtype=torch.long, device=example.frames.device)
-        self.graph = _frozen(codec.stream_step_module(), (codes, *example.tensors), warmup)
+        self.graph = _frozen(codec.stream_step_module(), self._example_args(), warmup)
 
     def _run(self, codes, tensors):
         with torch.inference_mode():
@@ -208,16 +211,15 @@ class OnnxCodecStep(_CodecStepGraph):
         import onnxruntime  # a dependency; where it fails to load the runner uses torch
 
         super().__init__(codec, n_codebooks)
-        example = codec.streaming_state(2)
-        self._names = [f"state{i}" for i in range(len(example.tensors))]
-        codes = torch.zeros(2, n_codebooks, 2, dtype=torch.long, device=example.frames.device)
+        example = self._example_args()
+        self._names = [f"state{i}" for i in range(len(example) - 1)]
         dims = {name: {0: "batch"} for name in self._names}
         dims.update(codes={0: "batch", 2: "frames"}, wav={0: "batch", 2: "samples"})
         dims.update({f"new_{name}": {0: "batch"} for name in self._names})
         buf = io.BytesIO()
         with warnings.catch_warnings(), torch.inference_mode():
             warnings.simplefilter("ignore")  # the tracer's, as in `_frozen`
-            torch.onnx.export(codec.stream_step_module().eval(), (codes, *example.tensors), buf, dynamo=False,
+            torch.onnx.export(codec.stream_step_module().eval(), example, buf, dynamo=False,
                               input_names=["codes", *self._names], opset_version=17, dynamic_axes=dims,
                               output_names=["wav", *(f"new_{name}" for name in self._names)])
         options = onnxruntime.SessionOptions()
