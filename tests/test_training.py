@@ -213,6 +213,12 @@ def test_decoder_init_from_exported_weights_or_a_run_checkpoint(tmp_path):
     got = torch.load(os.path.join(second, "last.pt"), map_location="cpu", weights_only=False)["model"]
     want = load_decoder(str(tmp_path / "decoder.pt")).state_dict()
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+    # a continued decoder's log opens with its starting point's dev figures (a fresh run's
+    # does not): here the one step moved nothing, so its last evaluation says the same
+    evals = [r for r in map(json.loads, open(os.path.join(second, "log.jsonl"))) if r.get("eval")]
+    assert evals[0]["step"] == 0 and evals[0]["start"] and not evals[-1].get("start")
+    assert abs(evals[0]["dev_loss"] - evals[-1]["dev_loss"]) < 1e-4
+    assert not any(r.get("start") for r in map(json.loads, open(os.path.join(first, "log.jsonl"))))
     # a run's own checkpoint (optimizer state and all) is a starting point too
     third = str(tmp_path / "c")
     assert train.main(["--smoke", "--out", third, "--steps", "1", "--threads", "1", "--lr", "1e-12",

@@ -187,6 +187,8 @@ def model_card(out: str, dec_obj: dict, dec_path: str, codec_path: str, corpus: 
         f"{lev.get('dev_loss_graph', float('nan')):.3f} / acc {lev.get('dev_acc_graph', float('nan')):.3f}, "
         f"acoustic CE {lev.get('dev_loss_acoustic', float('nan')):.3f} / acc {lev.get('dev_acc_acoustic', float('nan')):.3f}.",
         f"Per-codebook dev CE: {lev.get('dev_loss_k', [])}.",
+        *([f"Dev at its starting point (`--init`, before the first step): sum CE {devals[0]['dev_loss']:.3f}."]
+          if devals and devals[0].get("start") else []),
         "",
         "## fp16 check",
         f"Logits of the fp32 model vs `decoder.pt` loaded back: max |diff| {check['max_abs_logit_diff']:.4f}, "

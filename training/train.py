@@ -650,6 +650,16 @@ def main(argv=None) -> int:
             extra.update(phone_head=phone_head.state_dict(), phone_vocab=phone_head.names)
         save_checkpoint(path, model, opt, step, lw, sampler, mask_gen, py_rng, best, vars(a), extra)
 
+    if a.init and step == 0:
+        # the starting point's dev figures: a continued decoder must beat them (short runs at
+        # the recipe's learning rate have ended above where they started), and best.pt is
+        # only written by an evaluation that does
+        ev = evaluate(model, devb, device, phone_head, a.read_heads)
+        best = ev["dev_loss"]
+        row = {"step": 0, "eval": True, "start": True, **ev}
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        print(json.dumps(row), flush=True)
     t_resume = time.time() - train_s  # training time carried over from earlier runs
     while not sched.finished(step, train_s) and not (stop_at and step >= stop_at):
         # re-read the codes directory while an encoder is still filling it (a full re-read
