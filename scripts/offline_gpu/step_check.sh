@@ -12,11 +12,14 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; PY=${PY:-python3}
 mkdir -p "$OUT"
+# the bundle's Whisper ranks (the image has no openai-whisper)
+export LIVESPEECH_TIKTOKEN_FILE=${LIVESPEECH_TIKTOKEN_FILE:-$PWD/.dev/multilingual.tiktoken}
 bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --codec "${CODEC:-encodec_24khz}" \
   --device "${DEVICE:-cuda}" "$@"; }
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
-  $PY -m pytest -q -p no:cacheprovider tests/test_step_graph.py \
+  # no conftest: it starts gRPC servers, whose health and reflection packages the image lacks
+  $PY -m pytest -q -p no:cacheprovider --noconftest tests/test_step_graph.py \
     tests/test_engine.py::test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order 2>&1 | tail -n 3
   for g in "--cuda-graphs" "--cuda-graphs --jit-fuser" ""; do
     echo "== first calls: ${g:-eager}"
