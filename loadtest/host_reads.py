@@ -22,6 +22,7 @@ import threading
 import traceback
 from typing import Any, Iterator, Optional
 
+import torch
 from torch.overrides import TorchFunctionMode
 
 # the tensor methods and functions whose result is data on the host, or whose output
@@ -30,24 +31,48 @@ READS = frozenset({"item", "tolist", "numpy", "cpu", "__array__", "__bool__", "_
                    "nonzero", "masked_select", "unique", "unique_consecutive"})
 
 
+def _site() -> str:
+    """The caller: the innermost frame outside torch and this module."""
+    frame = next((f for f in reversed(traceback.extract_stack()[:-2])
+                  if "/torch/" not in f.filename and f.filename != __file__), None)
+    return f"{'/'.join(frame.filename.split('/')[-2:])}:{frame.lineno}" if frame else "?"
+
+
+def _is_upload(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a call copies host data to a device: a tensor made from Python data with a
+    `device`, or a host tensor moved with `.to(device)` / `.cuda()`. On the CPU, where
+    every tensor is a host tensor, a `.to(device)` of a tensor already there counts too."""
+    if name in ("tensor", "as_tensor"):
+        return kwargs.get("device") is not None
+    if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+        targets = (*args[1:], kwargs.get("device"))
+        return name == "cuda" or any(isinstance(t, (torch.device, str)) for t in targets)
+    return False
+
+
 class HostReads(TorchFunctionMode):
-    """Counts host reads on the thread that enters it; `paused` stops counting (re-entrant)."""
+    """Counts host reads (`total`, `sites`) and copies from the host to the device
+    (`uploads`, `upload_sites`) on the thread that enters it: on a GPU, a copy from
+    pageable host memory waits for the queued kernels as a read does. `paused` stops
+    counting (re-entrant)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
         self.sites: collections.Counter = collections.Counter()  # "file:line name" -> calls
+        self.uploads = 0
+        self.upload_sites: collections.Counter = collections.Counter()
         self._paused = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         name = getattr(func, "__name__", "")
-        if name in READS and not self._paused:
-            self.total += 1
-            # the caller: the innermost frame outside torch and this module
-            frame = next((f for f in reversed(traceback.extract_stack()[:-1])
-                          if "/torch/" not in f.filename and f.filename != __file__), None)
-            site = f"{'/'.join(frame.filename.split('/')[-2:])}:{frame.lineno}" if frame else "?"
-            self.sites[f"{site} {name}"] += 1
+        if not self._paused:
+            if name in READS:
+                self.total += 1
+                self.sites[f"{_site()} {name}"] += 1
+            elif _is_upload(name, args, kwargs or {}):
+                self.uploads += 1
+                self.upload_sites[f"{_site()} {name}"] += 1
         return func(*args, **(kwargs or {}))
 
     @contextlib.contextmanager
@@ -63,7 +88,8 @@ def engine_step_reads(bundle: Any, batch: int, steps: int = 40, warmup: int = 10
                       text_chars: int = 300, timeout_s: float = 600.0, device_guidance: bool = False) -> dict:
     """Host reads of `steps` engine steps at the full `batch` (after `warmup` steps): per
     step outside the codec (`step`), and the codec's (`codec`, when a packet was decoded
-    on the engine thread), with the sites they come from."""
+    on the engine thread), with the sites they come from; and the step's copies from the
+    host (`uploads`, outside the codec too)."""
     from livespeech.api.session import SessionConfig
     from livespeech.loadtest.profile_step import TEXT, noise_reference
     from livespeech.server.engine import Engine, EngineConfig
@@ -74,8 +100,10 @@ def engine_step_reads(bundle: Any, batch: int, steps: int = 40, warmup: int = 10
     text = (TEXT * (text_chars // len(TEXT) + 1))[:text_chars]
     text = text[: text.rfind(" ")] + "."
     step_reads: list[int] = []
+    step_uploads: list[int] = []
     codec_reads: list[int] = []
     sites: collections.Counter = collections.Counter()
+    upload_sites: collections.Counter = collections.Counter()
     done = threading.Event()
     inner_step, inner_decode = engine._step, engine.runner.decode
     counting: dict[int, HostReads] = {}  # the engine thread's, while it steps
@@ -101,8 +129,10 @@ def engine_step_reads(bundle: Any, batch: int, steps: int = 40, warmup: int = 10
             finally:
                 counting.clear()
         step_reads[-1] = reads.total
+        step_uploads.append(reads.uploads)
         if len(step_reads) > warmup:
             sites.update(reads.sites)
+            upload_sites.update(reads.upload_sites)
         if len(step_reads) >= warmup + steps:
             done.set()
 
@@ -120,7 +150,8 @@ def engine_step_reads(bundle: Any, batch: int, steps: int = 40, warmup: int = 10
         engine.stop()
     n = len(step_reads) - warmup
     return {"batch": batch, "steps": n, "step": step_reads[warmup:], "codec": codec_reads[warmup:],
-            "sites_per_step": {k: v / n for k, v in sites.most_common()}}
+            "sites_per_step": {k: v / n for k, v in sites.most_common()}, "uploads": step_uploads[warmup:],
+            "upload_sites_per_step": {k: v / n for k, v in upload_sites.most_common()}}
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -148,6 +179,10 @@ def main(argv: Optional[list] = None) -> int:
               + ", ".join(f"{k} on {v}" for k, v in dist)
               + f"; codec on the engine thread: {sum(r['codec'])} reads in {sum(1 for c in r['codec'] if c)} steps")
         for site, per in r["sites_per_step"].items():
+            print(f"  {per:6.2f} a step  {site}")
+        ups = sorted(collections.Counter(r["uploads"]).items())
+        print("  copies from the host per step: " + ", ".join(f"{k} on {v}" for k, v in ups))
+        for site, per in r["upload_sites_per_step"].items():
             print(f"  {per:6.2f} a step  {site}")
     return 0
 

@@ -105,8 +105,10 @@ import torch
 
 from .graphemes import BLANK, EOS, SPACE, VOCAB_SIZE
 from .scripted import scripted
+from .upload import Upload
 
-__all__ = ["GuidanceState", "GuidingSets", "Temperatures", "sample_graphemes", "sample_step", "sample_top_k"]
+__all__ = ["GuidanceState", "GuidingSets", "SamplingPlan", "Temperatures", "sample_graphemes", "sample_step",
+           "sample_top_k"]
 
 _INF = float("inf")
 
@@ -361,6 +363,45 @@ class GuidanceState:
 IntsLike = Union[int, Sequence[int], torch.Tensor]
 
 
+def _row_ks(top_ks: Union[int, Sequence[int]], n_rows: int, vocab: int) -> list[int]:
+    """Each row's k, clamped to [1, vocab]."""
+    ks = [top_ks] * n_rows if isinstance(top_ks, int) else list(top_ks)
+    if len(ks) != n_rows:
+        raise ValueError(f"expected {n_rows} top_k values, got {len(ks)}")
+    return [min(max(int(x), 1), vocab) for x in ks]
+
+
+def _lambdas(lambdas: Union[float, Sequence[float]], n_rows: int) -> list[float]:
+    """Each row's guidance lambda, checked: >= 0, inf for hard guidance."""
+    lam = [float(lambdas)] * n_rows if isinstance(lambdas, (int, float)) else [float(x) for x in lambdas]
+    if len(lam) != n_rows:
+        raise ValueError(f"expected {n_rows} lambdas, got {len(lam)}")
+    if any(not x >= 0.0 for x in lam):
+        raise ValueError("guidance lambda must be >= 0 (inf for hard guidance)")
+    return lam
+
+
+def _guiding_cells(states: Sequence[Optional[GuidanceState]], lam: Sequence[float]) -> tuple[list[int], list[int]]:
+    """(rows, graphemes) of every guided row's guiding set: the cells of the guide mask."""
+    if len(states) != len(lam):
+        raise ValueError(f"expected {len(lam)} guidance states, got {len(states)}")
+    rows: list[int] = []
+    cols: list[int] = []
+    for r, st in enumerate(states):
+        if st is None or lam[r] == 0.0:
+            continue
+        gs = st.guiding_set()
+        rows.extend([r] * len(gs))
+        cols.extend(gs)
+    return rows, cols
+
+
+def _bonus_and_hard(lam: Sequence[float]) -> tuple[list[float], list[bool]]:
+    """Each row's log(1 + lambda) and whether it is hard (lambda inf)."""
+    hard = [math.isinf(x) for x in lam]
+    return [0.0 if h else math.log1p(x) for x, h in zip(lam, hard)], hard
+
+
 def _per_row_k(top_ks: IntsLike, n_rows: int, vocab: int, device) -> tuple[torch.Tensor, int]:
     """Per-row k as a LongTensor on `device` (clamped to [1, vocab]) and its max."""
     if isinstance(top_ks, torch.Tensor):
@@ -369,12 +410,7 @@ def _per_row_k(top_ks: IntsLike, n_rows: int, vocab: int, device) -> tuple[torch
             k = k.expand(n_rows)
         k = k.clamp(1, vocab)
         return k, int(k.max())
-    if isinstance(top_ks, int):
-        kk = min(max(int(top_ks), 1), vocab)
-        return torch.full((n_rows,), kk, dtype=torch.long, device=device), kk
-    ks = [min(max(int(x), 1), vocab) for x in top_ks]
-    if len(ks) != n_rows:
-        raise ValueError(f"expected {n_rows} top_k values, got {len(ks)}")
+    ks = _row_ks(top_ks, n_rows, vocab)
     return torch.tensor(ks, dtype=torch.long, device=device), max(ks)
 
 
@@ -415,7 +451,8 @@ def _uniforms(generators: Union[Sequence[Optional[torch.Generator]], torch.Tenso
     if isinstance(generators, torch.Tensor):
         if tuple(generators.shape) != (batch, n):
             raise ValueError(f"expected uniforms of shape {(batch, n)}, got {tuple(generators.shape)}")
-        return generators.to(device)
+        # no .to() for draws already there (loadtest/host_reads.py counts it as a copy on the CPU)
+        return generators if generators.device == torch.device(device) else generators.to(device)
     if len(generators) != batch:
         raise ValueError(f"expected {batch} generators, got {len(generators)}")
     rows = [torch.rand(n) if g is None else torch.rand(n, generator=g, device=g.device)
@@ -495,39 +532,27 @@ class GuidingSets(NamedTuple):
     eos_barred: torch.Tensor  # [B] bool
 
 
-def _guidance_inputs(states: Union[Sequence[Optional[GuidanceState]], GuidingSets],
-                     lambdas: Union[float, Sequence[float]], shape: tuple[int, int],
-                     device) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _guidance_inputs(states: Sequence[Optional[GuidanceState]], lambdas: Union[float, Sequence[float]],
+                     shape: tuple[int, int], device) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(guide [B, G] bool, bonus [B], hard [B]) for `_guided`; None when no row is guided."""
     b, g = shape
-    if not isinstance(states, GuidingSets) and len(states) != b:
-        raise ValueError(f"expected {b} guidance states, got {len(states)}")
-    lam = [float(lambdas)] * b if isinstance(lambdas, (int, float)) else [float(x) for x in lambdas]
-    if len(lam) != b:
-        raise ValueError(f"expected {b} lambdas, got {len(lam)}")
-    if any(not x >= 0.0 for x in lam):
-        raise ValueError("guidance lambda must be >= 0 (inf for hard guidance)")
-    if all(x == 0.0 for x in lam):
+    lam = _lambdas(lambdas, b)
+    rows, cols = _guiding_cells(states, lam)
+    if not rows:
         return None
-    if isinstance(states, GuidingSets):
-        mask = states.mask & torch.tensor([x != 0.0 for x in lam], device=device)[:, None]
-    else:
-        rows: list[int] = []
-        cols: list[int] = []
-        for r, st in enumerate(states):
-            if st is None or lam[r] == 0.0:
-                continue
-            gs = st.guiding_set()
-            rows.extend([r] * len(gs))
-            cols.extend(gs)
-        if not rows:
-            return None
-        mask = torch.zeros(b, g, dtype=torch.bool)
-        mask[rows, cols] = True
-        mask = mask.to(device)
-    hard = [math.isinf(x) for x in lam]
-    bonus = [0.0 if h else math.log1p(x) for x, h in zip(lam, hard)]
-    return mask, torch.tensor(bonus, device=device), torch.tensor(hard, device=device)
+    bonus, hard = _bonus_and_hard(lam)
+    up = Upload()
+    for values, dtype in ((rows, torch.long), (cols, torch.long), (bonus, torch.float32), (hard, torch.bool)):
+        up.add(values, dtype)
+    r, c, bonus_t, hard_t = up.send(device)
+    return _guide_mask((b, g), r, c), bonus_t, hard_t
+
+
+def _guide_mask(shape: tuple[int, int], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """[B, G] bool, True at the guiding cells (`_guiding_cells`, sent to the device)."""
+    mask = torch.zeros(shape, dtype=torch.bool, device=rows.device)
+    mask[rows, cols] = True
+    return mask
 
 
 def sample_top_k(logits: torch.Tensor, top_ks: IntsLike,
@@ -582,28 +607,67 @@ class Temperatures(NamedTuple):
     acoustic: float = 1.0  # codebooks 2..Q
 
 
-def _temperature_inputs(temperatures: Optional[Sequence[Sequence[float]]], b: int,
-                        device) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(inv_t [B, 3], greedy [B, 3], scaled) for `_step_tokens`."""
-    if temperatures is None:
-        return torch.ones(b, 3, device=device), torch.zeros(b, 3, dtype=torch.bool, device=device), False
-    if len(temperatures) != b:
-        raise ValueError(f"expected {b} temperature triples, got {len(temperatures)}")
-    rows = [tuple(float(x) for x in t) for t in temperatures]
-    if any(len(t) != 3 or not all(0.0 <= x < math.inf for x in t) for t in rows):
-        raise ValueError("temperatures must be (grapheme, codebook 1, codebooks 2..Q) triples of finite values >= 0")
-    inv = [[1.0 if x == 0.0 else 1.0 / x for x in t] for t in rows]
-    greedy = [[x == 0.0 for x in t] for t in rows]
-    scaled = any(x != 1.0 for t in rows for x in t)
-    return (torch.tensor(inv, dtype=torch.float32, device=device),
-            torch.tensor(greedy, dtype=torch.bool, device=device), scaled)
+class SamplingPlan:
+    """`sample_step`'s per-row inputs, staged on the host into an `Upload` (a step sends
+    them with its other inputs in one copy: models/upload.py), then the step's sampling
+    on what was sent. `states`: each row's `GuidanceState`, or None when the guiding sets
+    come from the device (`GuidingSets`, given to `sample`). shape: (rows, graphemes,
+    codes)."""
+
+    def __init__(self, up: Upload, states: Optional[Sequence[GuidanceState]], lambdas: Union[float, Sequence[float]],
+                 top_ks: Union[int, Sequence[int]], shape: tuple[int, int, int],
+                 grapheme_top_ks: Optional[Union[int, Sequence[int]]] = None,
+                 temperatures: Optional[Sequence[Sequence[float]]] = None) -> None:
+        b, g, v = self.shape = shape
+        lam = _lambdas(lambdas, b)
+        if states is None:
+            self._guided = up.add([x != 0.0 for x in lam], torch.bool)
+        else:
+            rows, cols = _guiding_cells(states, lam)
+            self._rows, self._cols = up.add(rows, torch.long), up.add(cols, torch.long)
+            self._barred = up.add([not st.speech_may_end for st in states], torch.bool)
+        bonus, hard = _bonus_and_hard(lam)
+        self._bonus, self._hard = up.add(bonus, torch.float32), up.add(hard, torch.bool)
+        k_g = _row_ks(top_ks if grapheme_top_ks is None else grapheme_top_ks, b, g)
+        k_a = _row_ks(top_ks, b, v)
+        self.kmax_g, self.kmax_a = max(k_g, default=1), max(k_a, default=1)
+        self._k_g, self._k_a = up.add(k_g, torch.long), up.add(k_a, torch.long)
+        self.scaled = False
+        if temperatures is not None:
+            if len(temperatures) != b:
+                raise ValueError(f"expected {b} temperature triples, got {len(temperatures)}")
+            t = [tuple(float(x) for x in row) for row in temperatures]
+            if any(len(row) != 3 or not all(0.0 <= x < math.inf for x in row) for row in t):
+                raise ValueError("temperatures must be (grapheme, codebook 1, codebooks 2..Q) triples of finite values >= 0")
+            self.scaled = any(x != 1.0 for row in t for x in row)
+            self._inv_t = up.add([1.0 if x == 0.0 else 1.0 / x for row in t for x in row], torch.float32, (b, 3))
+            self._greedy = up.add([x == 0.0 for row in t for x in row], torch.bool, (b, 3))
+
+    def sample(self, sent: Sequence[torch.Tensor], g_logits: torch.Tensor, a_logits: torch.Tensor,
+               u: torch.Tensor, sets: Optional[GuidingSets] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B, 1 + Q], bad [B]) from the logits, the `Upload`'s sent tensors, the
+        step's draws u [B, 1 + Q], and the device's guiding sets where `states` was None."""
+        b, g, _ = self.shape
+        dev = g_logits.device
+        if sets is not None:
+            guide, barred = sets.mask & sent[self._guided][:, None], sets.eos_barred
+        else:
+            guide, barred = _guide_mask((b, g), sent[self._rows], sent[self._cols]), sent[self._barred]
+        if self.scaled:
+            inv_t, greedy = sent[self._inv_t], sent[self._greedy]
+        else:  # read only when scaled
+            inv_t, greedy = torch.ones(b, 3, device=dev), torch.zeros(b, 3, dtype=torch.bool, device=dev)
+        return _scripted_step_tokens()(g_logits, a_logits, barred, guide, sent[self._bonus], sent[self._hard],
+                                       sent[self._k_g], self.kmax_g, sent[self._k_a], self.kmax_a, u, EOS,
+                                       inv_t, greedy, self.scaled)
 
 
 def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Union[Sequence[GuidanceState], GuidingSets],
                 lambdas: Sequence[float], top_ks: Sequence[int],
                 generators: Union[Sequence[Optional[torch.Generator]], torch.Tensor],
                 grapheme_top_ks: Optional[Sequence[int]] = None,
-                temperatures: Optional[Sequence[Sequence[float]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                temperatures: Optional[Sequence[Sequence[float]]] = None,
+                staged: Optional[tuple[SamplingPlan, Sequence[torch.Tensor]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step's tokens for B sessions in one TorchScript call: the grapheme by
     `sample_graphemes`, then the acoustic codes by `sample_top_k`, from the same uniforms
     (so the same tokens). top_ks: each row's k for the acoustic codes; grapheme_top_ks:
@@ -614,19 +678,17 @@ def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Union[Se
     a_logits [B, Q, V] -> (tokens [B, 1 + Q] grapheme first, bad [B] bool: the rows
     whose logits were not finite). states: each row's `GuidanceState`, or `GuidingSets`
     of guidance kept on the device. generators: each row's generator, or the step's
-    draws [B, 1 + Q] (`counter_uniforms`)."""
+    draws [B, 1 + Q] (`counter_uniforms`). staged: a `SamplingPlan` of these settings
+    and the tensors its `Upload` sent (a caller that sends the step's inputs in one
+    copy); None stages and sends them here."""
     b, g = g_logits.shape
     q, v = a_logits.shape[1:]
     device = g_logits.device
-    guide = _guidance_inputs(states, lambdas, (b, g), device)
-    if guide is None:
-        guide = (torch.zeros(b, g, dtype=torch.bool, device=device), torch.zeros(b, device=device),
-                 torch.zeros(b, dtype=torch.bool, device=device))
-    k_g, kmax_g = _per_row_k(top_ks if grapheme_top_ks is None else grapheme_top_ks, b, g, device)
-    k_a, kmax_a = _per_row_k(top_ks, b, v, device)
-    inv_t, greedy, scaled = _temperature_inputs(temperatures, b, device)
-    barred = (states.eos_barred if isinstance(states, GuidingSets)
-              else torch.tensor([not st.speech_may_end for st in states], device=device))
+    sets = states if isinstance(states, GuidingSets) else None
+    if staged is None:
+        up = Upload()
+        plan = SamplingPlan(up, None if sets is not None else states, lambdas, top_ks, (b, g, v),
+                            grapheme_top_ks, temperatures)
+        staged = plan, up.send(device)
     u = _uniforms(generators, b, 1 + q, device)  # one draw per token, grapheme first
-    return _scripted_step_tokens()(g_logits, a_logits, barred, *guide, k_g, kmax_g, k_a, kmax_a, u, EOS,
-                                   inv_t, greedy, scaled)
+    return staged[0].sample(staged[1], g_logits, a_logits, u, sets)

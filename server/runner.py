@@ -20,13 +20,14 @@ import torch
 
 from livespeech.models import graphemes
 from livespeech.models.derived import cpu_has_bf16_dot
-from livespeech.models.guidance import GuidanceState, Temperatures, counter_uniforms, sample_step
+from livespeech.models.guidance import GuidanceState, SamplingPlan, Temperatures, counter_uniforms, sample_step
 from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
 from livespeech.models.inference import DecodeState, DecodeStateView, enrollment_kv
 from livespeech.models.livespeech import StepLogits, text_guided
 from livespeech.models.loading import ModelBundle
 from livespeech.models.scripted import kernel_fusion
 from livespeech.models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, OnnxCodecStep, frozen_or_eager
+from livespeech.models.upload import Upload
 from livespeech.server.config import BF16_SETTINGS, CODEC_RUNTIMES
 
 log = logging.getLogger(__name__)
@@ -255,11 +256,25 @@ class ModelRunner:
         the phone of each row's codebook-1 frame (-1: none), given which codebook 1 is
         sampled (the front end's `first_code_bias`). Each session's guidance
         observes its grapheme (on the device with device guidance)."""
-        self.state.rotate_windows(slots, windows)
+        # every host-side input of the step goes to the device in one copy (models/upload.py)
+        on_device = self.guidance is not None
+        up = Upload()
+        rotations = self.state.stage_rotations(up, slots, windows)
+        lo, hi = [w[0] for w in windows], [w[1] for w in windows]
+        lo_hi = up.add(lo, torch.long), up.add(hi, torch.long)
+        cfg = self.model.cfg
+        plan = SamplingPlan(up, None if on_device else guidance, lambdas, top_ks,
+                            (len(slots), cfg.n_graphemes, cfg.codebook_size), grapheme_top_ks, temperatures)
+        forced = (up.add(forced_graphemes, torch.long)
+                  if forced_graphemes is not None and max(forced_graphemes) >= 0 else None)
+        eos = up.add(force_eos, torch.bool) if any(force_eos) else None
+        phones = (up.add(first_code_phones, torch.long)
+                  if first_code_phones is not None and max(first_code_phones) >= 0 else None)
+        sent = up.send(self.device)
+        self.state.apply_rotations(sent, rotations)
         # the captured step reads the whole state itself: its view gathers no memory
         view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else ())
-        lo, hi = [w[0] for w in windows], [w[1] for w in windows]
-        mask = self.state.window_mask(view, lo, hi)
+        mask = self.state.window_mask(view, sent[lo_hi[0]], sent[lo_hi[1]])
         dtype = self.low_precision if len(slots) >= BF16_FROM_BATCH else None
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
@@ -270,20 +285,18 @@ class ModelRunner:
             logits = self.model_step(view.inputs, view.step, view, visible, dtype)
         if self.unconditioned is not None:
             logits = text_guided(logits, self._step_without_text(slots, view, dtype), self.text_cfg_scale)
-        on_device = self.guidance is not None
-        idx = torch.tensor(slots, device=self.device)
+        idx = self.state.slot_index(slots)
         sets = self.guidance.guide(idx, logits.graphemes.shape[-1]) if on_device else guidance
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
         acoustic = logits.acoustic
-        if first_code_phones is not None and max(first_code_phones) >= 0:
-            acoustic = self._first_code_given_phone(acoustic, first_code_phones)
+        if phones is not None:
+            acoustic = self._first_code_given_phone(acoustic, sent[phones])
         tokens, bad = sample_step(logits.graphemes, acoustic, sets, lambdas, top_ks,
-                                  self.uniforms(idx, view.step), grapheme_top_ks, temperatures)
-        if forced_graphemes is not None and max(forced_graphemes) >= 0:
-            forced = torch.tensor(forced_graphemes, device=tokens.device)
-            tokens[:, 0] = torch.where(forced >= 0, forced, tokens[:, 0])
-        if any(force_eos):
-            tokens[:, 0] = tokens[:, 0].masked_fill(torch.tensor(force_eos, device=tokens.device), graphemes.EOS)
+                                  self.uniforms(idx, view.step), grapheme_top_ks, temperatures, staged=(plan, sent))
+        if forced is not None:
+            tokens[:, 0] = torch.where(sent[forced] >= 0, sent[forced], tokens[:, 0])
+        if eos is not None:
+            tokens[:, 0] = tokens[:, 0].masked_fill(sent[eos], graphemes.EOS)
         res = self.state.commit(view, tokens)
         self.state.write_back(view)
         cols = [tokens[:, :1], res.frame_index[:, None], res.has_frame[:, None], res.done[:, None], bad[:, None]]
@@ -313,12 +326,11 @@ class ModelRunner:
             return frozen_or_eager(lambda: FrozenCodecStep(self.codec, n_codebooks), self.codec.decode_step)
         return self.codec.decode_step
 
-    def _first_code_given_phone(self, acoustic: torch.Tensor, phones: Sequence[int]) -> torch.Tensor:
-        """Codebook 1's logits plus the front end's bias for each row's phone (a row with
-        no phone keeps them as they are)."""
+    def _first_code_given_phone(self, acoustic: torch.Tensor, phone: torch.Tensor) -> torch.Tensor:
+        """Codebook 1's logits plus the front end's bias for each row's phone (phone [B] on
+        the device; a row with phone -1 keeps them as they are)."""
         if self.first_code_bias is None:
             raise ValueError("first_code_phones needs a bundle with a front end")
-        phone = torch.tensor(phones, device=acoustic.device)
         bias = self.first_code_bias[phone.clamp_min(0)] * (phone >= 0).unsqueeze(1)
         first = acoustic[:, :1] + bias.unsqueeze(1).to(acoustic.dtype)
         return torch.cat((first, acoustic[:, 1:]), dim=1)
