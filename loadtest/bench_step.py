@@ -22,12 +22,17 @@ from .profile_step import add_cpu_path_arguments, noise_reference
 
 
 def bench(fn, n: int) -> float:
+    """The median seconds of `n` calls of `fn` (after a few unmeasured), each up to the end
+    of the device work it queued: on a GPU a call returns once its kernels are queued."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(max(3, n // 10)):
         fn()
     ts = []
     for _ in range(n):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 

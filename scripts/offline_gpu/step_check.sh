@@ -2,11 +2,12 @@
 # Issue 29's short GPU check, a second call right after next_run.sh's (the same carry,
 # [".dev"]; ~2 minutes): the step-graph tests on CUDA (each batch-size bucket's recorded
 # graph against the eager step) and the codec thread's on CUDA (its own stream: the same
-# audio as without it), then each batch size's first runner step against its
-# next ones (`bench_step --first-calls`) with the CUDA graphs, with the graphs and
-# TorchScript's fuser kept on (`--jit-fuser`: the suspect of ~2 s first steps, which the
-# runner now turns off on CUDA), and eagerly; then the step's cost at batch 1, 16 and 64
-# with the graphs. The paper preset with random weights. Writes $OUT/step_check.txt.
+# audio as without it); the engine step's host reads and copies from the host at batch 1
+# and 64 (one each: livespeech.loadtest.host_reads); each batch size's first runner step
+# against its next ones with the CUDA graphs (`bench_step --first-calls`); then the
+# step's cost at batch 1, 16 and 64 with the graphs (the runner step over the model
+# step: what the copies from the host cost). The paper preset with random weights.
+# Writes $OUT/step_check.txt.
 #   export OUT; bash scripts/offline_gpu/step_check.sh
 # Knobs: PY (python3), DEVICE (cuda), PRESET (paper), CODEC (encodec_24khz).
 set -uo pipefail
@@ -21,11 +22,11 @@ bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --co
   # no conftest: it starts gRPC servers, whose health and reflection packages the image lacks
   $PY -m pytest -q -p no:cacheprovider --noconftest tests/test_step_graph.py \
     tests/test_engine.py::test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order 2>&1 | tail -n 3
-  for g in "--cuda-graphs" "--cuda-graphs --jit-fuser" ""; do
-    echo "== first calls: ${g:-eager}"
-    # shellcheck disable=SC2086  # $g is zero, one or two flags
-    bench --first-calls --batch 1 2 3 4 6 8 12 16 24 32 48 64 $g
-  done
+  echo "== host reads and copies from the host per engine step"
+  $PY -m livespeech.loadtest.host_reads --model-path "random:${PRESET:-paper}/${CODEC:-encodec_24khz}" \
+    --device "${DEVICE:-cuda}" --batch 1 64 --steps 20
+  echo "== first calls, with the CUDA graphs"
+  bench --first-calls --batch 1 2 3 4 6 8 12 16 24 32 48 64 --cuda-graphs
   echo "== the step at batch 1, 16, 64 with the CUDA graphs"
   bench --batch 1 16 64 --steps 30 --cuda-graphs
 } 2>&1 | tee "$OUT/step_check.txt"
