@@ -136,7 +136,7 @@ def step_cost_rows(bundle, args, out: dict):
             def full_step():
                 runner.step(slots, [(0, 0)] * b, guides, [1.0] * b, [20] * b, [False] * b)
             t_full = bench(full_step, args.steps)
-            pf = max(6, bundle.codec.min_first_frames)  # the first packet of a stream
+            pf = runner.steady_packet_frames  # (the streams' first call pads it where it is short)
             frames = [[[1] * bundle.model.cfg.n_acoustic_codebooks] * pf] * b
             t_codec = bench(lambda: runner.decode(slots, frames), max(10, args.steps // 5))
         yield {

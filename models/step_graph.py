@@ -1,7 +1,8 @@
 """The decode step recorded once and replayed: as a CUDA graph on a GPU
-(`CapturedStep`), as frozen TorchScript graphs on the CPU (`FrozenStep` for the model,
-`FrozenCodecStep` for the streaming codec), and the streaming codec as an ONNX Runtime
-session on the CPU (`OnnxCodecStep`, the server's default there).
+(`CapturedStep`, and `CapturedCodecStep` for the streaming codec's steady packets), as
+frozen TorchScript graphs on the CPU (`FrozenStep` for the model, `FrozenCodecStep` for
+the streaming codec), and the streaming codec as an ONNX Runtime session on the CPU
+(`OnnxCodecStep`, the server's default there).
 
 CUDA graph: the decode step over the first slots of a DecodeState, one graph per
 batch-size bucket.
@@ -192,6 +193,63 @@ class FrozenCodecStep(_CodecStepGraph):
         with torch.inference_mode():
             wav, *new = self.graph(codes, *tensors)
         return wav, new
+
+
+class CapturedCodecStep(_CodecStepGraph):
+    """`CodecModel.decode_step` with its steady packets replayed from CUDA graphs, called
+    like it.
+
+    On a GPU the eager codec is bound by its kernel launches: the paper's codec took
+    ~8.4 ms a 7-frame packet at batch 1, 16 and 64 alike on an H100 (docs/loadtest.md),
+    host time the codec thread takes from the engine thread (one interpreter). Packets
+    of `frames` frames (the steady packet: most calls) replay a graph per batch-size
+    bucket (`buckets`), recorded at start-up over buffers of its own: a call copies its
+    codes and streams' state into the bucket's first rows, replays, and copies those rows
+    out (the other rows decode stale inputs, unread). Packets of other sizes (the ramp's)
+    decode eagerly. With capture=False (any device) the same buffers run eagerly, which
+    is how the CPU tests check all but the recording.
+    """
+
+    def __init__(self, codec: CodecModel, n_codebooks: int, capacity: int, frames: int, capture: bool = True,
+                 warmup: int = 3):
+        super().__init__(codec, n_codebooks)
+        self.module, self.frames = codec.stream_step_module().eval(), frames
+        self.buckets = buckets(capacity)
+        # bucket -> (its graph or None, codes buffer, state buffers, outputs or None)
+        self.graphs: dict[int, tuple] = {}
+        pool = torch.cuda.graph_pool_handle() if capture else None  # one call replays one graph
+        for b in reversed(self.buckets):  # the largest first: the pool's blocks fit the rest
+            state = codec.streaming_state(b)
+            codes = torch.zeros(b, n_codebooks, frames, dtype=torch.long, device=state.frames.device)
+            tensors = [t.clone() for t in state.tensors]
+            graph = out = None
+            if capture:
+                side = torch.cuda.Stream(codes.device)  # warm-up as `CapturedStep` does
+                side.wait_stream(torch.cuda.current_stream(codes.device))
+                with torch.cuda.stream(side), torch.inference_mode():
+                    for _ in range(warmup):
+                        self.module(codes, *tensors)
+                torch.cuda.current_stream(codes.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                    out = self.module(codes, *tensors)
+            self.graphs[b] = graph, codes, tensors, out
+
+    def _run(self, codes, tensors):
+        n = codes.shape[0]
+        if codes.shape[-1] != self.frames:
+            wav, *new = self.module(codes, *tensors)
+            return wav, new
+        graph, buf, state, out = self.graphs[next(b for b in self.buckets if b >= n)]
+        buf[:n].copy_(codes)
+        for dst, src in zip(state, tensors):
+            dst[:n].copy_(src)
+        if graph is None:
+            out = self.module(buf, *state)
+        else:
+            graph.replay()
+        wav, *new = out
+        return wav[:n].clone(), [t[:n].clone() for t in new]
 
 
 class OnnxCodecStep(_CodecStepGraph):

@@ -43,7 +43,8 @@ class ServerConfig:
     http_port: int = 0
     model_path: Optional[Path] = None  # None = the embedded default model
     device: str = "cpu"  # cpu | cuda | cuda:N
-    # replay the decode step from a CUDA graph (models/step_graph.py); CUDA devices only
+    # replay the decode step, and the codec's steady packets, from CUDA graphs
+    # (models/step_graph.py); CUDA devices only
     cuda_graphs: bool = False
     # on the CPU, run the model step (and the streaming codec under codec_runtime torch) as
     # frozen TorchScript graphs (models/step_graph.py): the same ops without Python
@@ -281,7 +282,8 @@ class EngineConfig:
     # while a session's packets ramp up to packet_ms, a shorter one goes out as soon as
     # its listener has less than this many step periods of audio left
     low_water_steps: float = 3.0
-    # the model step replayed from CUDA graphs, one per batch-size bucket (models/step_graph.py)
+    # the model step and the codec's steady packets replayed from CUDA graphs, one per
+    # batch-size bucket (models/step_graph.py)
     cuda_graphs: bool = ServerConfig.cuda_graphs
     # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
     frozen_step: bool = ServerConfig.frozen_step

@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from livespeech.api.session import SessionConfig
 from livespeech.models import graphemes
 from livespeech.models.derived import cpu_has_bf16_dot
 from livespeech.models.guidance import GuidanceState, SamplingPlan, Temperatures, counter_uniforms, sample_step
@@ -26,8 +27,10 @@ from livespeech.models.inference import DecodeState, DecodeStateView, enrollment
 from livespeech.models.livespeech import StepLogits, text_guided
 from livespeech.models.loading import ModelBundle
 from livespeech.models.scripted import kernel_fusion
-from livespeech.models.step_graph import CapturedStep, FrozenCodecStep, FrozenStep, OnnxCodecStep, frozen_or_eager
+from livespeech.models.step_graph import (CapturedCodecStep, CapturedStep, FrozenCodecStep, FrozenStep, OnnxCodecStep,
+                                          frozen_or_eager)
 from livespeech.models.upload import Upload
+from livespeech.server.packets import frames_for_ms
 from livespeech.server.config import BF16_SETTINGS, CODEC_RUNTIMES
 
 log = logging.getLogger(__name__)
@@ -109,7 +112,8 @@ class Voice:
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
                  bf16_matmuls: bool = False, onnx_codec: bool = False, device_guidance: bool = False,
-                 max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0):
+                 max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0,
+                 steady_packet_frames: Optional[int] = None):
         self.bundle = bundle
         self.model = bundle.model
         self.codec = bundle.codec
@@ -140,7 +144,11 @@ class ModelRunner:
         if frozen and self.captured is None:
             self.model_step = frozen_or_eager(lambda: FrozenStep(self.model, matmul_dtype=self.low_precision),
                                               self.model.step)
-        self.codec_step = self._codec_step(frozen, onnx_codec and self.device.type == "cpu")
+        # with the CUDA graphs, the codec's too, for the packet most calls decode (the
+        # sessions' default packet_ms unless told)
+        self.steady_packet_frames = steady_packet_frames or frames_for_ms(SessionConfig().packet_ms)
+        self.codec_step = self._codec_step(frozen, onnx_codec and self.device.type == "cpu",
+                                           self.steady_packet_frames if cuda_graphs else 0)
         self.codec_state = self.codec.streaming_state(capacity)
         # on CUDA the codec runs on a stream of its own, so its calls (on the codec thread,
         # server/codec_worker.py) overlap the model steps; every use of its streaming
@@ -313,10 +321,15 @@ class ModelRunner:
                 g.observe(r[0])
         return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
 
-    def _codec_step(self, frozen: bool, onnx: bool):
-        """What decodes packets: ONNX Runtime's codec step, else the frozen graph (where
-        either fails to build, the next; each gives the same audio), else the eager one."""
+    def _codec_step(self, frozen: bool, onnx: bool, graph_frames: int):
+        """What decodes packets: with `graph_frames`, CUDA graphs for packets of that many
+        frames (eagerly off CUDA, which only tests use); ONNX Runtime's codec step, else the
+        frozen graph (where either fails to build, the next; each gives the same audio),
+        else the eager one."""
         n_codebooks = self.model.cfg.n_acoustic_codebooks
+        if graph_frames:
+            return CapturedCodecStep(self.codec, n_codebooks, self.capacity, graph_frames,
+                                     capture=self.device.type == "cuda")
         if onnx:
             try:
                 return OnnxCodecStep(self.codec, n_codebooks, threads=torch.get_num_threads())

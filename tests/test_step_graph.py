@@ -6,9 +6,11 @@ them equals the eager step of those slots alone, and leaves every other slot as 
 
 The frozen steps (TorchScript, CPU): the model's equals the eager step at every batch
 size and text length, on gathered and sliced batches; the codec's equals `decode_step`
-at every batch and packet size, and so does ONNX Runtime's (`OnnxCodecStep`); the
-runner uses them unless told not to.
+at every batch and packet size, and so do ONNX Runtime's (`OnnxCodecStep`) and the
+codec's CUDA graphs for steady packets (`CapturedCodecStep`, eagerly here); the runner
+uses them unless told not to.
 """
+import functools
 import logging
 
 import numpy as np
@@ -17,15 +19,17 @@ import torch
 
 from livespeech.models.inference import DecodeState, enrollment_kv
 from livespeech.models.livespeech import LiveSpeech2
-from livespeech.models.step_graph import (CapturedStep, FrozenCodecStep, FrozenStep, OnnxCodecStep, buckets,
-                                          frozen_or_eager)
+from livespeech.models.step_graph import (CapturedCodecStep, CapturedStep, FrozenCodecStep, FrozenStep, OnnxCodecStep,
+                                          buckets, frozen_or_eager)
 from tests.test_livespeech import small_cfg
 
 
 def _codec_steps():
-    """The codec steps to check: the frozen graph, and ONNX Runtime's where it imports."""
+    """The codec steps to check: the frozen graph, ONNX Runtime's where it imports, and the
+    CUDA graphs' buffers for 6-frame packets of up to 4 streams (without the recording)."""
     onnx = pytest.mark.skipif(not _onnx_runtime(), reason="onnxruntime or onnx not installed")
-    return [FrozenCodecStep, pytest.param(OnnxCodecStep, marks=onnx)]
+    captured = functools.partial(CapturedCodecStep, capacity=4, frames=6, capture=False)
+    return [FrozenCodecStep, pytest.param(OnnxCodecStep, marks=onnx), pytest.param(captured, id="CapturedCodecStep")]
 
 
 def _onnx_runtime() -> bool:
@@ -191,16 +195,27 @@ def test_codec_step_graphs_equal_the_eager_step(batch, step_class):
     switch), with the same audio and the same carried state as `decode_step`."""
     torch.set_num_threads(1)
     codec = _codec()
-    frozen = step_class(codec, n_codebooks=8)
-    eager_state, frozen_state = codec.streaming_state(batch), codec.streaming_state(batch)
+    _check_codec(codec, step_class(codec, n_codebooks=8), batch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_codec_cuda_graph_replay_equals_the_eager_step(batch):
+    codec = _codec().to("cuda")
+    _check_codec(codec, CapturedCodecStep(codec, n_codebooks=8, capacity=4, frames=6), batch)
+
+
+def _check_codec(codec, step, batch: int) -> None:
+    eager_state, step_state = codec.streaming_state(batch), codec.streaming_state(batch)
+    dev = eager_state.frames.device
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for frames in (2, 1, 3, 6, 9, 6):
-            codes = torch.randint(0, codec.config.codebook_size, (batch, 8, frames), generator=g)
-            want, got = codec.decode_step(codes, eager_state), frozen(codes, frozen_state)
+            codes = torch.randint(0, codec.config.codebook_size, (batch, 8, frames), generator=g).to(dev)
+            want, got = codec.decode_step(codes, eager_state), step(codes, step_state)
             assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
-            assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(eager_state.tensors, frozen_state.tensors))
-            assert torch.equal(eager_state.frames, frozen_state.frames)
+            assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(eager_state.tensors, step_state.tensors))
+            assert torch.equal(eager_state.frames, step_state.frames)
 
 
 @pytest.mark.parametrize("step_class", _codec_steps())
