@@ -328,8 +328,12 @@ class ModelRunner:
         else the eager one."""
         n_codebooks = self.model.cfg.n_acoustic_codebooks
         if graph_frames:
-            return CapturedCodecStep(self.codec, n_codebooks, self.capacity, graph_frames,
-                                     capture=self.device.type == "cuda")
+            try:
+                return CapturedCodecStep(self.codec, n_codebooks, self.capacity, graph_frames,
+                                         capture=self.device.type == "cuda")
+            except Exception as e:  # noqa: BLE001 - any failure here only costs speed
+                log.warning("the codec runs eagerly: recording its CUDA graphs failed (%s: %s)", type(e).__name__, e)
+                return self.codec.decode_step
         if onnx:
             try:
                 return OnnxCodecStep(self.codec, n_codebooks, threads=torch.get_num_threads())

@@ -170,6 +170,25 @@ def test_runner_decodes_with_onnx_runtime_when_told_to_and_with_torch_where_it_f
     assert "no ONNX Runtime here" in caplog.text
 
 
+def test_runner_with_cuda_graphs_records_the_codec_steady_packet_or_decodes_eagerly(monkeypatch, caplog):
+    """`cuda_graphs`: the codec's graphs for the steady packet (the sessions' default 80 ms:
+    6 frames); where they cannot be recorded, the eager codec, with a warning."""
+    from livespeech.models.loading import load_bundle
+    from livespeech.server.runner import ModelRunner
+
+    bundle = load_bundle(random_init=True)
+    runner = ModelRunner(bundle, 2, cuda_graphs=True)
+    assert isinstance(runner.codec_step, CapturedCodecStep) and runner.codec_step.frames == 6
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no graphs here")
+
+    monkeypatch.setattr("livespeech.server.runner.CapturedCodecStep", broken)
+    with caplog.at_level(logging.WARNING, logger="livespeech.server.runner"):
+        assert ModelRunner(bundle, 2, cuda_graphs=True).codec_step == bundle.codec.decode_step
+    assert "no graphs here" in caplog.text
+
+
 def test_a_step_that_cannot_be_traced_runs_eagerly(monkeypatch, caplog):
     def no_jit(*args, **kwargs):
         raise RuntimeError("no TorchScript here")
