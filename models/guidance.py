@@ -638,7 +638,8 @@ class SamplingPlan:
                 raise ValueError(f"expected {b} temperature triples, got {len(temperatures)}")
             t = [tuple(float(x) for x in row) for row in temperatures]
             if any(len(row) != 3 or not all(0.0 <= x < math.inf for x in row) for row in t):
-                raise ValueError("temperatures must be (grapheme, codebook 1, codebooks 2..Q) triples of finite values >= 0")
+                raise ValueError("temperatures must be (grapheme, codebook 1, codebooks 2..Q) triples "
+                                 "of finite values >= 0")
             self.scaled = any(x != 1.0 for row in t for x in row)
             self._inv_t = up.add([1.0 if x == 0.0 else 1.0 / x for row in t for x in row], torch.float32, (b, 3))
             self._greedy = up.add([x == 0.0 for row in t for x in row], torch.bool, (b, 3))
@@ -667,7 +668,8 @@ def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Union[Se
                 generators: Union[Sequence[Optional[torch.Generator]], torch.Tensor],
                 grapheme_top_ks: Optional[Sequence[int]] = None,
                 temperatures: Optional[Sequence[Sequence[float]]] = None,
-                staged: Optional[tuple[SamplingPlan, Sequence[torch.Tensor]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                staged: Optional[tuple[SamplingPlan, Sequence[torch.Tensor]]] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step's tokens for B sessions in one TorchScript call: the grapheme by
     `sample_graphemes`, then the acoustic codes by `sample_top_k`, from the same uniforms
     (so the same tokens). top_ks: each row's k for the acoustic codes; grapheme_top_ks:
