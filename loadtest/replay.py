@@ -42,7 +42,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
            sentences_per_turn: int = 2, text_file: Optional[str] = None, frozen_step: bool = True,
            seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None,
            release_when_waiting: Optional[bool] = None, bf16_matmuls: bool = False, onnx_codec: bool = False,
-           chunk_words: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+           chunk_words: Optional[tuple[int, int]] = None, cuda_graphs: bool = False) -> dict[str, Any]:
     from livespeech.server.engine import Engine, EngineConfig
     from livespeech.server.session import EngineSession, Phase
     from livespeech.api.session import AudioPacket, ChunkingConfig, Failed, Finished, SessionConfig
@@ -55,7 +55,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
     if chunking:
         options["chunking"] = ChunkingConfig(**chunking)
     engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step, bf16_matmuls=bf16_matmuls,
-                                         onnx_codec=onnx_codec))
+                                         onnx_codec=onnx_codec, cuda_graphs=cuda_graphs))
     voice = engine.make_voice("replay", noise_reference(seed), 24000)
     waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
     ready = EngineSession.lookahead_ready
@@ -109,6 +109,23 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
                        for name, value in _latencies(summary[0] if summary else None).items()},
                 })
 
+    # the slowest engine steps and codec calls (a stall's cause when one call is long)
+    timed: dict[str, list[tuple[float, int, int]]] = {"steps": [], "codec_calls": []}
+    t_start = time.monotonic()
+
+    def timing(kind: str, fn, size):
+        def call(*args, **kw):
+            t = time.perf_counter()
+            out = fn(*args, **kw)
+            with lock:
+                at = round(time.monotonic() - t_start, 2)
+                timed[kind].append((1000 * (time.perf_counter() - t), *size(*args), at))
+            return out
+        return call
+
+    engine._step = timing("steps", engine._step, lambda batch: (len(batch), 0))
+    engine.runner.decode = timing("codec_calls", engine.runner.decode,
+                                  lambda slots, frames: (len(slots), len(frames[0])))
     patches = Patches()
     patches.set(EngineSession, "lookahead_ready", watched_ready)  # for this run only
     engine.start()
@@ -125,6 +142,8 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
     return {"sessions": sessions, "turns": turns, "stagger_s": stagger_s, "llm_rate": pacing.llm_rate,
             "frozen_step": frozen_step, "bf16_matmuls": engine.runner.low_precision is not None,
             "underruns": sum(r["underruns"] for r in results),
+            # (ms, batch, frames (codec calls), seconds into the run): the five slowest of each
+            **{f"slowest_{kind}": sorted(calls, reverse=True)[:5] for kind, calls in timed.items()},
             "starved_ms": sum(r["starved_ms"] for r in results), "text_waits": sum(len(r["text_waits"]) for r in results),
             "turn_results": results}
 
@@ -154,6 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-delay", type=int, default=None,
                     help="cap the decoder's codebook delays (latency what-if; the speech is not meaningful)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="the step and the codec's steady packets from CUDA graphs")
     add_cpu_path_arguments(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -164,7 +186,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from livespeech.models.loading import load_bundle
 
-    bundle = load_bundle(None if args.model_path in ("", "default") else args.model_path)
+    bundle = load_bundle(None if args.model_path in ("", "default") else args.model_path, device=args.device)
     if args.max_delay is not None:
         cfg = bundle.model.cfg
         bundle.model.cfg = dataclasses.replace(cfg, delays=tuple(min(d, args.max_delay) for d in cfg.delays))
@@ -172,13 +194,17 @@ def main(argv=None) -> int:
                  args.sentences_per_turn, args.text_file, frozen_step=not args.eager_step, seed=args.seed,
                  start_future_chunks=args.start_future_chunks,
                  release_when_waiting=None if args.release_when_waiting is None else args.release_when_waiting == "on",
-                 bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, "cpu"),
-                 onnx_codec=onnx_codec_enabled(args.codec_runtime, "cpu"),
-                 chunk_words=None if args.chunk_words is None else tuple(int(x) for x in args.chunk_words.split(",")))
+                 bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, args.device),
+                 onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device),
+                 chunk_words=None if args.chunk_words is None else tuple(int(x) for x in args.chunk_words.split(",")),
+                 cuda_graphs=args.cuda_graphs)
     res["delays"] = list(bundle.model.cfg.delays)
     print(f"codebook delays {res['delays']}")
     print(f"{res['sessions']} sessions x {res['turns']} turns: {res['underruns']} underruns, "
           f"{res['starved_ms']:.0f} ms starved, {res['text_waits']} text waits")
+    for kind in ("steps", "codec_calls"):
+        print(f"  slowest {kind.replace('_', ' ')} (ms, batch, frames, s into the run): "
+              + ", ".join(f"({ms:.0f}, {b}, {f}, {at})" for ms, b, f, at in res[f"slowest_{kind}"]))
     for key in ("ttfa_ms", "lookahead_wait_ms", "compute_fpl_ms"):
         if (q := describe([r[key] for r in res["turn_results"]]))["n"]:
             print(f"  {key[:-3]} p50 / p95: {q['p50']:.1f} / {q['p95']:.1f} ms")

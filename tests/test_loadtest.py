@@ -388,6 +388,11 @@ def test_replay_plays_each_turn_and_restores_the_engine(tmp_path):
         assert r["finished"] and r["first_packets"] and r["underruns"] == len(r["stalls"])
         assert r["ttfa_ms"] >= r["compute_fpl_ms"] > 0 and r["lookahead_wait_ms"] >= 0
     assert res["underruns"] == sum(r["underruns"] for r in res["turn_results"])
+    # the slowest engine steps (ms, batch, 0, s) and codec calls (ms, batch, frames, s), slowest first
+    for kind in ("slowest_steps", "slowest_codec_calls"):
+        assert 0 < len(res[kind]) <= 5 and [c[0] for c in res[kind]] == sorted((c[0] for c in res[kind]), reverse=True)
+        assert all(ms > 0 and 1 <= batch <= 2 for ms, batch, _, _ in res[kind])
+    assert all(frames >= 1 for _, _, frames, _ in res["slowest_codec_calls"])
 
 
 def test_replay_max_delay_caps_the_decoders_codebook_delays(tmp_path):

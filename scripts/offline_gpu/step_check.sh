@@ -3,13 +3,15 @@
 # [".dev"]; ~2 minutes): the step-graph tests on CUDA (each batch-size bucket's recorded
 # graph against the eager step) and the codec thread's on CUDA (its own stream: the same
 # audio as without it); the engine step's host reads and copies from the host at batch 1
-# and 64 (one each: livespeech.loadtest.host_reads); each batch size's first runner step
-# against its next ones with the CUDA graphs (`bench_step --first-calls`); then the
+# and 64 (one each: livespeech.loadtest.host_reads); 64 sessions started together in
+# process with the CUDA graphs, their slowest engine steps and codec calls (the ~2 s
+# stalls at N=64 through gRPC: livespeech.loadtest.replay); each batch size's first runner
+# step against its next ones with the CUDA graphs (`bench_step --first-calls`); then the
 # step's cost at batch 1, 16 and 64 with the graphs (the runner step over the model
 # step: what the copies from the host cost). The paper preset with random weights.
 # Writes $OUT/step_check.txt.
 #   export OUT; bash scripts/offline_gpu/step_check.sh
-# Knobs: PY (python3), DEVICE (cuda), PRESET (paper), CODEC (encodec_24khz).
+# Knobs: PY (python3), DEVICE (cuda), PRESET (paper), CODEC (encodec_24khz), REPLAY_SESSIONS (64).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; PY=${PY:-python3}
 mkdir -p "$OUT"
@@ -25,6 +27,10 @@ bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --co
   echo "== host reads and copies from the host per engine step"
   $PY -m livespeech.loadtest.host_reads --model-path "random:${PRESET:-paper}/${CODEC:-encodec_24khz}" \
     --device "${DEVICE:-cuda}" --batch 1 64 --steps 20
+  echo "== ${REPLAY_SESSIONS:-64} sessions in process with the CUDA graphs: the slowest steps and codec calls"
+  $PY -m livespeech.loadtest.replay --model-path "random:${PRESET:-paper}/${CODEC:-encodec_24khz}" \
+    --device "${DEVICE:-cuda}" --cuda-graphs --sessions "${REPLAY_SESSIONS:-64}" --turns 1 --stagger-s 0.01 \
+    --sentences-per-turn 1 | sed -n 1,8p
   echo "== first calls, with the CUDA graphs"
   bench --first-calls --batch 1 2 3 4 6 8 12 16 24 32 48 64 --cuda-graphs
   echo "== the step at batch 1, 16, 64 with the CUDA graphs"
