@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 29's short GPU check, a second call right after next_run.sh's (the same carry,
-# [".dev"]; ~2-3 minutes, timeout_s ~240): the step-graph tests on CUDA (each batch-size bucket's recorded
-# graph against the eager step) and the codec thread's on CUDA (its own stream: the same
+# [".dev"]; ~2-3 minutes, timeout_s ~240): the step-graph tests on CUDA (each batch-size
+# bucket's recorded graph against the eager step) and the codec thread's on CUDA (its own stream: the same
 # audio as without it); the engine step's host reads and copies from the host at batch 1
 # and 64 (one each: livespeech.loadtest.host_reads); 64 sessions started together in
 # process with the CUDA graphs, their slowest engine steps and codec calls (the ~2 s
