@@ -218,6 +218,10 @@ class CapturedCodecStep(_CodecStepGraph):
         # bucket -> (its graph or None, codes buffer, state buffers, outputs or None)
         self.graphs: dict[int, tuple] = {}
         pool = torch.cuda.graph_pool_handle() if capture else None  # one call replays one graph
+        # recorded on a stream of its own: library workspaces (cuBLAS's) are kept per stream
+        # and recorded into the graph, and these graphs replay on the codec's stream while
+        # the model's, recorded on torch's default capture stream, replay beside them
+        recording = torch.cuda.Stream(next(codec.parameters()).device) if capture else None
         for b in reversed(self.buckets):  # the largest first: the pool's blocks fit the rest
             state = codec.streaming_state(b)
             codes = torch.zeros(b, n_codebooks, frames, dtype=torch.long, device=state.frames.device)
@@ -231,7 +235,7 @@ class CapturedCodecStep(_CodecStepGraph):
                         self.module(codes, *tensors)
                 torch.cuda.current_stream(codes.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                with torch.cuda.graph(graph, pool=pool, stream=recording), torch.inference_mode():
                     out = self.module(codes, *tensors)
             self.graphs[b] = graph, codes, tensors, out
 
