@@ -32,6 +32,7 @@ import torch
 from .graphemes import BLANK, EOS, VOCAB_SIZE
 from .guidance import GuidingSets, transcript_tokens
 from .scripted import scripted
+from .step_graph import record_cuda_graph
 
 __all__ = ["GuidanceBatch", "ring_capacity"]
 
@@ -199,17 +200,8 @@ class GuidanceBatch:
         """Record `observe`'s tensor work as a CUDA graph (CUDA devices only), replayed
         from then on: one launch instead of a few hundred kernels. The warm-up runs let
         TorchScript's profiling executor settle before the recording."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
         self._active.zero_()  # no slot observes: the warm-up and the recording change nothing
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(warmup):
-                self._in_place(self._observe_all)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.inference_mode():
-            self._in_place(self._observe_all)
-        self._graph = graph
+        self._graph, _ = record_cuda_graph(lambda: self._in_place(self._observe_all), self.device, warmup)
 
     def _observe_all(self) -> None:
         active, g = self._active, self._frame

@@ -26,7 +26,7 @@ from __future__ import annotations
 import io
 import logging
 import warnings
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -36,12 +36,32 @@ from .inference import DecodeState, DecodeStateView
 from .livespeech import LiveSpeech2, StepLogits
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def buckets(capacity: int) -> list[int]:
     """Batch-size buckets of a state of `capacity` slots: 1, 2, 4, ... below it, and it."""
     out = [1 << i for i in range(capacity.bit_length()) if 1 << i < capacity]
     return out + [capacity]
+
+
+def record_cuda_graph(fn: Callable[[], T], device: torch.device, warmup: int, pool=None,
+                      stream: Optional[torch.cuda.Stream] = None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`fn`'s kernels recorded as a CUDA graph, and what its recorded call returned (the
+    tensors each replay rewrites). `warmup` calls first, on a side stream: lazy
+    initialisations, derived weights and library workspaces must not happen during the
+    recording. `pool`: a memory pool shared with graphs that never replay at the same
+    time; `stream`: where to record (None: torch's default capture stream)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream), torch.inference_mode():
+        out = fn()
+    return graph, out
 
 
 class CapturedStep:
@@ -58,18 +78,7 @@ class CapturedStep:
             saved = state.conv.clone(), state.ssm.clone()  # warm-up steps advance them
             pool = torch.cuda.graph_pool_handle()  # one memory pool: a step replays one graph
             for b in reversed(self.buckets):  # the largest first: the pool's blocks fit the rest
-                # warm up on a side stream (lazy initialisations, derived weights, library
-                # workspaces must not happen during the recording), then record
-                side = torch.cuda.Stream(dev)
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side), torch.inference_mode():
-                    for _ in range(warmup):
-                        self._eager(b)
-                torch.cuda.current_stream(dev).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                    out = self._eager(b)
-                self.graphs[b] = graph, out
+                self.graphs[b] = record_cuda_graph(lambda: self._eager(b), dev, warmup, pool)
             state.conv.copy_(saved[0])
             state.ssm.copy_(saved[1])
 
@@ -228,15 +237,8 @@ class CapturedCodecStep(_CodecStepGraph):
             tensors = [t.clone() for t in state.tensors]
             graph = out = None
             if capture:
-                side = torch.cuda.Stream(codes.device)  # warm-up as `CapturedStep` does
-                side.wait_stream(torch.cuda.current_stream(codes.device))
-                with torch.cuda.stream(side), torch.inference_mode():
-                    for _ in range(warmup):
-                        self.module(codes, *tensors)
-                torch.cuda.current_stream(codes.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=recording), torch.inference_mode():
-                    out = self.module(codes, *tensors)
+                graph, out = record_cuda_graph(lambda: self.module(codes, *tensors), codes.device, warmup, pool,
+                                               recording)
             self.graphs[b] = graph, codes, tensors, out
 
     def _run(self, codes, tensors):
