@@ -112,8 +112,7 @@ class Voice:
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
                  bf16_matmuls: bool = False, onnx_codec: bool = False, device_guidance: bool = False,
-                 max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0,
-                 steady_packet_frames: Optional[int] = None):
+                 max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0):
         self.bundle = bundle
         self.model = bundle.model
         self.codec = bundle.codec
@@ -145,8 +144,8 @@ class ModelRunner:
             self.model_step = frozen_or_eager(lambda: FrozenStep(self.model, matmul_dtype=self.low_precision),
                                               self.model.step)
         # with the CUDA graphs, the codec's too, for the packet most calls decode (the
-        # sessions' default packet_ms unless told)
-        self.steady_packet_frames = steady_packet_frames or frames_for_ms(SessionConfig().packet_ms)
+        # sessions' default packet_ms)
+        self.steady_packet_frames = frames_for_ms(SessionConfig().packet_ms)
         self.codec_step = self._codec_step(frozen, onnx_codec and self.device.type == "cpu",
                                            self.steady_packet_frames if cuda_graphs else 0)
         self.codec_state = self.codec.streaming_state(capacity)
