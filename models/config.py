@@ -42,6 +42,9 @@ class ModelConfig:
     # small shared encoder (models/spelling.py), so every token is read, seen or not
     text_embedding: str = "table"
     spelling_max_len: int = 16  # bytes of a token's spelling read (longer ones: 91 of 50,257)
+    # phone input: each step also reads the phone of the frame its codebook 1 is drawn
+    # for (the letter schedule's, models/front_end.py), one of n_phones (0: no phone input)
+    n_phones: int = 0
     # speech encoder (enrollment)
     n_enroll: int = 32
     enc_d_model: int = 256
@@ -98,6 +101,7 @@ class ModelConfig:
         need(0.0 <= self.cb_loss_lambda and 0.0 <= self.dropout < 1.0, "loss/dropout ranges")
         need(self.text_embedding in ("table", "spelling"), "text_embedding must be 'table' or 'spelling'")
         need(self.spelling_max_len >= 1, "spelling_max_len >= 1")
+        need(self.n_phones >= 0, "n_phones >= 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

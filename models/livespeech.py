@@ -79,12 +79,17 @@ class LiveSpeech2(nn.Module):
         self.vocab_sizes = [cfg.n_graphemes] + [cfg.codebook_size] * cfg.n_acoustic_codebooks
         self.code_emb = nn.ModuleList(nn.Embedding(v + 1, d) for v in self.vocab_sizes)
         self.text_emb = SpellingEmbedding(cfg) if cfg.text_embedding == "spelling" else nn.Embedding(cfg.text_vocab_size, d)
+        # the phone input (row n_phones: none); zero at first, so a decoder trained without
+        # it and continued with it starts where it was
+        self.phone_emb = nn.Embedding(cfg.n_phones + 1, d) if cfg.n_phones else None
         self.speech_encoder = SpeechEncoder(cfg)
         n_layers = cfg.n_shared_layers + len(cfg.codebook_groups) * cfg.n_group_layers
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, device) for i in range(n_layers))
         self.group_norms = nn.ModuleList(nn.LayerNorm(d) for _ in cfg.codebook_groups)
         self.heads = nn.ModuleList(nn.Linear(d, v, bias=False) for v in self.vocab_sizes)
         self.apply(self._init)
+        if self.phone_emb is not None:
+            nn.init.zeros_(self.phone_emb.weight)
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -130,12 +135,13 @@ class LiveSpeech2(nn.Module):
         text_pos: torch.Tensor,  # [B, L]
         text_mask: torch.Tensor,  # [B, L] or [B, S, L] bool
         text_weights: Optional[list] = None,
+        phones: Optional[torch.Tensor] = None,  # [B, S] with a phone input (`phone_inputs`)
     ) -> list[torch.Tensor]:
         """Teacher-forced logits, one [B, S, V_k] tensor per codebook (grapheme first).
         ``text_weights``: a list each layer appends its text attention weights
         [B, H, S, L] to, in layer order."""
         b, _, s = inputs.shape
-        h = self.embed_inputs(inputs)
+        h = self._with_phones(self.embed_inputs(inputs), phones)
         qpos = torch.arange(s, device=inputs.device).unsqueeze(0).expand(b, s)
         enr = self.project_enrollment(enroll)
         txt = self.project_text(text_ids)
@@ -146,6 +152,17 @@ class LiveSpeech2(nn.Module):
             return h
 
         return self._grouped_logits(h, run)
+
+    def phone_inputs(self, phones: torch.Tensor) -> torch.Tensor:
+        """Phone classes (-1 or any negative: none) as the phone input's ids."""
+        return torch.where(phones >= 0, phones, self.cfg.n_phones)
+
+    def _with_phones(self, h: torch.Tensor, phones: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.phone_emb is None:
+            return h
+        if phones is None:
+            raise ValueError("this decoder reads a phone each step: pass phones")
+        return h + self.phone_emb(self.phone_inputs(phones))
 
     def _grouped_logits(self, h: torch.Tensor, run, fused_heads: bool = False,
                         matmul_dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
@@ -184,7 +201,8 @@ class LiveSpeech2(nn.Module):
 
     # --- inference ---------------------------------------------------------------
     def step(self, inputs: torch.Tensor, frame: torch.Tensor, state: "DecodeStateView",
-             text_mask: torch.Tensor, matmul_dtype: Optional[torch.dtype] = None) -> StepLogits:
+             text_mask: torch.Tensor, matmul_dtype: Optional[torch.dtype] = None,
+             phones: Optional[torch.Tensor] = None) -> StepLogits:
         """One decode step for a batch of sessions.
 
         inputs [B, K] previous tokens (none id where empty); frame [B] query positions;
@@ -194,8 +212,9 @@ class LiveSpeech2(nn.Module):
         they are all masked saves their memory traffic). matmul_dtype: the widest
         matmuls' weights (the heads, the Mamba in and out projections) in this dtype
         (bfloat16, for CPUs with bf16 dot products; models/derived.py); None = the model's.
+        phones [B]: with a phone input, the phone of the frame codebook 1 is drawn for.
         """
-        h = self._embed_step(inputs)
+        h = self._with_phones(self._embed_step(inputs), phones)
         cfg = self.cfg
         q_rope = rope_query_matrix(*rope_angles(frame, cfg.d_model // cfg.n_heads, cfg.rope_base))
         # additive window mask: enrollment always visible, text keys by the np/nf window

@@ -119,10 +119,10 @@ class _StepOverTensors(nn.Module):
         super().__init__()
         self.model, self.matmul_dtype = model, matmul_dtype
 
-    def forward(self, inputs, frame, conv, ssm, mem_k, mem_v, text_mask):
+    def forward(self, inputs, frame, conv, ssm, mem_k, mem_v, text_mask, phones=None):
         view = DecodeStateView(conv=conv, ssm=ssm, mem_k=mem_k, mem_v=mem_v, txt_chunk=None, inputs=None,
                                step=None, eos_frame=None, ring=None)
-        out = self.model.step(inputs, frame, view, text_mask, self.matmul_dtype)
+        out = self.model.step(inputs, frame, view, text_mask, self.matmul_dtype, phones=phones)
         return out.graphemes, out.acoustic
 
 
@@ -147,12 +147,18 @@ class FrozenStep:
         mask[:, :2] = True
         args = (example.inputs, torch.arange(2, device=mask.device), example.conv, example.ssm,
                 example.mem_k, example.mem_v, mask)
+        # a decoder with a phone input takes the phones as one more argument
+        self.phones = bool(model.cfg.n_phones)
+        if self.phones:
+            args += (torch.tensor([0, -1], device=mask.device),)
         self.graphs = {dtype: _frozen(_StepOverTensors(model, dtype), args, warmup)
                        for dtype in dict.fromkeys((None, matmul_dtype))}
 
     def __call__(self, inputs: torch.Tensor, frame: torch.Tensor, state: DecodeStateView,
-                 text_mask: torch.Tensor, matmul_dtype: Optional[torch.dtype] = None) -> StepLogits:
-        g, a = self.graphs[matmul_dtype](inputs, frame, state.conv, state.ssm, state.mem_k, state.mem_v, text_mask)
+                 text_mask: torch.Tensor, matmul_dtype: Optional[torch.dtype] = None,
+                 phones: Optional[torch.Tensor] = None) -> StepLogits:
+        args = (inputs, frame, state.conv, state.ssm, state.mem_k, state.mem_v, text_mask)
+        g, a = self.graphs[matmul_dtype](*args, *((phones,) if self.phones else ()))
         return StepLogits(graphemes=g, acoustic=a)
 
 

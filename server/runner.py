@@ -113,6 +113,8 @@ class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
                  bf16_matmuls: bool = False, onnx_codec: bool = False, device_guidance: bool = False,
                  max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0):
+        if bundle.model.cfg.n_phones and (cuda_graphs or text_cfg_scale > 0):
+            raise ValueError("a decoder with a phone input runs without CUDA graphs and text CFG")
         self.bundle = bundle
         self.model = bundle.model
         self.codec = bundle.codec
@@ -289,7 +291,11 @@ class ModelRunner:
             # the attention reads no text slot past the last one any row shows (past chunks
             # are evicted from the front, so the windows sit near the memory's start)
             visible = mask[:, : self.state.visible_length(slots, lo, hi)]
-            logits = self.model_step(view.inputs, view.step, view, visible, dtype)
+            if self.model.cfg.n_phones:
+                phone_in = sent[phones] if phones is not None else torch.full((len(slots),), -1, device=self.device)
+                logits = self.model_step(view.inputs, view.step, view, visible, dtype, phones=phone_in)
+            else:
+                logits = self.model_step(view.inputs, view.step, view, visible, dtype)
         if self.unconditioned is not None:
             logits = text_guided(logits, self._step_without_text(slots, view, dtype), self.text_cfg_scale)
         idx = self.state.slot_index(slots)

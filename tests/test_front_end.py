@@ -190,6 +190,30 @@ def test_given_how_often_codes_sound_the_phone_codebook_1_draws_among_them(bundl
     assert set(drawn) == {1, 2} and drawn.count(2) > drawn.count(1)
 
 
+def test_a_decoder_with_a_phone_input_reads_the_schedules_phone_each_step(bundle):
+    from livespeech.models.guidance import GuidanceState
+    from livespeech.models.livespeech import LiveSpeech2
+
+    model = LiveSpeech2(dataclasses.replace(bundle.model.cfg, n_phones=N_PHONES)).eval()
+    model.load_state_dict(bundle.model.state_dict(), strict=False)
+    with_phones = dataclasses.replace(bundle, model=model)
+    runner = ModelRunner(with_phones, capacity=2)
+    assert runner.frozen
+    read = []
+    step = runner.model_step
+    runner.model_step = lambda *a, phones=None, **k: read.append(phones.tolist()) or step(*a, phones=phones, **k)
+    voice = runner.make_voice("v", np.zeros(24000, np.float32), 24000)
+    for slot in (0, 1):
+        runner.admit(slot, voice, seed=slot)
+        runner.add_chunk(slot, with_phones.tokenizer.encode_words(["hello"], first_in_text=True), 0, 0)
+    runner.step([0, 1], [(0, 0)] * 2, [GuidanceState(), GuidanceState()], [0.0] * 2, [20] * 2, [False] * 2,
+                forced_graphemes=[G.SPACE] * 2, first_code_phones=[3, -1])
+    runner.step([0, 1], [(0, 0)] * 2, [GuidanceState(), GuidanceState()], [0.0] * 2, [20] * 2, [False] * 2)
+    assert read == [[3, -1], [-1, -1]]  # -1: none (the model's own id for it)
+    with pytest.raises(ValueError, match="phone input"):
+        ModelRunner(with_phones, capacity=1, text_cfg_scale=1.0)
+
+
 def test_a_session_speaks_on_its_schedule_and_every_word_is_spoken(bundle):
     eng = Engine(bundle, EngineConfig(max_sessions=2, low_water_steps=0))
     eng.start()

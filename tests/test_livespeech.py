@@ -73,6 +73,48 @@ def test_forward_equals_recurrent_step(model):
                 assert torch.allclose(out.acoustic[:, k], full[k + 1][:, s], atol=1e-4)
 
 
+def test_with_a_phone_input_forward_equals_recurrent_step_and_the_phone_counts():
+    torch.manual_seed(0)
+    model = LiveSpeech2(small_cfg(n_phones=5)).eval()
+    torch.nn.init.normal_(model.phone_emb.weight)  # zero as built: give the phones an effect
+    cfg = model.cfg
+    codes, last, text, pos = random_example(cfg)
+    inputs, targets, _ = build_delayed(codes, last, cfg.delays, model.none_ids())
+    phones = torch.randint(-1, 5, (1, inputs.shape[2]), generator=torch.Generator().manual_seed(2))
+    enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (1, cfg.n_acoustic_codebooks, 30)))
+    mask = torch.ones(1, text.shape[1], dtype=torch.bool)
+    with torch.no_grad():
+        full = model(inputs, enroll, text, pos, mask, phones=phones)
+        other = model(inputs, enroll, text, pos, mask, phones=(phones + 1) % 5)
+        assert not torch.allclose(full[1], other[1], atol=1e-3)
+        with pytest.raises(ValueError, match="pass phones"):
+            model(inputs, enroll, text, pos, mask)
+        state = DecodeState.allocate(model, capacity=1)
+        state.reset_slot(0, enrollment_kv(model, enroll[0]))
+        state.append_text(0, text[0].tolist(), pos[0].tolist(), chunk=0)
+        for s in range(inputs.shape[2]):
+            view = state.view([0])
+            view.inputs.copy_(inputs[:, :, s])
+            out = model.step(view.inputs, view.step, view, state.window_mask(view, [0], [0]), phones=phones[:, s])
+            state.commit(view, targets[:, :, s])
+            assert torch.allclose(out.acoustic[:, 0], full[1][:, s], atol=1e-4)
+
+
+def test_a_phone_input_added_to_a_trained_decoder_starts_with_no_effect(model):
+    grown = LiveSpeech2(small_cfg(n_phones=5)).eval()
+    missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
+    assert missing == ["phone_emb.weight"] and not unexpected
+    cfg = model.cfg
+    codes, last, text, pos = random_example(cfg)
+    inputs, _, _ = build_delayed(codes, last, cfg.delays, model.none_ids())
+    enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (1, cfg.n_acoustic_codebooks, 30)))
+    mask = torch.ones(1, text.shape[1], dtype=torch.bool)
+    with torch.no_grad():
+        a = model(inputs, enroll, text, pos, mask)
+        b = grown(inputs, enroll, text, pos, mask, phones=torch.randint(-1, 5, inputs.shape[::2]))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_gathered_view_equals_slice(model):
     cfg = model.cfg
     enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (2, cfg.n_acoustic_codebooks, 10)))

@@ -135,6 +135,23 @@ def test_frozen_step_with_no_visible_text():
     assert torch.allclose(states[0].ssm, states[1].ssm, atol=1e-5)
 
 
+def test_frozen_step_with_a_phone_input_equals_the_eager_step():
+    torch.manual_seed(0)
+    model = LiveSpeech2(small_cfg(n_phones=5)).eval()
+    torch.nn.init.normal_(model.phone_emb.weight)
+    states = _state(model), _state(model), _state(model)
+    frozen = FrozenStep(model)
+    phones = torch.tensor([4, -1, 0])
+    with torch.no_grad():
+        outs = []
+        for st, step, ph in zip(states, (model.step, frozen, frozen), (phones, phones, phones.flip(0))):
+            view = st.view([0, 2, 3])
+            outs.append(step(view.inputs, view.step, view, torch.ones(3, 2, dtype=torch.bool), phones=ph))
+    assert torch.allclose(outs[0].acoustic, outs[1].acoustic, atol=1e-5)
+    assert not torch.allclose(outs[1].acoustic[0], outs[2].acoustic[0], atol=1e-3)  # the phone is read
+    assert torch.allclose(outs[1].acoustic[1], outs[2].acoustic[1], atol=1e-5)  # the same phone (none)
+
+
 def test_runner_steps_through_the_frozen_graph_unless_told_not_to():
     from livespeech.models.loading import load_bundle
     from livespeech.server.runner import ModelRunner

@@ -627,7 +627,7 @@ def test_own_history_reads_back_the_models_own_sample_of_the_step_before(pipelin
     cfg, model, batch = _tiny_model_and_batch(corpus, codes)
     v = cfg.codebook_size
 
-    def certain(inputs, *_args):  # codebook j at step t: code (7 t + j) mod V, with certainty
+    def certain(inputs, *_args, **_kwargs):  # codebook j at step t: code (7 t + j) mod V, with certainty
         b, k, s = inputs.shape
         t = torch.arange(s)
         out = [torch.zeros(b, s, model.vocab_sizes[0])]
@@ -669,7 +669,7 @@ def test_own_history_samples_with_the_top_k_and_temperatures_it_is_given(pipelin
     fixed = [torch.zeros(b, s, model.vocab_sizes[0])] + [torch.randn(b, s, cfg.codebook_size,
                                                                      generator=torch.Generator().manual_seed(j))
                                                          for j in range(k - 1)]
-    model.forward = lambda *_args: fixed
+    model.forward = lambda *_args, **_kwargs: fixed
     best = torch.stack([lg.argmax(-1) for lg in fixed[1:]], 1)[:, :, :-1]  # what step t reads back: t - 1's
     top3 = torch.stack([lg.topk(3, -1).indices for lg in fixed[1:]], 1)[:, :, :-1]
     real = batch.inputs[:, 1:, 1:] != torch.tensor(model.none_ids()[1:]).view(1, -1, 1)
@@ -701,7 +701,7 @@ def test_own_history_passes_compound_the_models_errors_step_by_step(pipeline):
     cfg, model, batch = _tiny_model_and_batch(corpus, codes)
     v = cfg.codebook_size
 
-    def plus_one(inputs, *_args):  # codebook j at step t: its read-back code + 1, with certainty
+    def plus_one(inputs, *_args, **_kwargs):  # codebook j at step t: its read-back code + 1, with certainty
         b, k, s = inputs.shape
         out = [torch.zeros(b, s, model.vocab_sizes[0])]
         for j in range(1, k):
@@ -826,3 +826,48 @@ def test_the_reading_report_compares_own_and_other_text_and_attention_per_head(p
     assert reading.main(["--model", os.path.join(out, "last.pt"), "--corpus", corpus, "--codes", codes,
                          "--split", "train", "--batches", "1"]) == 0
     assert "another utterance's" in capsys.readouterr().out
+
+
+def test_a_phone_input_trains_from_a_decoder_without_one(tmp_path):
+    """--phone-input: a decoder continued with the front end's phone of each frame as an
+    input (its embedding starting at zero), the examples carrying that phone at the step
+    that predicts the frame's codebook 1."""
+    from livespeech.models.front_end import FrontEnd, LetterDurationModel, LetterPhoneModel, contexts
+    from livespeech.models.loading import save_decoder
+    from livespeech.training.dataset import DecoderData, collate, phone_letter_positions
+
+    torch.manual_seed(0)
+    fe = FrontEnd(LetterPhoneModel(4, 2), LetterDurationModel(2), torch.arange(1024) % 4,
+                  ("_", "smoke:a", "smoke:b", "other:a"), ("other", "smoke"), 1.0)
+    torch.save(fe.to_dict(), tmp_path / "front_end.pt")
+    first = str(tmp_path / "a")
+    assert train.main(["--smoke", "--out", first, "--steps", "2", "--threads", "1"]) == 0
+    st = torch.load(os.path.join(first, "last.pt"), map_location="cpu", weights_only=False)
+    src = train.build_model(train.ModelConfig.from_dict(st["config"]), "cpu")
+    src.load_state_dict(st["model"])
+    save_decoder(src, str(tmp_path / "decoder.pt"))
+    second = str(tmp_path / "b")
+    assert train.main(["--smoke", "--out", second, "--steps", "2", "--threads", "1", "--lr", "1e-2",
+                       "--init", str(tmp_path / "decoder.pt"), "--phone-input", str(tmp_path / "front_end.pt")]) == 0
+    got = torch.load(os.path.join(second, "last.pt"), map_location="cpu", weights_only=False)
+    assert got["config"]["n_phones"] == 4
+    assert got["model"]["phone_emb.weight"].abs().sum() > 0  # learnt from zero
+    start = [r for r in map(json.loads, open(os.path.join(second, "log.jsonl"))) if r.get("start")][0]
+    first_evals = [r for r in map(json.loads, open(os.path.join(first, "log.jsonl"))) if r.get("eval")]
+    assert abs(start["dev_loss"] - first_evals[-1]["dev_loss"]) < 1e-4  # the zero embedding changed nothing
+    # the phone input: the front end's phone of each frame, at the step predicting its codebook 1
+    model = train.build_model(train.ModelConfig.from_dict(got["config"]), "cpu")
+    corpus, codes = os.path.join(second, "smoke_data", "corpus"), os.path.join(second, "smoke_data", "codes")
+    data = DecoderData(corpus, codes, model.cfg, "train", letters="phones", front_end=fe)
+    ex = [data.example(i) for i in range(2)]
+    b = collate(ex, model)
+    d1 = model.cfg.delays[1]
+    for i, e in enumerate(ex):
+        letters, positions = phone_letter_positions(data.items[i]["rec"])
+        ctx, off = contexts(letters, positions)
+        want = fe.phones(torch.from_numpy(ctx), torch.from_numpy(off), torch.ones(len(positions), dtype=torch.long))
+        want = torch.where(torch.tensor(positions) >= 0, want.argmax(1), -1)
+        assert torch.equal(b.phone_input[i, d1:d1 + len(positions)], want) and (want >= 0).any()
+        assert (b.phone_input[i, :d1] == -1).all() and e.phone_input[-1] == -1  # the EOS column: none
+    with pytest.raises(ValueError, match="letters 'phones'"):
+        DecoderData(corpus, codes, model.cfg, "train", letters="even", front_end=fe)

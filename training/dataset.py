@@ -28,6 +28,7 @@ import torch
 
 from livespeech.models import graphemes as G
 from livespeech.models.config import FRAME_RATE, SAMPLE_RATE, ModelConfig
+from livespeech.models.front_end import contexts as contexts_of
 
 # --------------------------------------------------------------------------------------
 # manifest and audio
@@ -213,6 +214,7 @@ class Example:
     n_frames: int  # T + 1 (columns of codes)
     phones: Optional[np.ndarray] = None  # [T + 1] phone class of each frame (livespeech.training.phones), IGNORE where none
     reading: Optional[np.ndarray] = None  # [2, T + 1] text tokens each frame reads (reading_targets)
+    phone_input: Optional[np.ndarray] = None  # [T + 1] the front end's phone of each frame (-1: none)
 
 
 class DecoderData:
@@ -221,13 +223,16 @@ class DecoderData:
     def __init__(self, corpus: str, codes_dir: str, cfg: ModelConfig, split: str = "train",
                  max_seconds: float = 8.0, seed: int = 0, records: Optional[list[dict]] = None,
                  tokenizer=None, eos_jitter: float = 0.0, letters: str = "even", id_prefix: str = "",
-                 phone_vocab=None):
+                 phone_vocab=None, front_end=None):
         """``letters``: the grapheme row as the manifest has it ("even": a word's letters
         share its frames evenly, pauses carry the next letter) or "phones": spread over
         the word's phones with pauses as SPACE (`phone_letters`) where the record has a
         phone timeline. ``id_prefix`` keeps the ids of a corpus `merge`d into another
         apart from its own. ``phone_vocab`` (a livespeech.training.phones.PhoneVocab): examples
-        carry each frame's phone class (an auxiliary target, `train --phone-weight`)."""
+        carry each frame's phone class (an auxiliary target, `train --phone-weight`).
+        ``front_end`` (a livespeech.models.front_end.FrontEnd, with letters "phones"):
+        examples carry the phone it gives each frame from the letters on their frames, as
+        the letter schedule gives it a session (the phone input, `train --phone-input`)."""
         from livespeech.models.tokenizer import get_tokenizer
 
         if letters not in ("even", "phones"):
@@ -235,6 +240,9 @@ class DecoderData:
         self.cfg = cfg
         self.eos_jitter = eos_jitter
         self.phone_vocab = phone_vocab
+        if front_end is not None and letters != "phones":
+            raise ValueError("a phone input needs letters 'phones' (the layout the front end reads)")
+        self.front_end = front_end
         self.tok = tokenizer or get_tokenizer()
         self.eos_id = self.tok.eos_id if hasattr(self.tok, "eos_id") else cfg.text_vocab_size - 1
         self.rng = random.Random(seed)
@@ -318,7 +326,29 @@ class DecoderData:
             phones[:T] = self.phone_vocab.frame_labels(rec, 0, T, SAMPLE_RATE // FRAME_RATE, SAMPLE_RATE)
         ranges = it["words_tokens"]
         reading = None if ranges is None else reading_targets(rec, ranges, T, len(ids) - 1)
-        return Example(codes, last, ids, pos, enroll, T + 1, phones, reading)
+        phone_input = None
+        if self.front_end is not None:
+            phone_input = np.full(T + 1, -1, np.int64)
+            phone_input[:T] = self.front_end_phones(idx)[:T]
+        return Example(codes, last, ids, pos, enroll, T + 1, phones, reading, phone_input)
+
+    def front_end_phones(self, idx: int) -> np.ndarray:
+        """The front end's phone of each frame of item ``idx`` (-1: no letter, or an engine
+        it does not know), cached."""
+        it = self.items[idx]
+        if "front_end_phones" not in it:
+            rec, fe = it["rec"], self.front_end
+            letters, positions = phone_letter_positions(rec) if rec.get("phones") else ([], [-1] * it["T"])
+            engine = rec.get("engine", "espeak")
+            out = np.full(len(positions), -1, np.int64)
+            if letters and engine in fe.engines:
+                ctx, off = contexts_of(letters, positions)
+                with torch.no_grad():
+                    pred = fe.phones(torch.from_numpy(ctx), torch.from_numpy(off),
+                                     torch.full((len(positions),), fe.engines.index(engine))).argmax(1).numpy()
+                out = np.where(np.asarray(positions) >= 0, pred, -1)
+            it["front_end_phones"] = np.pad(out, (0, max(0, it["T"] - len(out))), constant_values=-1)
+        return it["front_end_phones"]
 
     def enrollment(self, idx: int, rng: random.Random) -> np.ndarray:
         rec = self.items[idx]["rec"]
@@ -363,6 +393,8 @@ class Batch:
     phones: torch.Tensor
     # [B, 2, S] the text tokens [first, end) read at the step that predicts each frame's letter (-1: none)
     reading: torch.Tensor
+    # [B, S] the phone input of each step (the front end's phone of the frame codebook 1 predicts; -1: none)
+    phone_input: torch.Tensor
 
     def to(self, device) -> "Batch":
         return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
@@ -410,7 +442,11 @@ def collate(examples: Sequence[Example], model) -> Batch:
     for i, e in enumerate(examples):
         if e.reading is not None:
             reading[i, :, d0:d0 + e.n_frames] = torch.from_numpy(e.reading)
-    return Batch(inputs, targets, valid, enroll, elen, tid, tpos, tval, phones, reading)
+    phone_input = torch.full(inputs.shape[::2], -1, dtype=torch.long)
+    for i, e in enumerate(examples):
+        if e.phone_input is not None:
+            phone_input[i, d1:d1 + e.n_frames] = torch.from_numpy(e.phone_input)
+    return Batch(inputs, targets, valid, enroll, elen, tid, tpos, tval, phones, reading, phone_input)
 
 
 def n_frames_for(duration_s: float) -> int:

@@ -89,7 +89,7 @@ def fp16_check(model: LiveSpeech2, path: str, corpus: str, codes: str | None) ->
     outs = []
     for m in (model, loaded):
         e = m.encode_enrollment(batch.enroll_codes, batch.enroll_len)
-        outs.append(m(batch.inputs, e, batch.text_ids, batch.text_pos, batch.text_valid))
+        outs.append(m(batch.inputs, e, batch.text_ids, batch.text_pos, batch.text_valid, phones=batch.phone_input))
     diff = max(float((a - b).abs().max()) for a, b in zip(*outs))
     agree = float(np.mean([float((a.argmax(-1) == b.argmax(-1)).float().mean()) for a, b in zip(*outs)]))
     return {"max_abs_logit_diff": diff, "argmax_agreement": agree}

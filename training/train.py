@@ -19,6 +19,7 @@ Writes to --out:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -205,7 +206,7 @@ def own_history(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, p: fl
         enroll = model.encode_enrollment(batch.enroll_codes, batch.enroll_len)
         for i in range(passes):
             u = torch.rand(b, k - 1, s, generator=gen).to(inputs.device)
-            logits = model(history, enroll, batch.text_ids, batch.text_pos, text_mask)
+            logits = model(history, enroll, batch.text_ids, batch.text_pos, text_mask, phones=batch.phone_input)
             sampled = [_sample_codes(lg, u[:, j], sampling.top_k, sampling.first_codebook_temperature if j == 0
                                      else sampling.acoustic_temperature) for j, lg in enumerate(logits[1:])]
             read_back = torch.cat((inputs[:, 1:, :1], torch.stack(sampled, 1)[:, :, :-1]), 2)
@@ -228,7 +229,7 @@ def forward_loss(model: LiveSpeech2, batch: Batch, text_mask: torch.Tensor, weig
     reading is `reading_loss` of the first ``read_heads`` heads of every layer (None at 0)."""
     enroll = model.encode_enrollment(batch.enroll_codes, batch.enroll_len)
     text_weights: Optional[list] = [] if read_heads > 0 else None
-    logits = model(batch.inputs, enroll, batch.text_ids, batch.text_pos, text_mask, text_weights)
+    logits = model(batch.inputs, enroll, batch.text_ids, batch.text_pos, text_mask, text_weights, batch.phone_input)
     losses, accs = codebook_losses(logits, batch.targets, batch.valid)
     total = (weights.to(losses.device) * losses).sum()
     reading = None if text_weights is None else reading_loss(text_weights, batch.reading, text_mask, read_heads)
@@ -311,7 +312,7 @@ def grapheme_logits(model: LiveSpeech2, b: Batch, text: Batch, text_weights: Opt
     (b itself, or b with the utterances' texts rotated: how much the letters come from
     reading); ``text_weights`` as `LiveSpeech2.forward` takes it."""
     enroll = model.encode_enrollment(b.enroll_codes, b.enroll_len)
-    return model(b.inputs, enroll, text.text_ids, text.text_pos, text.text_valid, text_weights)[0]
+    return model(b.inputs, enroll, text.text_ids, text.text_pos, text.text_valid, text_weights, b.phone_input)[0]
 
 
 def letter_change_hits(logits: torch.Tensor, b: Batch, bar_current: bool = False) -> tuple[int, int]:
@@ -477,6 +478,10 @@ def main(argv=None) -> int:
                    help="weight of an auxiliary loss: the phone of the frame codebook 1 predicts, classified from "
                         "the first codebook group's hidden state (PhoneHead; corpora with phone timelines; training "
                         "only, not exported); 0: off")
+    p.add_argument("--phone-input", metavar="FRONT_END", default=None,
+                   help="the decoder reads each step the phone this front end (front_end.pt) gives the frame "
+                        "codebook 1 predicts, from the letters on their frames, as the letter schedule gives it "
+                        "a session; with --init from a decoder without it, its phone embedding starts at zero")
     p.add_argument("--phone-min-count", type=int, default=20,
                    help="the phone head's classes: phones with at least this many segments (rarer: unlabelled)")
     p.add_argument("--scan", choices=("auto", "torch", "triton"), default="auto",
@@ -548,6 +553,19 @@ def main(argv=None) -> int:
         st = torch.load(last_path, map_location="cpu", weights_only=False)
     elif a.init:
         init = load_trained_decoder(a.init)
+    front_end = None
+    if a.phone_input:
+        from livespeech.models.front_end import FrontEnd
+
+        front_end = FrontEnd.load(a.phone_input)
+        overrides.setdefault("n_phones", len(front_end.phone_names))
+        if init is not None and not init.cfg.n_phones:  # continued with a phone input it did not have
+            init_cfg = dataclasses.replace(init.cfg, n_phones=overrides["n_phones"])
+            grown = build_model(init_cfg, torch.device("cpu"))
+            missing, unexpected = grown.load_state_dict(init.state_dict(), strict=False)
+            if unexpected or set(missing) != {"phone_emb.weight"}:
+                raise SystemExit(f"--init {a.init}: its weights do not fit a decoder with a phone input")
+            init = grown
     if a.text_embedding or init is None:
         overrides.setdefault("text_embedding", a.text_embedding or "spelling")
     else:
@@ -558,6 +576,9 @@ def main(argv=None) -> int:
     elif init is not None:
         if not parse_overrides(a.model_overrides) and not a.smoke:  # the exported model's own configuration
             cfg = init.cfg
+        if front_end is not None and cfg.n_phones != len(front_end.phone_names):
+            raise SystemExit(f"--phone-input {a.phone_input}: {len(front_end.phone_names)} phones, the decoder "
+                             f"reads {cfg.n_phones}")
         if init.cfg.to_dict() != cfg.to_dict():
             raise SystemExit(f"--init {a.init}: its model config differs from the one asked for")
     torch.manual_seed(a.seed)
@@ -612,16 +633,16 @@ def main(argv=None) -> int:
 
     def load_data():
         d = DecoderData(a.corpus, a.codes, cfg, "train", a.max_seconds, tokenizer=tok, eos_jitter=a.eos_jitter,
-                        letters=a.letters, phone_vocab=phone_vocab)
+                        letters=a.letters, phone_vocab=phone_vocab, front_end=front_end)
         for k, (corpus, codes) in enumerate(a.extra_corpus):
             d.merge(DecoderData(corpus, codes, cfg, "train", a.max_seconds, tokenizer=tok, eos_jitter=a.eos_jitter,
-                                letters=a.letters, id_prefix=f"x{k}-", phone_vocab=phone_vocab))
+                                letters=a.letters, id_prefix=f"x{k}-", phone_vocab=phone_vocab, front_end=front_end))
         d.index = {it["rec"]["id"]: i for i, it in enumerate(d.items)}
         return d
 
     data = load_data()
     dev = DecoderData(a.corpus, a.codes, cfg, "dev", a.max_seconds, tokenizer=tok, letters=a.letters,
-                      phone_vocab=phone_vocab)
+                      phone_vocab=phone_vocab, front_end=front_end)
     if len(dev) == 0:
         dev = data
     devb = dev_batches(dev, model, a.dev_batches, 8)

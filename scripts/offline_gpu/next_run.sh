@@ -34,7 +34,9 @@
 # the auxiliary phone loss (--phone-weight PHONE_WEIGHT, 1), the _noise variants
 # --history-noise HISTORY_NOISE, the _read variants the reading loss (--read-weight READ_WEIGHT, 1);
 # decoder_cfg trains a share of its utterances without text (--text-dropout TEXT_DROPOUT, 0.1)
-# for classifier-free guidance (the server's --text-cfg-scale).
+# for classifier-free guidance (the server's --text-cfg-scale); decoder_phonein reads each
+# step the phone the shipped front end gives the frame (--phone-input; its embedding starts
+# at zero, so it starts as the decoder it continues).
 # With CODEC_FT=1 (off by default: 900 steps beside the decoder made resynthesis WER 17
 # points worse, and halved the decoder's steps), beside them on the GPU, the codec's
 # decoder fine-tuned alone, adversarially (codec_train --decoder-only --adversarial, from
@@ -76,6 +78,7 @@ candidate_args() {
     decoder_own_session) echo --own-history "${OWN_HISTORY:-0.5}" --own-passes "${OWN_PASSES:-4}" --own-sampling session ;;
     decoder_bf16) echo --autocast bf16 ;;
     decoder_cfg) echo --text-dropout "${TEXT_DROPOUT:-0.1}" ;;
+    decoder_phonein) echo --phone-input models/weights/default/front_end.pt ;;
     *) echo "unknown candidate $1" >&2; return 2 ;;
   esac
 }
