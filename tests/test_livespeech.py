@@ -40,6 +40,15 @@ def random_example(cfg, t=20, l=6, seed=1):
     return codes, last, text, pos
 
 
+def teacher_forced_example(model):
+    """(inputs, targets, enrollment, text, positions, mask) of `random_example`, delayed."""
+    cfg = model.cfg
+    codes, last, text, pos = random_example(cfg)
+    inputs, targets, _ = build_delayed(codes, last, cfg.delays, model.none_ids())
+    enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (1, cfg.n_acoustic_codebooks, 30)))
+    return inputs, targets, enroll, text, pos, torch.ones(1, text.shape[1], dtype=torch.bool)
+
+
 def test_presets_validate():
     paper = preset("paper")
     assert paper.n_codebooks == 17 and paper.codebook_groups == (4, 4, 4, 5)
@@ -51,11 +60,7 @@ def test_presets_validate():
 
 
 def test_forward_equals_recurrent_step(model):
-    cfg = model.cfg
-    codes, last, text, pos = random_example(cfg)
-    inputs, targets, valid = build_delayed(codes, last, cfg.delays, model.none_ids())
-    enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (1, cfg.n_acoustic_codebooks, 30)))
-    mask = torch.ones(1, text.shape[1], dtype=torch.bool)
+    inputs, targets, enroll, text, pos, mask = teacher_forced_example(model)
     with torch.no_grad():
         full = model(inputs, enroll, text, pos, mask)
         state = DecodeState.allocate(model, capacity=3)
@@ -69,7 +74,7 @@ def test_forward_equals_recurrent_step(model):
             out = model.step(view.inputs, view.step, view, m)
             state.commit(view, targets[:, :, s])
             assert torch.allclose(out.graphemes, full[0][:, s], atol=1e-4)
-            for k in range(cfg.n_acoustic_codebooks):
+            for k in range(model.cfg.n_acoustic_codebooks):
                 assert torch.allclose(out.acoustic[:, k], full[k + 1][:, s], atol=1e-4)
 
 
@@ -77,12 +82,8 @@ def test_with_a_phone_input_forward_equals_recurrent_step_and_the_phone_counts()
     torch.manual_seed(0)
     model = LiveSpeech2(small_cfg(n_phones=5)).eval()
     torch.nn.init.normal_(model.phone_emb.weight)  # zero as built: give the phones an effect
-    cfg = model.cfg
-    codes, last, text, pos = random_example(cfg)
-    inputs, targets, _ = build_delayed(codes, last, cfg.delays, model.none_ids())
+    inputs, targets, enroll, text, pos, mask = teacher_forced_example(model)
     phones = torch.randint(-1, 5, (1, inputs.shape[2]), generator=torch.Generator().manual_seed(2))
-    enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (1, cfg.n_acoustic_codebooks, 30)))
-    mask = torch.ones(1, text.shape[1], dtype=torch.bool)
     with torch.no_grad():
         full = model(inputs, enroll, text, pos, mask, phones=phones)
         other = model(inputs, enroll, text, pos, mask, phones=(phones + 1) % 5)
@@ -104,11 +105,7 @@ def test_a_phone_input_added_to_a_trained_decoder_starts_with_no_effect(model):
     grown = LiveSpeech2(small_cfg(n_phones=5)).eval()
     missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
     assert missing == ["phone_emb.weight"] and not unexpected
-    cfg = model.cfg
-    codes, last, text, pos = random_example(cfg)
-    inputs, _, _ = build_delayed(codes, last, cfg.delays, model.none_ids())
-    enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (1, cfg.n_acoustic_codebooks, 30)))
-    mask = torch.ones(1, text.shape[1], dtype=torch.bool)
+    inputs, _, enroll, text, pos, mask = teacher_forced_example(model)
     with torch.no_grad():
         a = model(inputs, enroll, text, pos, mask)
         b = grown(inputs, enroll, text, pos, mask, phones=torch.randint(-1, 5, inputs.shape[::2]))

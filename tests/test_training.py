@@ -196,15 +196,23 @@ def test_batched_encoding_refuses_a_codec_that_sees_the_padding():
     assert not encode_corpus.batchable(SimpleNamespace(config=SimpleNamespace(causal=False, pad_mode="constant")))
 
 
-def test_decoder_init_from_exported_weights_or_a_run_checkpoint(tmp_path):
-    from livespeech.models.loading import load_decoder, save_decoder
+def exported_smoke_decoder(run: str, path: str) -> dict:
+    """Two smoke steps in `run`, the decoder exported to `path`; the run's last checkpoint."""
+    from livespeech.models.loading import save_decoder
 
-    first = str(tmp_path / "a")
-    assert train.main(["--smoke", "--out", first, "--steps", "2", "--threads", "1"]) == 0
-    st = torch.load(os.path.join(first, "last.pt"), map_location="cpu", weights_only=False)
+    assert train.main(["--smoke", "--out", run, "--steps", "2", "--threads", "1"]) == 0
+    st = torch.load(os.path.join(run, "last.pt"), map_location="cpu", weights_only=False)
     src = train.build_model(train.ModelConfig.from_dict(st["config"]), "cpu")
     src.load_state_dict(st["model"])
-    save_decoder(src, str(tmp_path / "decoder.pt"))
+    save_decoder(src, path)
+    return st
+
+
+def test_decoder_init_from_exported_weights_or_a_run_checkpoint(tmp_path):
+    from livespeech.models.loading import load_decoder
+
+    first = str(tmp_path / "a")
+    st = exported_smoke_decoder(first, str(tmp_path / "decoder.pt"))
     # one step at a negligible learning rate: the weights stay those given (not the seed's
     # fresh initialisation, which differs from them by the first run's two updates)
     second = str(tmp_path / "b")
@@ -833,7 +841,6 @@ def test_a_phone_input_trains_from_a_decoder_without_one(tmp_path):
     input (its embedding starting at zero), the examples carrying that phone at the step
     that predicts the frame's codebook 1."""
     from livespeech.models.front_end import FrontEnd, LetterDurationModel, LetterPhoneModel, contexts
-    from livespeech.models.loading import save_decoder
     from livespeech.training.dataset import DecoderData, collate, phone_letter_positions
 
     torch.manual_seed(0)
@@ -841,11 +848,7 @@ def test_a_phone_input_trains_from_a_decoder_without_one(tmp_path):
                   ("_", "smoke:a", "smoke:b", "other:a"), ("other", "smoke"), 1.0)
     torch.save(fe.to_dict(), tmp_path / "front_end.pt")
     first = str(tmp_path / "a")
-    assert train.main(["--smoke", "--out", first, "--steps", "2", "--threads", "1"]) == 0
-    st = torch.load(os.path.join(first, "last.pt"), map_location="cpu", weights_only=False)
-    src = train.build_model(train.ModelConfig.from_dict(st["config"]), "cpu")
-    src.load_state_dict(st["model"])
-    save_decoder(src, str(tmp_path / "decoder.pt"))
+    exported_smoke_decoder(first, str(tmp_path / "decoder.pt"))
     second = str(tmp_path / "b")
     assert train.main(["--smoke", "--out", second, "--steps", "2", "--threads", "1", "--lr", "1e-2",
                        "--init", str(tmp_path / "decoder.pt"), "--phone-input", str(tmp_path / "front_end.pt")]) == 0
