@@ -342,10 +342,8 @@ class DecoderData:
             engine = rec.get("engine", "espeak")
             out = np.full(len(positions), -1, np.int64)
             if letters and engine in fe.engines:
-                ctx, off = contexts_of(letters, positions)
-                with torch.no_grad():
-                    pred = fe.phones(torch.from_numpy(ctx), torch.from_numpy(off),
-                                     torch.full((len(positions),), fe.engines.index(engine))).argmax(1).numpy()
+                _, frames_into_letter = contexts_of(letters, positions)
+                pred = fe.phones_of(letters, positions, frames_into_letter.tolist(), fe.engines.index(engine))
                 out = np.where(np.asarray(positions) >= 0, pred, -1)
             it["front_end_phones"] = np.pad(out, (0, max(0, it["T"] - len(out))), constant_values=-1)
         return it["front_end_phones"]
