@@ -12,7 +12,8 @@ alone, without the acoustic history:
   letter has lasted, and the engine (phone sets are per engine);
 
 and, for the codec's codebook-1 codes, how often each sounds each phone and the phone
-each sounds most often. `FrontEnd` holds them (a model directory's `front_end.pt`,
+each sounds most often, and optionally how that shifts with the phone's context
+(`phone_context`: which half of its run a frame is in, and the phone on that side). `FrontEnd` holds them (a model directory's `front_end.pt`,
 written by livespeech.training.letter_phones);
 `LetterSchedule` is one session's timeline: words are added as their text arrives, letters
 laid as the session's speech reaches them (server/session.py).
@@ -45,6 +46,28 @@ def contexts(letters: Sequence[int], positions: Sequence[int]) -> tuple[np.ndarr
     for t in range(1, len(pos)):
         offset[t] = offset[t - 1] + 1 if pos[t] == pos[t - 1] else 0
     return ctx, offset
+
+
+def phone_context(phones: Sequence[int], frame: int, complete: bool) -> Optional[tuple[int, int, int]]:
+    """(phone, half, neighbour) of a frame of a per-frame phone timeline: the half of its
+    phone's run the frame is in (0: the first) and the phone of the run on that side (-1:
+    none, or a frame without a phone); a run's first frames sound the transition from the
+    phone before, its last ones that into the next. None for a frame without a phone, and
+    for one whose half is not known: past the first half of a run that may go on past the
+    timeline's end (`complete` False: more frames will be laid)."""
+    p = phones[frame]
+    if p < 0:
+        return None
+    a, b = frame, frame + 1
+    while a > 0 and phones[a - 1] == p:
+        a -= 1
+    while b < len(phones) and phones[b] == p:
+        b += 1
+    if 2 * (frame - a) < b - a:  # a longer run keeps it in the first half
+        return p, 0, max(-1, phones[a - 1]) if a > 0 else -1
+    if b == len(phones) and not complete:
+        return None
+    return p, 1, max(-1, phones[b]) if b < len(phones) else -1
 
 
 class LetterPhoneModel(nn.Module):
@@ -80,25 +103,30 @@ class LetterDurationModel(nn.Module):
 class FrontEnd:
     """The two networks, the phone each codebook-1 code names (`code_phones` [V], -1: none),
     how often each code sounds each phone (`phone_given_code` [phones, V], log p(phone |
-    code), -inf for a code never seen; None: not known), the phone and engine names, the
+    code), -inf for a code never seen; None: not known), what a phone's context adds to it
+    (`contexts`: keys [R, 3] of `phone_context`, and a sparse [R, V] refinement, pairs
+    [N, 2] (row, code) and values [N]; None: phones alone), the phone and engine names, the
     pace a voice is given, and the factor on the predicted durations (`duration_scale`:
     the networks regress log(1 + frames), whose exp falls short of the mean frames;
     training sets it so the train set's total comes out)."""
 
     def __init__(self, phones: LetterPhoneModel, durations: LetterDurationModel, code_phones: torch.Tensor,
                  phone_names: Sequence[str], engines: Sequence[str], pace: float, duration_scale: float = 1.0,
-                 phone_given_code: Optional[torch.Tensor] = None):
+                 phone_given_code: Optional[torch.Tensor] = None, contexts: Optional[dict] = None):
         self.phones, self.durations = phones.eval(), durations.eval()
         self.code_phones = code_phones.long()
         self.phone_names, self.engines, self.pace = tuple(phone_names), tuple(engines), float(pace)
         self.duration_scale = float(duration_scale)
         self.phone_given_code = None if phone_given_code is None else phone_given_code.float()
+        self.contexts = contexts
+        keys = contexts["keys"].tolist() if contexts is not None else []
+        self._context_rows = {tuple(k): len(self.phone_names) + i for i, k in enumerate(keys)}
 
     def to_dict(self) -> dict:
         return {"phones": self.phones.state_dict(), "durations": self.durations.state_dict(),
                 "code_phones": self.code_phones, "phone_names": list(self.phone_names),
                 "engines": list(self.engines), "pace": self.pace, "duration_scale": self.duration_scale,
-                "phone_given_code": self.phone_given_code}
+                "phone_given_code": self.phone_given_code, "contexts": self.contexts}
 
     @classmethod
     def from_dict(cls, d: dict) -> "FrontEnd":
@@ -107,19 +135,41 @@ class FrontEnd:
         durations = LetterDurationModel(len(d["engines"]))
         durations.load_state_dict(d["durations"])
         return cls(phones, durations, d["code_phones"], d["phone_names"], d["engines"], d["pace"],
-                   d.get("duration_scale", 1.0), d.get("phone_given_code"))
+                   d.get("duration_scale", 1.0), d.get("phone_given_code"), d.get("contexts"))
 
     def first_code_bias(self) -> torch.Tensor:
-        """[phones, V]: what codebook 1's logits get added at a frame of each phone, so a
-        code is drawn as the decoder's choice given the phone (p(code | history) x
-        p(phone | code)); finite (-1e4 stands for never: a non-finite logit is a numerical
-        failure to the sampler). Without `phone_given_code`, 0 on the phone's own codes
-        and never elsewhere (a phone no code names: no bias)."""
+        """[phones + contexts, V]: what codebook 1's logits get added at a frame of each
+        phone, so a code is drawn as the decoder's choice given the phone (p(code |
+        history) x p(phone | code)); finite (-1e4 stands for never: a non-finite logit is
+        a numerical failure to the sampler). Without `phone_given_code`, 0 on the phone's
+        own codes and never elsewhere (a phone no code names: no bias). Then a row for
+        each known context (`bias_row`): its phone's row plus log p(code | context) -
+        log p(code | phone), a constant per row dropped."""
         if self.phone_given_code is not None:
-            return self.phone_given_code.clamp_min(-1e4)
-        own = self.code_phones.view(1, -1) == torch.arange(len(self.phone_names)).view(-1, 1)
-        own |= ~own.any(1, keepdim=True)
-        return torch.zeros(own.shape).masked_fill(~own, -1e4)
+            base = self.phone_given_code.clamp_min(-1e4)
+        else:
+            own = self.code_phones.view(1, -1) == torch.arange(len(self.phone_names)).view(-1, 1)
+            own |= ~own.any(1, keepdim=True)
+            base = torch.zeros(own.shape).masked_fill(~own, -1e4)
+        if self.contexts is None:
+            return base
+        rows = base[self.contexts["keys"][:, 0]].clone()
+        pairs = self.contexts["pairs"].long()
+        rows[pairs[:, 0], pairs[:, 1]] += self.contexts["values"].float()
+        return torch.cat((base, rows))
+
+    def bias_phones(self) -> torch.Tensor:
+        """[rows of `first_code_bias`]: the phone of each row."""
+        own = torch.arange(len(self.phone_names))
+        return own if self.contexts is None else torch.cat((own, self.contexts["keys"][:, 0].long()))
+
+    def bias_row(self, phones: Sequence[int], frame: int) -> int:
+        """The row of `first_code_bias` for a frame of a schedule's phones (laid so far):
+        its phone in context where that context is known, else its phone (-1: none)."""
+        if not self._context_rows:
+            return phones[frame]
+        ctx = phone_context(phones, frame, complete=False)
+        return phones[frame] if ctx is None else self._context_rows.get(ctx, ctx[0])
 
     @classmethod
     def load(cls, path: os.PathLike | str) -> "FrontEnd":
@@ -212,6 +262,10 @@ class LetterSchedule:
 
     def phone(self, frame: int) -> int:
         return self.phones[frame] if 0 <= frame < len(self.phones) else -1
+
+    def bias_row(self, frame: int) -> int:
+        """The front end's `first_code_bias` row for the frame (-1: none)."""
+        return self.front_end.bias_row(self.phones, frame) if 0 <= frame < len(self.phones) else -1
 
 
 def load_front_end(model_dir: Optional[os.PathLike | str]) -> Optional[FrontEnd]:

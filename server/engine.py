@@ -241,13 +241,13 @@ class Engine:
         letters = [s.letters for s in batch]
         forced = [s.forced_grapheme() for s in batch] if any(x is not None for x in letters) else None
         d1 = self.bundle.model.cfg.delays[1]  # codebook 1 at this step carries frame step - d1
-        phones = [-1 if x is None else x.phone(s.step_count - d1) for s, x in zip(batch, letters)] if forced else None
+        bias_rows = [-1 if x is None else x.bias_row(s.step_count - d1) for s, x in zip(batch, letters)] if forced else None
         self.codec.deliver_done()
         with self.codec.may_deliver():
             results = self.runner.step(
                 [s.slot for s in batch], windows, [s.guidance for s in batch],
                 [s.config.guidance_lambda for s in batch], [s.config.top_k for s in batch], force,
-                [s.config.grapheme_top_k for s in batch], [s.temperatures for s in batch], forced, phones,
+                [s.config.grapheme_top_k for s in batch], [s.temperatures for s in batch], forced, bias_rows,
             )
         step_s = time.perf_counter() - t0
         self.metrics.step_seconds.observe(step_s)

@@ -169,6 +169,7 @@ class ModelRunner:
         # codebook 1's logits at a frame of each phone, for the letter schedule (models/front_end.py)
         self.first_code_bias = (bundle.front_end.first_code_bias().to(self.device)
                                 if bundle.front_end is not None else None)
+        self.bias_phones = bundle.front_end.bias_phones().to(self.device) if bundle.front_end is not None else None
         self._voice_lock = threading.Lock()
         self._warm_up(warm_text_tokens)
 
@@ -256,14 +257,15 @@ class ModelRunner:
         grapheme_top_ks: Optional[Sequence[int]] = None,
         temperatures: Optional[Sequence[Temperatures]] = None,
         forced_graphemes: Optional[Sequence[int]] = None,
-        first_code_phones: Optional[Sequence[int]] = None,
+        first_code_rows: Optional[Sequence[int]] = None,
     ) -> list[SlotStep]:
         """One step of `slots`. top_ks: the acoustic codes' k; grapheme_top_ks (None:
         top_ks) and temperatures (None: 1) as `livespeech.models.guidance.sample_step` takes them.
         force_eos: the runaway guard's EOS, over whatever was sampled. forced_graphemes:
-        each row's grapheme from its letter schedule (-1: sampled); first_code_phones:
-        the phone of each row's codebook-1 frame (-1: none), given which codebook 1 is
-        sampled (the front end's `first_code_bias`). Each session's guidance
+        each row's grapheme from its letter schedule (-1: sampled); first_code_rows:
+        the front end's `first_code_bias` row of each row's codebook-1 frame (its phone,
+        or its phone in context: `FrontEnd.bias_row`; -1: none), given which codebook 1
+        is sampled. Each session's guidance
         observes its grapheme (on the device with device guidance)."""
         # every host-side input of the step goes to the device in one copy (models/upload.py)
         on_device = self.guidance is not None
@@ -277,8 +279,8 @@ class ModelRunner:
         forced = (up.add(forced_graphemes, torch.long)
                   if forced_graphemes is not None and max(forced_graphemes) >= 0 else None)
         eos = up.add(force_eos, torch.bool) if any(force_eos) else None
-        phones = (up.add(first_code_phones, torch.long)
-                  if first_code_phones is not None and max(first_code_phones) >= 0 else None)
+        bias_rows = (up.add(first_code_rows, torch.long)
+                     if first_code_rows is not None and max(first_code_rows) >= 0 else None)
         sent = up.send(self.device)
         self.state.apply_rotations(sent, rotations)
         # the captured step reads the whole state itself: its view gathers no memory
@@ -292,7 +294,8 @@ class ModelRunner:
             # are evicted from the front, so the windows sit near the memory's start)
             visible = mask[:, : self.state.visible_length(slots, lo, hi)]
             if self.model.cfg.n_phones:
-                phone_in = sent[phones] if phones is not None else torch.full((len(slots),), -1, device=self.device)
+                phone_in = (self._phone_of_row(sent[bias_rows]) if bias_rows is not None
+                            else torch.full((len(slots),), -1, device=self.device))
                 logits = self.model_step(view.inputs, view.step, view, visible, dtype, phones=phone_in)
             else:
                 logits = self.model_step(view.inputs, view.step, view, visible, dtype)
@@ -302,8 +305,8 @@ class ModelRunner:
         sets = self.guidance.guide(idx, logits.graphemes.shape[-1]) if on_device else guidance
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
         acoustic = logits.acoustic
-        if phones is not None:
-            acoustic = self._first_code_given_phone(acoustic, sent[phones])
+        if bias_rows is not None:
+            acoustic = self._first_code_given_phone(acoustic, sent[bias_rows])
         tokens, bad = sample_step(logits.graphemes, acoustic, sets, lambdas, top_ks,
                                   self.uniforms(idx, view.step), grapheme_top_ks, temperatures, staged=(plan, sent))
         if forced is not None:
@@ -348,12 +351,16 @@ class ModelRunner:
             return frozen_or_eager(lambda: FrozenCodecStep(self.codec, n_codebooks), self.codec.decode_step)
         return self.codec.decode_step
 
-    def _first_code_given_phone(self, acoustic: torch.Tensor, phone: torch.Tensor) -> torch.Tensor:
-        """Codebook 1's logits plus the front end's bias for each row's phone (phone [B] on
-        the device; a row with phone -1 keeps them as they are)."""
+    def _phone_of_row(self, row: torch.Tensor) -> torch.Tensor:
+        """The phone of each `first_code_bias` row (row [B] on the device; -1 stays -1)."""
+        return torch.where(row >= 0, self.bias_phones[row.clamp_min(0)], row)
+
+    def _first_code_given_phone(self, acoustic: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """Codebook 1's logits plus the front end's bias row for each row (row [B] on the
+        device; -1 keeps them as they are)."""
         if self.first_code_bias is None:
-            raise ValueError("first_code_phones needs a bundle with a front end")
-        bias = self.first_code_bias[phone.clamp_min(0)] * (phone >= 0).unsqueeze(1)
+            raise ValueError("first_code_rows needs a bundle with a front end")
+        bias = self.first_code_bias[row.clamp_min(0)] * (row >= 0).unsqueeze(1)
         first = acoustic[:, :1] + bias.unsqueeze(1).to(acoustic.dtype)
         return torch.cat((first, acoustic[:, 1:]), dim=1)
 

@@ -161,7 +161,7 @@ def test_the_runner_forces_graphemes_and_holds_codebook_1_to_the_phone(bundle):
     held, free = [], []
     for t in range(30):
         steps = runner.step([0, 1], [(0, 0), (0, 0)], [GuidanceState(), GuidanceState()], [0.0, 0.0], [20, 20],
-                            [False, False], forced_graphemes=[G.SPACE, -1], first_code_phones=[2, -1])
+                            [False, False], forced_graphemes=[G.SPACE, -1], first_code_rows=[2, -1])
         assert steps[0].grapheme == G.SPACE and not steps[0].failed
         if steps[0].frame is not None:
             held.append(steps[0].frame[0])
@@ -182,7 +182,7 @@ def test_given_how_often_codes_sound_the_phone_codebook_1_draws_among_them(bundl
     drawn = []
     for t in range(60):
         step = runner.step([0], [(0, 0)], [GuidanceState()], [0.0], [20], [False], forced_graphemes=[G.SPACE],
-                           first_code_phones=[2])[0]
+                           first_code_rows=[2])[0]
         assert not step.failed
         if step.frame is not None:
             drawn.append(step.frame[0] % N_PHONES)
@@ -207,7 +207,7 @@ def test_a_decoder_with_a_phone_input_reads_the_schedules_phone_each_step(bundle
         runner.admit(slot, voice, seed=slot)
         runner.add_chunk(slot, with_phones.tokenizer.encode_words(["hello"], first_in_text=True), 0, 0)
     runner.step([0, 1], [(0, 0)] * 2, [GuidanceState(), GuidanceState()], [0.0] * 2, [20] * 2, [False] * 2,
-                forced_graphemes=[G.SPACE] * 2, first_code_phones=[3, -1])
+                forced_graphemes=[G.SPACE] * 2, first_code_rows=[3, -1])
     runner.step([0, 1], [(0, 0)] * 2, [GuidanceState(), GuidanceState()], [0.0] * 2, [20] * 2, [False] * 2)
     assert read == [[3, -1], [-1, -1]]  # -1: none (the model's own id for it)
     with pytest.raises(ValueError, match="phone input"):
@@ -292,3 +292,53 @@ def test_the_letter_schedule_can_be_turned_off(bundle):
         assert h.letters is None
     finally:
         eng.stop()
+
+
+def test_a_frames_phone_context_is_its_half_of_the_run_and_the_phone_on_that_side():
+    from livespeech.models.front_end import phone_context
+
+    t = [0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert [phone_context(t, f, True) for f in range(9)] == [
+        (0, 0, -1), (0, 1, 1), (1, 0, 0), (1, 0, 0), (1, 1, 2), (1, 1, 2), (2, 0, 1), (2, 0, 1), (2, 1, -1)]
+    # laid so far: the last run may go on, so past its first half nothing is known yet
+    assert phone_context(t, 7, False) == (2, 0, 1) and phone_context(t, 8, False) is None
+    assert phone_context([-1, 3, 3, 3], 1, False) == (3, 0, -1) and phone_context([-1, 3], 0, True) is None
+
+
+def test_a_context_row_is_its_phones_row_refined_and_the_schedule_finds_it():
+    fe = toy_front_end()
+    fe.phone_given_code = soft_table()
+    keys = torch.tensor([[2, 0, 1], [2, 1, 3]])
+    fe = FrontEnd.from_dict({**fe.to_dict(), "contexts": {
+        "keys": keys, "pairs": torch.tensor([[0, 7], [1, 12]], dtype=torch.int32), "values": torch.tensor([0.5, 2.0])}})
+    bias = fe.first_code_bias()
+    assert bias.shape == (N_PHONES + 2, 1024)
+    refined = bias[N_PHONES:] - bias[2]
+    assert refined[0, 7] == 0.5 and refined[1, 12] == 2.0 and refined.count_nonzero() == 2
+    assert fe.bias_phones().tolist() == [0, 1, 2, 3, 4, 2, 2]
+    phones = [1, 1, 2, 2, 2, 2, 3, 3]
+    # (1, 0, -1), (1, 1, 2): no row of their own; (3, 0, 2) neither; the last frame's half is not known yet
+    assert [fe.bias_row(phones, f) for f in range(8)] == [1, 1, 5, 5, 6, 6, 3, 3]
+    s = LetterSchedule(fe, engine=0)
+    s.phones = phones
+    assert [s.bias_row(f) for f in (-1, 3, 8)] == [-1, 5, -1]
+
+
+def test_a_decoder_with_a_phone_input_reads_the_phone_of_a_context_row(bundle):
+    from livespeech.models.guidance import GuidanceState
+    from livespeech.models.livespeech import LiveSpeech2
+
+    fe = FrontEnd.from_dict({**toy_front_end().to_dict(), "contexts": {
+        "keys": torch.tensor([[3, 0, 1]]), "pairs": torch.tensor([[0, 8]], dtype=torch.int32),
+        "values": torch.tensor([1.0])}})
+    model = LiveSpeech2(dataclasses.replace(bundle.model.cfg, n_phones=N_PHONES)).eval()
+    model.load_state_dict(bundle.model.state_dict(), strict=False)
+    runner = ModelRunner(dataclasses.replace(bundle, model=model, front_end=fe), capacity=1)
+    read = []
+    step = runner.model_step
+    runner.model_step = lambda *a, phones=None, **k: read.append(phones.tolist()) or step(*a, phones=phones, **k)
+    runner.admit(0, runner.make_voice("v", np.zeros(24000, np.float32), 24000), seed=0)
+    runner.add_chunk(0, bundle.tokenizer.encode_words(["hello"], first_in_text=True), 0, 0)
+    runner.step([0], [(0, 0)], [GuidanceState()], [0.0], [20], [False], forced_graphemes=[G.SPACE],
+                first_code_rows=[N_PHONES])
+    assert read == [[3]]

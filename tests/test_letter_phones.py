@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from livespeech.models import graphemes as G
-from livespeech.models.front_end import WINDOW, contexts, load_front_end
+from livespeech.models.front_end import WINDOW, FrontEnd, contexts, load_front_end
 from livespeech.training import letter_phones as LP
 
 
@@ -49,6 +49,14 @@ def test_trained_on_the_smoke_corpus_it_drives_the_timed_modes(tmp_path):
         np.save(path, codes[None])
     assert table.pairs and PhoneTable.fit(bundle.codec, corpus, rows, n=0, min_count=1,
                                           codes_dir=str(tmp_path / "codes")).pairs == table.pairs
+    # the context table added to that front end from those codes: the rest of it unchanged
+    assert front_end.contexts is not None  # the default strength fits it with the rest
+    assert LP.main(["--corpus", corpus, "--codec", str(tmp_path / "codec.pt"), "--codes", str(tmp_path / "codes"),
+                    "--out", str(tmp_path / "ctx.pt"), "--phone-min-count", "1",
+                    "--add-contexts", str(tmp_path / "front_end.pt")]) == 0
+    with_ctx = FrontEnd.load(tmp_path / "ctx.pt")
+    assert torch.equal(with_ctx.first_code_bias()[:len(table.vocab)], front_end.first_code_bias()[:len(table.vocab)])
+    assert with_ctx.contexts["keys"].tolist() == [list(c) for c in sorted({ctx for ctx, _ in table.context_pairs})]
     assert front_end.duration_scale > 0
     utt = select_utterances(rows, tmp_path / "corpus", 1, split="dev")[0]
     p = diagnose.prepare(bundle, rows, [utt], str(tmp_path / "codes"))[0]

@@ -91,3 +91,24 @@ def test_phone_given_code_is_each_codes_share_of_frames_per_phone():
     assert torch.isinf(logp[:, 3]).all()  # a code never seen sounds no phone
     smoothed = table.phone_given_code(10, smoothing=0.1)
     assert torch.isfinite(smoothed[:, 7]).all() and torch.allclose(smoothed[:, 7].exp().sum(), torch.tensor(1.0))
+
+
+def test_a_context_refines_its_phones_code_distribution_by_its_own_counts():
+    """log p(code | context) - log p(code | phone), up to a constant: codes a context
+    sounds more often than its phone does gain; a rare context stays near its phone."""
+    from collections import Counter
+
+    from livespeech.training.phones import PhoneTable
+
+    vocab = PhoneVocab(("_", "espeak:a", "espeak:b"))
+    ctx_b, ctx_rare = (1, 0, 2), (1, 1, 0)
+    table = PhoneTable(vocab, {7: 1}, 0, 320, 24000, Counter({(1, 7): 60, (1, 8): 40}),
+                       Counter({(ctx_b, 7): 50, (ctx_rare, 8): 1}))
+    out = table.contexts(10, strength=10.0, smoothing=0.0)
+    assert out["keys"].tolist() == [list(ctx_b), list(ctx_rare)]
+    row = {ctx_b: 0, ctx_rare: 1}
+    got = {(int(r), int(c)): float(v) for (r, c), v in zip(out["pairs"].tolist(), out["values"])}
+    # p(7 | a) = 0.6: 50 frames against 10 x 0.6 of prior
+    assert abs(got[(row[ctx_b], 7)] - np.log1p(50 / 6)) < 1e-5
+    assert abs(got[(row[ctx_rare], 8)] - np.log1p(1 / 4)) < 1e-5
+    assert len(got) == 2  # codes a context never sounds: its row's constant, 0

@@ -7,10 +7,15 @@ The front end gives the letters' timing and each frame's phone from the text alo
 `LetterPhoneModel` (cross-entropy on the corpus's phone timelines) and
 `LetterDurationModel` (MSE on log(1 + frames) of each letter), both on the letters laid
 on the phones as the decoder's training lays them (`--letters phones`), and how often
-each of the codec's codebook-1 codes sounds each phone (`PhoneTable`).
+each of the codec's codebook-1 codes sounds each phone, and in each phone context
+(`PhoneTable`).
 
     python -m livespeech.training.letter_phones --corpus data/corpus \
         --codec models/weights/default/codec.pt --codes data/codes --out models/weights/default/front_end.pt
+
+With `--add-contexts FRONT_END`, that front end is kept and only its table of codebook 1
+per phone context (`phone_context`: the half of the phone's run and the phone on that
+side) is fitted.
 """
 from __future__ import annotations
 
@@ -91,6 +96,24 @@ def fit(model: nn.Module, data: tuple, loss_fn, epochs: int, batch: int, lr: flo
                   f"({time.time() - t0:.0f} s)", flush=True)
 
 
+def add_contexts(a: argparse.Namespace) -> int:
+    """--add-contexts: the front end as it is, with the context table of the codes' phones."""
+    from livespeech.models.loading import load_codec
+    from livespeech.training.dataset import read_manifest
+
+    fe = FrontEnd.load(a.add_contexts)
+    codec = load_codec(a.codec, 1)
+    table = PhoneTable.fit(codec, a.corpus, read_manifest(a.corpus), min_count=a.phone_min_count,
+                           **({"n": 0, "codes_dir": a.codes} if a.codes else {}))
+    if table.vocab.names != fe.phone_names:
+        print("the corpus's phones are not the front end's", file=sys.stderr)
+        return 1
+    fe.contexts = table.contexts(codec.config.codebook_size, a.context_strength)
+    torch.save(FrontEnd.from_dict(fe.to_dict()).to_dict(), a.out)
+    print(f"wrote {a.out}: {len(fe.contexts['keys'])} phone contexts, {len(fe.contexts['values'])} codes refined")
+    return 0
+
+
 def main(argv=None) -> int:
     from livespeech.training.dataset import read_manifest
 
@@ -108,9 +131,16 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--phone-min-count", type=int, default=20,
                    help="as livespeech.training.phones.PhoneTable.fit's (the phone classes must match)")
+    p.add_argument("--context-strength", type=float, default=80.0,
+                   help="codebook 1's bias per phone context (FrontEnd.contexts): frames' worth of the phone's own "
+                        "code distribution a context's counts are smoothed with; 0: phones alone")
+    p.add_argument("--add-contexts", metavar="FRONT_END", default=None,
+                   help="keep this front end (networks and phone table) and only fit its context table (--codes)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    if a.add_contexts:
+        return add_contexts(a)
     rows = [r for r in read_manifest(a.corpus) if r.get("phones")]
     vocab = PhoneVocab.from_records(rows, a.phone_min_count)
     engines = sorted({r.get("engine", "espeak") for r in rows})
@@ -138,7 +168,8 @@ def main(argv=None) -> int:
     with torch.no_grad():  # exp of a log-space regression is short of the mean: rescale to the train total
         scale = float((dtrain[3].exp() - 1).sum() / (dur(*dtrain[:3]).exp() - 1).clamp_min(0).sum())
     size = codec.config.codebook_size
-    fe = FrontEnd(model, dur, table.code_phones(size), vocab.names, engines, pace, scale, table.phone_given_code(size))
+    fe = FrontEnd(model, dur, table.code_phones(size), vocab.names, engines, pace, scale, table.phone_given_code(size),
+                  table.contexts(size, a.context_strength) if a.context_strength > 0 else None)
     torch.save(fe.to_dict(), a.out)
     print(f"wrote {a.out}: pace {pace:.3f} (log frames a letter), durations scaled by {scale:.3f}, "
           f"{int((fe.code_phones >= 0).sum())} codes name a phone")

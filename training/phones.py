@@ -34,6 +34,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from livespeech.models.front_end import phone_context
+
 from .corpus.align import PAUSE
 from .dataset import codes_path, read_manifest, read_wav_segment
 
@@ -137,6 +139,7 @@ class PhoneTable:
     hop: int
     sample_rate: int
     pairs: Counter = field(default_factory=Counter)  # (phone, code) -> frames of the fit
+    context_pairs: Counter = field(default_factory=Counter)  # ((phone, half, neighbour), code) -> frames
 
     @classmethod
     def fit(cls, codec, corpus: str, records: Sequence[dict], n: int = 300, device="cpu", seed: int = 0,
@@ -154,12 +157,16 @@ class PhoneTable:
         codes_of = ([np.load(codes_path(codes_dir, r["id"]))[0] for r in fit] if codes_dir is not None
                     else first_codebook(codec, corpus, fit, device))
         pairs: Counter = Counter()
+        context_pairs: Counter = Counter()
         for r, codes in zip(fit, codes_of):
             ph = vocab.frame_labels(r, 0, len(codes), codec.hop_length, codec.sample_rate)
             pairs.update((int(p), int(c)) for p, c in zip(ph, codes) if p != IGNORE)
+            ph = np.where(ph == IGNORE, -1, ph).tolist()
+            context_pairs.update((ctx, int(c)) for f, c in enumerate(codes)
+                                 if (ctx := phone_context(ph, f, complete=True)) is not None)
         table, default = _majority_table(pairs)
         return cls(vocab, table, -1 if default is None else int(default), codec.hop_length, codec.sample_rate,
-                   pairs)
+                   pairs, context_pairs)
 
     def phone_given_code(self, codebook_size: int, smoothing: float = 0.1) -> torch.Tensor:
         """[phones, codebook_size] log p(phone | code) over the fit's frames (each pair's
@@ -170,6 +177,25 @@ class PhoneTable:
         total = counts.sum(1, keepdim=True)
         logp = ((counts + smoothing) / (total + smoothing * len(self.vocab))).log()
         return logp.masked_fill(total == 0, float("-inf")).T.float().contiguous()
+
+    def contexts(self, codebook_size: int, strength: float = 80.0, smoothing: float = 0.1) -> dict:
+        """`FrontEnd.contexts`: for each context of the fit (`phone_context`), log p(code |
+        context) - log p(code | phone) on the codes seen in it, the rest of its row a
+        constant (dropped: 0). p(code | context) is its counts with `strength` frames'
+        worth of p(code | phone) (whose counts get `smoothing` each) added, so a rare
+        context stays near its phone."""
+        by_phone = torch.full((len(self.vocab), codebook_size), smoothing, dtype=torch.float64)
+        for (phone, code), c in self.pairs.items():
+            by_phone[phone, code] += c
+        by_phone /= by_phone.sum(1, keepdim=True)
+        keys = sorted({ctx for ctx, _ in self.context_pairs})
+        row = {k: i for i, k in enumerate(keys)}
+        items = sorted(self.context_pairs.items(), key=lambda kv: (row[kv[0][0]], kv[0][1]))
+        pairs = torch.tensor([[row[ctx], code] for (ctx, code), _ in items], dtype=torch.int32).view(-1, 2)
+        counts = torch.tensor([c for _, c in items], dtype=torch.float64)
+        prior = strength * by_phone[torch.tensor([ctx[0] for (ctx, _), _ in items], dtype=torch.long), pairs[:, 1].long()]
+        return {"keys": torch.tensor(keys, dtype=torch.long).view(-1, 3), "pairs": pairs,
+                "values": torch.log1p(counts / prior).float()}
 
     def hits(self, rec: dict, codes: np.ndarray) -> tuple[int, int]:
         """(frames whose code names the record's phone there, frames with a phone label)."""

@@ -324,7 +324,7 @@ def schedule_rule(front_end, schedule) -> Cb1Rule:
     """Codebook 1 given the phone a `LetterSchedule` gives the frame, as the server draws it
     (the front end's `first_code_bias`)."""
     bias = front_end.first_code_bias()
-    return lambda f, row, logits: bias[schedule.phone(f)] if schedule.phone(f) >= 0 else None
+    return lambda f, row, logits: bias[schedule.bias_row(f)] if schedule.bias_row(f) >= 0 else None
 
 
 def cb1_rule(mode: str, phones: Optional[PhoneTable], rec: dict, prep: Prepared, codebook_size: int,
