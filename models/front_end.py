@@ -13,10 +13,11 @@ alone, without the acoustic history:
 
 and, for the codec's codebook-1 codes, how often each sounds each phone and the phone
 each sounds most often, and optionally how that shifts with the phone's context
-(`phone_context`: which half of its run a frame is in, and the phone on that side). `FrontEnd` holds them (a model directory's `front_end.pt`,
-written by livespeech.training.letter_phones);
-`LetterSchedule` is one session's timeline: words are added as their text arrives, letters
-laid as the session's speech reaches them (server/session.py).
+(`phone_context`: which half of its run a frame is in, and the phone on that side).
+`FrontEnd` holds them (a model directory's `front_end.pt`, written by
+livespeech.training.letter_phones); `LetterSchedule` is one session's timeline: words are
+added as their text arrives, letters laid as the session's speech reaches them
+(server/session.py).
 """
 from __future__ import annotations
 
