@@ -79,13 +79,14 @@ def measure(bundle, sessions: int, turns: int, top_k: int = 20, draws: int = 32,
     rows: dict[str, list[dict]] = {"graphemes": [], "acoustic": []}
     batches: list[int] = []
 
-    def both(inputs, frame, view, mask, dtype=None):
+    def both(inputs, frame, view, mask, dtype=None, phones=None):
         # the bf16 step from a copy of the recurrent state; the float32 one goes on
         if inputs.shape[0] < 2:
-            return step(inputs, frame, view, mask, None)
+            return step(inputs, frame, view, mask, None, phones=phones)
         conv, ssm = view.conv.clone(), view.ssm.clone()
-        low = step(inputs, frame, dataclasses.replace(view, conv=conv, ssm=ssm), mask, runner.low_precision)
-        out = step(inputs, frame, view, mask, None)
+        low = step(inputs, frame, dataclasses.replace(view, conv=conv, ssm=ssm), mask, runner.low_precision,
+                   phones=phones)
+        out = step(inputs, frame, view, mask, None, phones=phones)
         batches.append(inputs.shape[0])
         rows["graphemes"].append(_row_stats(out.graphemes.float(), low.graphemes.float(), top_k, draws, gen))
         v = out.acoustic.shape[-1]

@@ -293,12 +293,11 @@ class ModelRunner:
             # the attention reads no text slot past the last one any row shows (past chunks
             # are evicted from the front, so the windows sit near the memory's start)
             visible = mask[:, : self.state.visible_length(slots, lo, hi)]
+            phone_in = None  # the phone input of a decoder that reads one (-1: none)
             if self.model.cfg.n_phones:
                 phone_in = (self._phone_of_row(sent[bias_rows]) if bias_rows is not None
                             else torch.full((len(slots),), -1, device=self.device))
-                logits = self.model_step(view.inputs, view.step, view, visible, dtype, phones=phone_in)
-            else:
-                logits = self.model_step(view.inputs, view.step, view, visible, dtype)
+            logits = self.model_step(view.inputs, view.step, view, visible, dtype, phones=phone_in)
         if self.unconditioned is not None:
             logits = text_guided(logits, self._step_without_text(slots, view, dtype), self.text_cfg_scale)
         idx = self.state.slot_index(slots)

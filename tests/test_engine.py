@@ -678,8 +678,8 @@ def test_runner_fails_exactly_the_rows_with_a_non_finite_logit(bad_value, monkey
         runner.add_chunk(s, [100, 101], 0, 0)
     real_step = runner.model_step
 
-    def step(*args):
-        out = real_step(*args)
+    def step(*args, **kw):
+        out = real_step(*args, **kw)
         out.acoustic[0].fill_(3e4)  # finite, and its row sums to ~2.5e8
         out.acoustic[1, 5, 17] = bad_value
         return out
@@ -959,8 +959,8 @@ def model_that_wants_to_stop(engine, session, text: str, monkeypatch, stall_at=N
     stall_at = len(want) if stall_at is None else stall_at
     real = engine.runner.model_step
 
-    def step(*args):
-        out = real(*args)
+    def step(*args, **kw):
+        out = real(*args, **kw)
         g = out.graphemes
         assert g.shape[0] == 1, "one session at a time: row 0 is `session`"
         g.zero_()

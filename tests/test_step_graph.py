@@ -355,7 +355,7 @@ def test_the_runner_steps_in_bf16_from_two_sessions_when_asked():
             runner.admit(s, voice, seed=s)
             runner.add_chunk(s, list(range(100, 112)), 0, 0)
         seen, step = [], runner.model_step
-        runner.model_step = lambda *a: (seen.append(a[4]), step(*a))[1]
+        runner.model_step = lambda *a, **k: (seen.append(a[4]), step(*a, **k))[1]
         for slots in ([0], [0, 1], [0, 1, 2], [2]):
             n = len(slots)
             runner.step(slots, [(0, 0)] * n, [GuidanceState() for _ in slots], [1.0] * n, [5] * n, [False] * n)
