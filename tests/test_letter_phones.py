@@ -57,6 +57,15 @@ def test_trained_on_the_smoke_corpus_it_drives_the_timed_modes(tmp_path):
     with_ctx = FrontEnd.load(tmp_path / "ctx.pt")
     assert torch.equal(with_ctx.first_code_bias()[:len(table.vocab)], front_end.first_code_bias()[:len(table.vocab)])
     assert with_ctx.contexts["keys"].tolist() == [list(c) for c in sorted({ctx for ctx, _ in table.context_pairs})]
+    # the phone classifier fitted again on a corpus of phone timelines alone: the rest kept
+    assert LP.main(["--corpus", corpus, "--out", str(tmp_path / "refit.pt"), "--epochs", "1", "--batch", "32",
+                    "--refit-phones", str(tmp_path / "ctx.pt")]) == 0
+    refit = FrontEnd.load(tmp_path / "refit.pt")
+    assert refit.phone_names == with_ctx.phone_names and torch.equal(refit.first_code_bias(), with_ctx.first_code_bias())
+    assert all(torch.equal(a, b) for a, b in zip(refit.durations.state_dict().values(),
+                                                 with_ctx.durations.state_dict().values()))
+    assert not all(torch.equal(a, b) for a, b in zip(refit.phones.state_dict().values(),
+                                                     with_ctx.phones.state_dict().values()))
     assert front_end.duration_scale > 0
     utt = select_utterances(rows, tmp_path / "corpus", 1, split="dev")[0]
     p = diagnose.prepare(bundle, rows, [utt], str(tmp_path / "codes"))[0]

@@ -15,7 +15,10 @@ each of the codec's codebook-1 codes sounds each phone, and in each phone contex
 
 With `--add-contexts FRONT_END`, that front end is kept and only its table of codebook 1
 per phone context (`phone_context`: the half of the phone's run and the phone on that
-side) is fitted.
+side) is fitted. With `--refit-phones FRONT_END`, that front end is kept (its phone
+classes, durations and code tables) and only its phone classifier is fitted again, on
+`--corpus`'s frames: a corpus synthesised for its phone timelines alone needs no audio
+encoded, so it can be many times the codes' corpus (more words spelt, docs/eval.md).
 """
 from __future__ import annotations
 
@@ -114,6 +117,31 @@ def add_contexts(a: argparse.Namespace) -> int:
     return 0
 
 
+def fit_phones(rows: Sequence[dict], vocab: PhoneVocab, engines: Sequence[str], epochs: int, batch: int,
+               lr: float) -> LetterPhoneModel:
+    """The phone classifier on the train records' frames, scored each epoch on the others'."""
+    train = phone_frames([r for r in rows if r["split"] == "train"], vocab, engines)
+    test = phone_frames([r for r in rows if r["split"] != "train"], vocab, engines)
+    print(f"{len(train[0])} train frames, {len(test[0])} other frames, {len(vocab)} phones, engines {engines}",
+          flush=True)
+    model = LetterPhoneModel(len(vocab), len(engines))
+    fit(model, train, lambda out, y: nn.functional.cross_entropy(out, y), epochs, batch, lr,
+        lambda: f"accuracy on other splits {(model(*test[:3]).argmax(1) == test[3]).float().mean().item():.3f}")
+    return model.eval()
+
+
+def refit_phones(a: argparse.Namespace) -> int:
+    """--refit-phones: the front end as it is, with its phone classifier fitted on --corpus."""
+    from livespeech.training.dataset import read_manifest
+
+    fe = FrontEnd.load(a.refit_phones)
+    rows = [r for r in read_manifest(a.corpus) if r.get("phones")]
+    fe.phones = fit_phones(rows, PhoneVocab(tuple(fe.phone_names)), fe.engines, a.epochs, a.batch, a.lr)
+    torch.save(FrontEnd.from_dict(fe.to_dict()).to_dict(), a.out)
+    print(f"wrote {a.out}: the phone classifier of {a.refit_phones} fitted on {a.corpus}")
+    return 0
+
+
 def main(argv=None) -> int:
     from livespeech.training.dataset import read_manifest
 
@@ -136,21 +164,20 @@ def main(argv=None) -> int:
                         "code distribution a context's counts are smoothed with; 0: phones alone")
     p.add_argument("--add-contexts", metavar="FRONT_END", default=None,
                    help="keep this front end (networks and phone table) and only fit its context table (--codes)")
+    p.add_argument("--refit-phones", metavar="FRONT_END", default=None,
+                   help="keep this front end (phone classes, durations, code tables) and only fit its phone "
+                        "classifier, on --corpus (no codec or codes needed)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     if a.add_contexts:
         return add_contexts(a)
+    if a.refit_phones:
+        return refit_phones(a)
     rows = [r for r in read_manifest(a.corpus) if r.get("phones")]
     vocab = PhoneVocab.from_records(rows, a.phone_min_count)
     engines = sorted({r.get("engine", "espeak") for r in rows})
-    train = phone_frames([r for r in rows if r["split"] == "train"], vocab, engines)
-    test = phone_frames([r for r in rows if r["split"] != "train"], vocab, engines)
-    print(f"{len(train[0])} train frames, {len(test[0])} other frames, {len(vocab)} phones, engines {engines}",
-          flush=True)
-    model = LetterPhoneModel(len(vocab), len(engines))
-    fit(model, train, lambda out, y: nn.functional.cross_entropy(out, y), a.epochs, a.batch, a.lr,
-        lambda: f"accuracy on other splits {(model(*test[:3]).argmax(1) == test[3]).float().mean().item():.3f}")
+    model = fit_phones(rows, vocab, engines, a.epochs, a.batch, a.lr)
     dur = LetterDurationModel(len(engines))
     dtrain = letter_durations([r for r in rows if r["split"] == "train"], engines)
     dtest = letter_durations([r for r in rows if r["split"] != "train"], engines)
