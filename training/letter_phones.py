@@ -99,14 +99,13 @@ def fit(model: nn.Module, data: tuple, loss_fn, epochs: int, batch: int, lr: flo
                   f"({time.time() - t0:.0f} s)", flush=True)
 
 
-def add_contexts(a: argparse.Namespace) -> int:
+def add_contexts(a: argparse.Namespace, rows: Sequence[dict]) -> int:
     """--add-contexts: the front end as it is, with the context table of the codes' phones."""
     from livespeech.models.loading import load_codec
-    from livespeech.training.dataset import read_manifest
 
     fe = FrontEnd.load(a.add_contexts)
     codec = load_codec(a.codec, 1)
-    table = PhoneTable.fit(codec, a.corpus, read_manifest(a.corpus), min_count=a.phone_min_count,
+    table = PhoneTable.fit(codec, a.corpus, rows, min_count=a.phone_min_count,
                            **({"n": 0, "codes_dir": a.codes} if a.codes else {}))
     if table.vocab.names != fe.phone_names:
         print("the corpus's phones are not the front end's", file=sys.stderr)
@@ -130,12 +129,9 @@ def fit_phones(rows: Sequence[dict], vocab: PhoneVocab, engines: Sequence[str], 
     return model.eval()
 
 
-def refit_phones(a: argparse.Namespace) -> int:
+def refit_phones(a: argparse.Namespace, rows: Sequence[dict]) -> int:
     """--refit-phones: the front end as it is, with its phone classifier fitted on --corpus."""
-    from livespeech.training.dataset import read_manifest
-
     fe = FrontEnd.load(a.refit_phones)
-    rows = [r for r in read_manifest(a.corpus) if r.get("phones")]
     fe.phones = fit_phones(rows, PhoneVocab(tuple(fe.phone_names)), fe.engines, a.epochs, a.batch, a.lr)
     torch.save(FrontEnd.from_dict(fe.to_dict()).to_dict(), a.out)
     print(f"wrote {a.out}: the phone classifier of {a.refit_phones} fitted on {a.corpus}")
@@ -170,11 +166,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    if a.add_contexts:
-        return add_contexts(a)
-    if a.refit_phones:
-        return refit_phones(a)
     rows = [r for r in read_manifest(a.corpus) if r.get("phones")]
+    if a.add_contexts:
+        return add_contexts(a, rows)
+    if a.refit_phones:
+        return refit_phones(a, rows)
     vocab = PhoneVocab.from_records(rows, a.phone_min_count)
     engines = sorted({r.get("engine", "espeak") for r in rows})
     model = fit_phones(rows, vocab, engines, a.epochs, a.batch, a.lr)
