@@ -206,6 +206,29 @@ def test_end_to_end_random_model_without_backends(tmp_path, monkeypatch):
     assert data["meta"]["n_heldout"] == 1
 
 
+def test_one_voice_enrolls_every_clip(tmp_path):
+    rows = _write_corpus(tmp_path / "corpus")
+    ref = tmp_path / "corpus" / [r for r in rows if r["id"] == "u2"][0]["audio"]
+    out = tmp_path / "eval.md"
+    rc = evaluate.main([
+        "--corpus", str(tmp_path / "corpus"), "--model", "random:tiny", "--out", str(out), "--limit", "2",
+        "--modes", "1word", "--lambdas", "1", "--skip", "all", "--threads", "1", "--max-overrun-s", "0.5",
+        "--no-codec", "--voice", str(ref), "--quiet",
+    ])
+    assert rc == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    model = [r for r in data["utterances"] if r["system"] == "model"]
+    assert len(model) == 2 and {r["enrollment"] for r in model} == {f"voice:{ref}"}
+    assert {r["voice"] for r in model} == {"voice-a", "voice-b"}  # the texts' own voices, for the GT rows
+    assert data["meta"]["voice"] == str(ref) and data["meta"]["n_heldout_refs"] == 0
+    assert f"Enrollment: `{ref}` for every clip." in out.read_text()
+    assert evaluate.main(["--corpus", str(tmp_path / "corpus"), "--model", "none", "--out", str(out),
+                          "--voice", str(tmp_path / "missing.wav"), "--quiet"]) == 2
+    # a training voice of the corpus: its training utterance; a held-out voice has none
+    assert evaluate.voice_reference("voice-a", rows, tmp_path / "corpus") == ("u2", tmp_path / "corpus" / "wav/u2.wav")
+    assert evaluate.voice_reference("voice-b", rows, tmp_path / "corpus") is None
+
+
 def test_sampling_settings_are_validated_where_sessions_validate_them():
     assert evaluate.parse_sampling("acoustic_temperature=0,grapheme_top_k=5") == {
         "acoustic_temperature": 0.0, "grapheme_top_k": 5}

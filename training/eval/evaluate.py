@@ -25,7 +25,9 @@ enrollment than to every other held-out voice's reference?); DistillMOS; and, fo
 model, RTF (engine compute / audio) and TTFA (first text -> first packet). Each metric
 backend loads on first use; a missing package turns its column into
 "n/a (package X not installed)". Writes the markdown report and a JSON with every
-utterance's results next to it.
+utterance's results next to it. With `--voice WAV` every clip is enrolled with that one
+reference instead: candidate voices compared on the same texts (docs/eval.md, "The
+default voice").
 """
 from __future__ import annotations
 
@@ -164,6 +166,16 @@ def heldout_references(rows: list[dict], corpus: Path) -> dict[str, tuple[str, P
             r = _pick_enrollment(pool, exclude="")
             refs[voice] = (r["id"], corpus / r["audio"])
     return refs
+
+
+def voice_reference(voice: str, rows: list[dict], corpus: Path) -> Optional[tuple[str, Path]]:
+    """`--voice`: a WAV file, or a training voice of the corpus, whose enrollment is the
+    one its clips get (its training utterance closest to 4 s). (id, audio) or None."""
+    if Path(voice).is_file():
+        return f"voice:{voice}", Path(voice)
+    pool = [r for r in enrollment_pools(rows).get(voice, []) if not r.get("heldout_voice")]
+    r = _pick_enrollment(pool, exclude="")
+    return None if r is None else (r["id"], corpus / r["audio"])
 
 
 def model_info(path: Optional[str]) -> dict:
@@ -452,6 +464,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-letter-schedule", dest="letter_schedule", action="store_false",
                    help="the decoder's own graphemes even where the model has a front end (the server's "
                         "--letter-schedule false)")
+    p.add_argument("--voice", default=None, metavar="WAV|VOICE",
+                   help="enroll every clip with one reference instead of an utterance of its own voice (to "
+                        "compare candidate voices on the same texts): a WAV file (e.g. a model's voices/NAME.wav) "
+                        "or a training voice of the corpus (its training utterance closest to 4 s); SIM is then "
+                        "to this reference and held-out identification is not run")
     p.add_argument("--save-audio", default=None, help="folder for the generated WAVs")
     p.add_argument("--quiet", action="store_true")
     return p
@@ -490,12 +507,19 @@ def main(argv=None) -> int:
     if not utts:
         print(f"no {a.split} utterances with an enrollment in {corpus}", file=sys.stderr)
         return 2
+    if a.voice:
+        ref = voice_reference(a.voice, rows, corpus)
+        if ref is None:
+            print(f"--voice {a.voice}: neither a file nor a training voice of {corpus}", file=sys.stderr)
+            return 2
+        for u in utts:
+            u.enroll_id, u.enroll_audio = ref
     log(f"evaluate: {len(utts)} utterances ({sum(u.heldout for u in utts)} held-out voices), "
         f"modes {modes or '-'}, lambdas {lambdas}, ASR {asr_model}")
 
     backends = make_backends(skip, asr_model=asr_model, threads=a.threads)
     normalizer = get_normalizer()
-    scorer = Scorer(backends, normalizer, heldout_references(rows, corpus), voice_variants(corpus))
+    scorer = Scorer(backends, normalizer, {} if a.voice else heldout_references(rows, corpus), voice_variants(corpus))
 
     bundle = engine = None
     model_source = "none (ground truth only)"
@@ -584,7 +608,7 @@ def main(argv=None) -> int:
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         model=model_source, corpus=str(corpus), split=a.split, n_utterances=len(utts),
         n_heldout=sum(u.heldout for u in utts), n_voices=len({u.voice for u in utts}),
-        n_heldout_refs=len(scorer.heldout_refs),
+        n_heldout_refs=len(scorer.heldout_refs), voice=a.voice,
         modes={m: MODES[m].description for m in modes}, lambdas=[_json_lambda(x) for x in lambdas],
         pacing=a.pacing, sampling={**_sampling_meta(a.sampling), "text_cfg_scale": a.text_cfg_scale,
                                             "letter_schedule": a.letter_schedule and getattr(bundle, "front_end", None) is not None},
@@ -656,7 +680,8 @@ def render(meta: dict, main_rows, ablation, na: dict, json_path: Path) -> str:
         f"- Model: `{meta['model']}`",
         f"- Corpus: `{meta['corpus']}` split `{meta['split']}`: {meta['n_utterances']} utterances "
         f"({meta['n_utterances'] - meta['n_heldout']} training voices, {meta['n_heldout']} held-out voices; "
-        f"{meta['n_voices']} voices). Enrollment: another utterance of the same voice.",
+        f"{meta['n_voices']} voices). Enrollment: "
+        + (f"`{meta['voice']}` for every clip." if meta.get("voice") else "another utterance of the same voice."),
         f"- Text stream: pacing `{meta['pacing']}`; modes: "
         + ("; ".join(f"`{k}` = {v}" for k, v in meta["modes"].items()) or "none")
         + f"; sampling: {_sampling_text(meta)}.",
