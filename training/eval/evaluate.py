@@ -25,7 +25,7 @@ enrollment than to every other held-out voice's reference?); DistillMOS; and, fo
 model, RTF (engine compute / audio) and TTFA (first text -> first packet). Each metric
 backend loads on first use; a missing package turns its column into
 "n/a (package X not installed)". Writes the markdown report and a JSON with every
-utterance's results next to it. With `--voice WAV` every clip is enrolled with that one
+utterance's results next to it. With `--voice` every clip is enrolled with one
 reference instead: candidate voices compared on the same texts (docs/eval.md, "The
 default voice").
 """
