@@ -2,7 +2,7 @@
 # The one prepared GPU command for the default model that speaks: trains the stage the
 # recipe has reached (models/weights/next/STAGE) for one call of the device tool, and
 # leaves what it made under $OUT. Here, before the call:
-#   LEAN=1 scripts/offline_gpu/bundle.sh && scripts/offline_gpu/slim.sh hold
+#   LEAN=1 scripts/offline_gpu/bundle.sh && scripts/offline_gpu/slim.sh hold   (with the call's CANDIDATES)
 # the call (device tool run: carry [".dev"], timeout_s 600, any kind):
 #   set -o pipefail; export OUT; HOURS=30 bash scripts/offline_gpu/next_run.sh 530 2>&1 | tee $OUT/run.log
 # after it: scripts/offline_gpu/slim.sh restore. The command is idempotent: after a failed
@@ -36,7 +36,8 @@
 # decoder_cfg trains a share of its utterances without text (--text-dropout TEXT_DROPOUT, 0.1)
 # for classifier-free guidance (the server's --text-cfg-scale); decoder_phonein reads each
 # step the phone the shipped front end gives the frame (--phone-input; its embedding starts
-# at zero, so it starts as the decoder it continues).
+# at zero, so it starts as the decoder it continues; it needs the front end in the tree,
+# which with the Piper codes is over a call's 64 MiB: slim.sh refuses it).
 # With CODEC_FT=1 (off by default: 900 steps beside the decoder made resynthesis WER 17
 # points worse, and halved the decoder's steps), beside them on the GPU, the codec's
 # decoder fine-tuned alone, adversarially (codec_train --decoder-only --adversarial, from
