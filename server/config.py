@@ -289,6 +289,8 @@ class EngineConfig:
     frozen_step: bool = ServerConfig.frozen_step
     # on the CPU, the step's widest matmuls in bfloat16 from 2 sessions (server/runner.py)
     bf16_matmuls: bool = False
+    # the batch size they start at (None: server/runner.py's BF16_FROM_BATCH)
+    bf16_from_batch: Optional[int] = None
     # on the CPU, the streaming codec run by ONNX Runtime (server/runner.py)
     onnx_codec: bool = False
     # the text tokens with the lowest ids (the BPE's first merges, its most frequent)
@@ -322,4 +324,6 @@ class EngineConfig:
             raise ConfigError("low_water_steps must be in [0, 100]")
         if self.warm_text_tokens < 0:
             raise ConfigError("warm_text_tokens must be >= 0")
+        if self.bf16_from_batch is not None and self.bf16_from_batch < 1:
+            raise ConfigError("bf16_from_batch must be >= 1")
         return self

@@ -47,7 +47,7 @@ class Engine:
                                   onnx_codec=config.onnx_codec, warm_text_tokens=config.warm_text_tokens,
                                   device_guidance=config.device_guidance,
                                   max_text_chars=config.max_session_text_chars,
-                                  text_cfg_scale=config.text_cfg_scale)
+                                  text_cfg_scale=config.text_cfg_scale, bf16_from_batch=config.bf16_from_batch)
         self.clock = StepClock()
         self.packets = PacketPolicy(self.clock, config.low_water_steps, self.runner.min_first_frames)
         self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,

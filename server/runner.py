@@ -112,7 +112,8 @@ class Voice:
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
                  bf16_matmuls: bool = False, onnx_codec: bool = False, device_guidance: bool = False,
-                 max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0):
+                 max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0,
+                 bf16_from_batch: Optional[int] = None):
         if bundle.model.cfg.n_phones and (cuda_graphs or text_cfg_scale > 0):
             raise ValueError("a decoder with a phone input runs without CUDA graphs and text CFG")
         self.bundle = bundle
@@ -139,8 +140,10 @@ class ModelRunner:
         # (the same ops, no Python between them), the codec on ONNX Runtime when asked
         # (`_codec_step`); the eager calls elsewhere
         frozen = frozen_step and self.device.type == "cpu"
-        # the widest matmuls in bfloat16 from BF16_FROM_BATCH sessions (CPU only)
+        # the widest matmuls in bfloat16 from BF16_FROM_BATCH sessions (CPU only); the
+        # evaluation asks for them from one, to hear what a busy server's sessions sound like
         self.low_precision = torch.bfloat16 if bf16_matmuls and self.device.type == "cpu" else None
+        self.bf16_from_batch = BF16_FROM_BATCH if bf16_from_batch is None else bf16_from_batch
         self.model_step, self.codec_step = self.model.step, self.codec.decode_step
         if frozen and self.captured is None:
             self.model_step = frozen_or_eager(lambda: FrozenStep(self.model, matmul_dtype=self.low_precision),
@@ -286,7 +289,7 @@ class ModelRunner:
         # the captured step reads the whole state itself: its view gathers no memory
         view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else ())
         mask = self.state.window_mask(view, sent[lo_hi[0]], sent[lo_hi[1]])
-        dtype = self.low_precision if len(slots) >= BF16_FROM_BATCH else None
+        dtype = self.low_precision if len(slots) >= self.bf16_from_batch else None
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
         else:

@@ -1153,3 +1153,23 @@ def test_every_uint64_seed_is_taken(engine, voice):
     assert runner.seeds.tolist() == [0, 2**63 - 1, -(2**63), -1]
     u = runner.uniforms(torch.arange(4), torch.zeros(4, dtype=torch.long))
     assert len({tuple(r) for r in u.tolist()}) == 4
+
+
+def test_bf16_from_batch_one_runs_a_lone_sessions_step_in_bfloat16(voice):
+    """A server's bf16 matmuls start at two sessions; the evaluation asks for them from one
+    (`eval --bf16-matmuls`), so what a busy server's sessions sound like is measured."""
+    dtypes = {}
+    for name, extra in (("default", {}), ("from one", {"bf16_from_batch": 1})):
+        eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=1, bf16_matmuls=True, **extra))
+        seen = dtypes[name] = set()
+        step = eng.runner.model_step
+
+        def spy(*args, step=step, seen=seen, **kw):
+            seen.add(args[4])  # (inputs, frame, view, mask, dtype, ...)
+            return step(*args, **kw)
+
+        eng.runner.model_step = spy
+        speak_alone(eng, voice, "one two")
+    assert dtypes == {"default": {None}, "from one": {torch.bfloat16}}
+    with pytest.raises(ConfigError, match="bf16_from_batch"):
+        EngineConfig(bf16_from_batch=0).validate()
