@@ -18,7 +18,7 @@ from livespeech.models.config import FRAME_RATE
 from livespeech.models.loading import load_bundle
 from livespeech.models.scripted import kernel_fusion
 
-from .profile_step import add_cpu_path_arguments, noise_reference
+from .profile_step import add_path_arguments, noise_reference
 
 
 def bench(fn, n: int) -> float:
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                     help="keep TorchScript's fused kernels on CUDA (the runner turns them off: models/scripted.py)")
     ap.add_argument("--guidance-only", action="store_true",
                     help="time the guidance alone: per session in Python against all slots as tensors")
-    add_cpu_path_arguments(ap)
+    add_path_arguments(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.guidance_only:

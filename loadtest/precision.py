@@ -1,14 +1,17 @@
-"""How far the bf16 step moves the model's sampling distributions from the float32 step's.
+"""How far a bf16 step moves the model's sampling distributions from the float32 step's.
 
-    python -m livespeech.loadtest.precision --sessions 8 --turns 2 --json precision.json
+    python -m livespeech.loadtest.precision --sessions 8 --turns 2 [--arm decoder] --json precision.json
 
 `bf16_matmuls` (server/runner.py) runs the decode step's widest matmuls with bfloat16
-weights. This measures what that costs in the model's output, teacher-forced along real
-decodes: the real engine (no gRPC) speaks `--sessions` x `--turns` turns of built-in
-sentences in the bundle's voices, stepping in float32; at every step of two or more
-sessions (where the server would use bf16) the same step also runs in bf16 from a copy
-of the recurrent state, and the two steps' logits are compared row by row (each row one
-session's grapheme or one acoustic codebook):
+weights: on the CPU from two sessions (`--arm matmuls`), on a GPU at every step with the
+cross-attention's projections and the text memory in bfloat16 too (`--arm gpu`, run
+here on the CPU); `--arm decoder` measures the whole decoder converted to bfloat16
+instead (not a server setting; docs/loadtest.md). This measures what that costs in the
+model's output, teacher-forced along real decodes: the real engine (no gRPC) speaks
+`--sessions` x `--turns` turns of built-in sentences in the bundle's voices, stepping in
+float32; at every step where the server would use bf16 the same step also runs in bf16
+from a copy of the recurrent state, and the two steps' logits are compared row by row
+(each row one session's grapheme or one acoustic codebook):
 
 - argmax agreement: the share of rows whose most likely token is the same;
 - KL(float32 || bf16) of the full softmax, in nats;
@@ -27,6 +30,7 @@ A measurement, not a test: it prints a JSON summary.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -41,6 +45,7 @@ from .profile_step import noise_reference
 from .workload import load_sentences
 
 TEMPERATURES = (1.01, 1.02, 1.05)
+ARMS = ("matmuls", "gpu", "decoder")  # what runs in bfloat16 (`measure`)
 
 
 def _row_stats(p32: torch.Tensor, p16: torch.Tensor, top_k: int, draws: int, gen: torch.Generator) -> dict:
@@ -66,26 +71,43 @@ def _row_stats(p32: torch.Tensor, p16: torch.Tensor, top_k: int, draws: int, gen
 
 
 def measure(bundle, sessions: int, turns: int, top_k: int = 20, draws: int = 32, seed: int = 0,
-            timeout_s: float = 600.0) -> dict[str, Any]:
+            timeout_s: float = 600.0, arm: str = "matmuls") -> dict[str, Any]:
+    """arm "matmuls": the CPU's bf16 matmuls (`bf16_matmuls`: the widest matmuls with
+    bf16 weights), at steps of two or more sessions, where the CPU server uses them;
+    "gpu": a GPU's (the same plus the cross-attention's projections, the text memory in
+    bfloat16: server/runner.py), at every step; "decoder": the whole decoder converted
+    to bfloat16 (weights, activations, the conv window and the memory; not a server
+    setting), at every step. Each from the float32 state (rounded to bfloat16 where the
+    arm keeps it so; the SSM state stays float32)."""
     from livespeech.server.engine import Engine, EngineConfig
     from livespeech.api.session import Failed, Finished, SessionConfig
 
-    engine = Engine(bundle, EngineConfig(max_sessions=sessions, bf16_matmuls=True))
+    if arm not in ARMS:
+        raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {arm!r}")
+    engine = Engine(bundle, EngineConfig(max_sessions=sessions, bf16_matmuls=arm == "matmuls"))
     runner = engine.runner
-    if runner.low_precision is None:
-        raise SystemExit("bf16 matmuls are not available here (a CPU device is needed)")
     step = runner.model_step
+    bf16 = torch.bfloat16
+    low_model = copy.deepcopy(bundle.model).to(bf16) if arm == "decoder" else bundle.model
+    min_batch = runner.bf16_from_batch if arm == "matmuls" else 1
+    rounded = {"matmuls": (), "gpu": ("mem_k", "mem_v"), "decoder": ("conv", "mem_k", "mem_v")}[arm]
     gen = torch.Generator().manual_seed(seed)
     rows: dict[str, list[dict]] = {"graphemes": [], "acoustic": []}
     batches: list[int] = []
 
+    def low_step(inputs, frame, view, mask, phones):
+        state = {name: getattr(view, name).clone() for name in ("conv", "ssm")}  # the step writes them
+        state.update({name: getattr(view, name).to(bf16) for name in rounded})
+        low_view = dataclasses.replace(view, **state)
+        if arm == "matmuls":
+            return step(inputs, frame, low_view, mask, bf16, phones=phones)
+        return low_model.step(inputs, frame, low_view, mask, None if arm == "decoder" else bf16, phones=phones)
+
     def both(inputs, frame, view, mask, dtype=None, phones=None):
-        # the bf16 step from a copy of the recurrent state; the float32 one goes on
-        if inputs.shape[0] < 2:
+        # the low-precision step from a copy of the recurrent state; the float32 one goes on
+        if inputs.shape[0] < min_batch:
             return step(inputs, frame, view, mask, None, phones=phones)
-        conv, ssm = view.conv.clone(), view.ssm.clone()
-        low = step(inputs, frame, dataclasses.replace(view, conv=conv, ssm=ssm), mask, runner.low_precision,
-                   phones=phones)
+        low = low_step(inputs, frame, view, mask, phones)
         out = step(inputs, frame, view, mask, None, phones=phones)
         batches.append(inputs.shape[0])
         rows["graphemes"].append(_row_stats(out.graphemes.float(), low.graphemes.float(), top_k, draws, gen))
@@ -134,7 +156,7 @@ def measure(bundle, sessions: int, turns: int, top_k: int = 20, draws: int = 32,
                 out[name] = {"mean": x.mean().item(), "p99": x.quantile(0.99).item(), "max": x.max().item()}
         return out
 
-    return {"model": bundle.source, "sessions": sessions, "turns": turns, "top_k": top_k, "draws_per_row": draws,
+    return {"model": bundle.source, "arm": arm, "sessions": sessions, "turns": turns, "top_k": top_k, "draws_per_row": draws,
             "outcomes": {o: outcomes.count(o) for o in set(outcomes)}, "steps_compared": len(batches),
             "mean_batch": sum(batches) / max(1, len(batches)),
             "graphemes": summary(rows["graphemes"]), "acoustic": summary(rows["acoustic"])}
@@ -150,13 +172,16 @@ def main(argv=None) -> int:
     ap.add_argument("--draws", type=int, default=32, help="uniform draws per row for the same-draw disagreement")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arm", choices=ARMS, default="matmuls",
+                    help="matmuls: the CPU's --bf16-matmuls; gpu: a GPU's (the attention's projections and the text "
+                         "memory in bfloat16 too); decoder: the whole decoder converted to bfloat16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from livespeech.models.loading import load_bundle
 
     bundle = load_bundle(None if args.model_path == "default" else args.model_path)
-    result = measure(bundle, args.sessions, args.turns, args.top_k, args.draws, args.seed)
+    result = measure(bundle, args.sessions, args.turns, args.top_k, args.draws, args.seed, arm=args.arm)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from livespeech.server.config import BF16_SETTINGS, CODEC_RUNTIMES
-from livespeech.server.runner import BF16_FROM_BATCH, bf16_matmuls_enabled, onnx_codec_enabled
+from livespeech.server.runner import bf16_matmuls_enabled, onnx_codec_enabled
 
 # ------------------------------------------------------------------ scopes
 
@@ -303,7 +303,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     window = step_starts[-1] - step_starts[0]
     out = {"steps": steps, "window_s": window, "iteration_ms": 1000 * window / steps,
            "mean_batch": statistics.fmean(batch_sizes), "sessions_opened": opened, "sessions_finished": finished[0],
-           "frozen_step": frozen, "bf16_matmuls": low_precision,
+           "frozen_step": frozen, "bf16_matmuls": low_precision, "bf16_from_batch": engine.runner.bf16_from_batch,
            "incl": dict(scopes.incl), "excl": dict(scopes.excl), "calls": dict(scopes.calls),
            "parent": dict(scopes.parent)}
     if prof is not None and trace_dir is not None:
@@ -359,9 +359,10 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def analytic_cost(model) -> dict:
+def analytic_cost(model, cuda: bool = False) -> dict:
     """Per-step weight bytes (read once per batched step) and per-session MACs and state
-    bytes, from the parameter shapes."""
+    bytes, from the parameter shapes. `cuda`: what a bf16 step runs in bfloat16 is a
+    GPU's (the cross-attention's projections too, and the memory K/V in bfloat16)."""
     cfg = model.cfg
     d = cfg.d_model
     L = model.n_layers
@@ -381,18 +382,24 @@ def analytic_cost(model) -> dict:
         if name.startswith(skip) or ".xattn.kv_proj." in name:
             continue  # not read by a decode step (enrollment / text projection happen once)
         weights += _bytes(p)
-    # what a bf16 step (batch >= BF16_FROM_BATCH with bf16 matmuls) reads in bfloat16:
-    # the heads and each Mamba block's in/out projections (LiveSpeech2.step's matmul_dtype)
+    # what a bf16 step (bf16 matmuls, from BF16_FROM_BATCH sessions on the CPU) reads in
+    # bfloat16: the heads and each Mamba block's in/out projections (LiveSpeech2.step's
+    # matmul_dtype), on a GPU (the memory in bfloat16) the cross-attention's q and out too
+    bf16_names = (".mamba.in_proj.weight", ".mamba.out_proj.weight")
+    bf16_names += (".xattn.q_proj.weight", ".xattn.out_proj.weight") if cuda else ()
     bf16_weights = sum(_bytes(p) for name, p in model.named_parameters()
-                       if name.startswith("heads.") or name.endswith((".mamba.in_proj.weight", ".mamba.out_proj.weight")))
+                       if name.startswith("heads.") or name.endswith(bf16_names))
+    macs_bf16 = L * (macs_in_out + (2 * d * d if cuda else 0)) + macs_heads
     es = 4
     state_rw = 2 * L * di * (kc + n) * es  # conv + SSM state, read and written
     mem_read = L * H * M * 3 * hd * es  # cached K (2*hd wide) and V
     emb_rows = cfg.n_codebooks * d * es
     return {"macs_per_session": macs, "macs_mamba_per_layer": macs_mamba, "macs_xattn_per_layer": macs_xattn,
             "macs_heads": macs_heads, "weight_bytes": weights,
-            "macs_bf16_per_session": L * macs_in_out + macs_heads, "bf16_weight_bytes_fp32": bf16_weights,
+            "macs_bf16_per_session": macs_bf16, "bf16_weight_bytes_fp32": bf16_weights,
             "state_bytes_per_session": state_rw + mem_read + emb_rows,
+            # a GPU's bf16 step keeps the memory K/V in bfloat16: half of mem_read saved
+            "bf16_memory_saving_per_session": mem_read / 2 if cuda else 0,
             "dims": {"d_model": d, "layers": L, "heads": H, "d_inner": di, "d_state": n, "dt_rank": r, "memory": M,
                      "vocab_sizes": list(model.vocab_sizes)}}
 
@@ -527,7 +534,7 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
     from livespeech.models.config import FRAME_RATE
 
     machine = measure_machine(bundle.device, bf16=bf16_matmuls)
-    cost = analytic_cost(bundle.model)
+    cost = analytic_cost(bundle.model, cuda=bundle.device.type == "cuda")
     ccost = codec_cost(bundle.codec)
     pf = max(1, math.ceil(packet_ms * FRAME_RATE / 1000))
     out: dict[str, Any] = {"model": bundle.source, "device": str(bundle.device), "threads": threads,
@@ -543,6 +550,7 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         rows, cats = scope_table(run)
         # what the runner made of the request
         out["frozen_step"], out["bf16_matmuls"] = run["frozen_step"], run["bf16_matmuls"]
+        out["bf16_from_batch"] = run["bf16_from_batch"]
         plain_ms = None
         if plain:
             pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, cuda_graphs=cuda_graphs,
@@ -552,8 +560,8 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         step_s = run["window_s"] / steps
         model_s = run["incl"].get("model.step", 0.0) / steps
         macs = cost["macs_per_session"] * b
-        state = cost["state_bytes_per_session"] * b
-        bf16_step = bool(run["bf16_matmuls"]) and b >= BF16_FROM_BATCH
+        bf16_step = bool(run["bf16_matmuls"]) and b >= run["bf16_from_batch"]
+        state = (cost["state_bytes_per_session"] - (cost["bf16_memory_saving_per_session"] if bf16_step else 0)) * b
         bf16_flops = 2 * cost["macs_bf16_per_session"] * b if bf16_step else 0.0
         weights = cost["weight_bytes"] - (cost["bf16_weight_bytes_fp32"] / 2 if bf16_step else 0)
         model_flops, model_bytes = 2 * macs, weights + state
@@ -585,12 +593,12 @@ def noise_reference(seed: int = 0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(24000) * 0.1).astype(np.float32)
 
 
-def add_cpu_path_arguments(ap: argparse.ArgumentParser) -> None:
+def add_path_arguments(ap: argparse.ArgumentParser) -> None:
     """`--bf16-matmuls` and `--codec-runtime`, as the server's settings (server/runner.py;
     default auto, as there)."""
     ap.add_argument("--bf16-matmuls", choices=BF16_SETTINGS, default="auto",
-                    help="the step's widest matmuls in bfloat16 from batch 2, as the server's setting "
-                         "(auto: where the CPU has bf16 dot products)")
+                    help="the step's widest matmuls with bfloat16 weights (the CPU from batch 2, a GPU from 1), as "
+                         "the server's setting (auto: where the CPU has bf16 dot products or the GPU bfloat16)")
     ap.add_argument("--codec-runtime", choices=CODEC_RUNTIMES, default="auto",
                     help="what runs the streaming codec on the CPU, as the server's setting "
                          "(auto: ONNX Runtime where it imports)")
@@ -614,7 +622,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eager-step", action="store_true",
                     help="the eager model step on the CPU, whose layers are timed one by one (default: the frozen "
                          "graph the server runs, timed as one scope)")
-    add_cpu_path_arguments(ap)
+    add_path_arguments(ap)
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, help="write the tables as markdown here")
     args = ap.parse_args(argv)

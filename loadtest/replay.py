@@ -34,7 +34,7 @@ import torch
 from livespeech.server.runner import bf16_matmuls_enabled, onnx_codec_enabled
 
 from .playback import Packet, describe, simulate_playback
-from .profile_step import Patches, add_cpu_path_arguments, noise_reference
+from .profile_step import Patches, add_path_arguments, noise_reference
 from .workload import Pacing, load_sentences, make_turn
 
 
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="the step and the codec's steady packets from CUDA graphs")
-    add_cpu_path_arguments(ap)
+    add_path_arguments(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.sessions < 1 or args.turns < 1:

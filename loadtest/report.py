@@ -255,7 +255,7 @@ def render_profile_markdown(prof: dict) -> str:
         graphs = (", the model step replayed from a CUDA graph" if prof.get("cuda_graphs") else
                   ", the model step as a frozen TorchScript graph (one scope)" if prof.get("frozen_step") else "")
         if prof.get("bf16_matmuls"):
-            graphs += ", bf16 matmuls from batch 2"
+            graphs += f", bf16 matmuls from batch {prof.get('bf16_from_batch', 2)}"
         L.append(f"### batch {row['batch']}  (model `{prof.get('model')}`{graphs})\n")
         L.append(f"- engine step (instrumented): {_f(row['step_ms'], '{:.2f}')} ms per step, "
                  f"uninstrumented {_f(row.get('step_ms_plain'), '{:.2f}')} ms; mean batch {_f(row.get('mean_batch'), '{:.1f}')}"

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .derived import derived, transposed
+from .derived import derived, matmul_t, transposed
 
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
@@ -105,21 +105,24 @@ class CrossAttention(nn.Module):
         out = torch.matmul(w[..., :n], enr_v) + torch.matmul(w[..., n:], txt_v)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def attend_step(self, x: torch.Tensor, q_rope: torch.Tensor,
-                    mem_k: torch.Tensor, mem_v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def attend_step(self, x: torch.Tensor, q_rope: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,
+                    bias: torch.Tensor, matmul_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Eq. 1 for one query per session, in one fused attention call.
 
         x [B, D]; q_rope [B, hd, 2*hd] (`rope_query_matrix` of the query's frame);
         mem_k [B, H, N+L, 2*hd] holds enrollment keys in the first half of the last dim
         and *rotated* text keys in the second half (zeros elsewhere), so [q ; RoPE(q, t)]
         . k gives the unrotated enrollment scores and the rotated text scores at once;
-        mem_v [B, H, N+L, hd]; bias [B, 1, 1, N+L] (0 or -inf: the np/nf window).
+        mem_v [B, H, N+L, hd]; bias [B, 1, 1, N+L] (0 or -inf: the np/nf window), in the
+        memory's dtype, which the attention runs in (float32, or bfloat16 on a GPU);
+        matmul_dtype: the q and out projections' weights in it (models/derived.py).
         """
         b = x.shape[0]
-        w_q, w_out = derived(self, "_step_weights", (self.q_proj.weight, self.out_proj.weight),
-                             lambda: (transposed(self.q_proj.weight), transposed(self.out_proj.weight)))
-        q = torch.mm(x, w_q).view(b, self.n_heads, self.head_dim)
-        q2 = torch.bmm(q, q_rope).unsqueeze(2)  # [B, H, 1, 2*hd]: [q ; RoPE(q, t)]
+        w_q, w_out = derived(self, f"_step_weights_{matmul_dtype}", (self.q_proj.weight, self.out_proj.weight),
+                             lambda: (transposed(self.q_proj.weight, matmul_dtype),
+                                      transposed(self.out_proj.weight, matmul_dtype)))
+        q = matmul_t(x, w_q).view(b, self.n_heads, self.head_dim)
+        q2 = torch.bmm(q, q_rope).unsqueeze(2).to(mem_k.dtype)  # [B, H, 1, 2*hd]: [q ; RoPE(q, t)]
         scale = 1.0 / math.sqrt(self.head_dim)
         if x.device.type == "cpu":
             # one query per head: on CPU, SDPA takes its unfused math path here, which
@@ -128,7 +131,7 @@ class CrossAttention(nn.Module):
             out = torch.matmul(torch.softmax(s, dim=-1), mem_v)
         else:
             out = F.scaled_dot_product_attention(q2, mem_k, mem_v, attn_mask=bias, scale=scale)
-        return torch.mm(out.view(b, -1), w_out)
+        return matmul_t(out.view(b, -1).to(x.dtype), w_out)
 
 
 def window_chunk_range(c: int, n_past: Optional[int], n_future: int, n_chunks: int) -> tuple[int, int]:

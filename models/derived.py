@@ -13,7 +13,7 @@ against a weight that streams from memory ran up to 3x faster in that layout tha
 A derived weight may also be kept in bfloat16 for the step's widest matmuls, where the
 CPU has bf16 dot products: 1.2-3x faster than float32 from 4 rows (the 4,166-wide heads
 1.9x from 2), slower at 1 (AMD EPYC with AVX512-BF16, one thread; docs/loadtest.md,
-"Measured choices")."""
+"Measured choices"); and on a GPU, at any batch (half the bytes, tensor cores)."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, TypeVar

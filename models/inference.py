@@ -62,10 +62,12 @@ class DecodeState(DecodeStateView):
 
     @classmethod
     def allocate(cls, model: LiveSpeech2, capacity: int, device=None, dtype=torch.float32,
-                 text_tokens: Optional[int] = None) -> "DecodeState":
+                 text_tokens: Optional[int] = None, memory_dtype: Optional[torch.dtype] = None) -> "DecodeState":
         """Zeroed state for `capacity` slots, with room for `text_tokens` text tokens a
         slot (None: the model's max_text_tokens; 0 for the decoder without text that
-        classifier-free guidance steps beside it)."""
+        classifier-free guidance steps beside it). `memory_dtype` (None: `dtype`): that of
+        the cross-attention memory (enrollment and text K/V), which a step reads whole
+        for every session: bfloat16 halves those bytes (a GPU's bf16 matmuls, server/runner.py)."""
         cfg = model.cfg
         n_text = cfg.max_text_tokens if text_tokens is None else text_tokens
         n_layers = model.n_layers
@@ -76,8 +78,8 @@ class DecodeState(DecodeStateView):
         st = cls(
             conv=z(n_layers, capacity, d_inner, cfg.d_conv),
             ssm=z(n_layers, capacity, d_inner, cfg.d_state),
-            mem_k=z(n_layers, capacity, cfg.n_heads, m, 2 * hd),
-            mem_v=z(n_layers, capacity, cfg.n_heads, m, hd),
+            mem_k=z(n_layers, capacity, cfg.n_heads, m, 2 * hd, dt=memory_dtype or dtype),
+            mem_v=z(n_layers, capacity, cfg.n_heads, m, hd, dt=memory_dtype or dtype),
             txt_chunk=torch.full((capacity, n_text), -1, dtype=torch.long, device=device),
             inputs=torch.tensor(model.none_ids(), device=device).repeat(capacity, 1),
             step=torch.zeros(capacity, dtype=torch.long, device=device),
@@ -193,7 +195,8 @@ class DecodeState(DecodeStateView):
         self.txt_pos[r, c] = pos
         cos, sin = rope_angles(pos, hd, self.model.cfg.rope_base)  # [n, hd/2]
         # indices on dims 1 and 3 with a slice between: the indexed dim comes first, [n, layers, H, hd]
-        self.mem_k[:, r, :, e + c, hd:] = apply_rope(self.txt_k[:, r, :, c], cos[:, None, None], sin[:, None, None])
+        rotated = apply_rope(self.txt_k[:, r, :, c], cos[:, None, None], sin[:, None, None])
+        self.mem_k[:, r, :, e + c, hd:] = rotated.to(self.mem_k.dtype)  # index_put does not cast
 
     @torch.no_grad()
     def append_text(self, slot: int, token_ids: Sequence[int], positions: Sequence[float], chunk: int) -> None:

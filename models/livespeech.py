@@ -50,7 +50,11 @@ class DecoderLayer(nn.Module):
         kw = {} if matmul_dtype is None else {"matmul_dtype": matmul_dtype}
         y, _, _ = self.mamba.step(self.norm1(h).unsqueeze(1), conv_state, ssm_state, **kw)
         h = h + y.view(h.shape)
-        return h + self.xattn.attend_step(self.norm2(h), q_rope, mem_k, mem_v, bias)
+        # with the memory in bfloat16 (a GPU's bf16 path, server/runner.py) the attention's
+        # projections take bf16 weights too; the CPU keeps both in float32 (its 256-wide
+        # projections ran slower with bf16 weights: 16 x 256 x 256, 38 against 20 us)
+        attn_dtype = matmul_dtype if mem_k.dtype != torch.float32 else None
+        return h + self.xattn.attend_step(self.norm2(h), q_rope, mem_k, mem_v, bias, attn_dtype)
 
 
 @dataclass
@@ -210,16 +214,20 @@ class LiveSpeech2(nn.Module):
         in place); text_mask [B, L] the np/nf window over the first L text slots (L may
         be less than the memory's: slots past L are not read, so a caller that knows
         they are all masked saves their memory traffic). matmul_dtype: the widest
-        matmuls' weights (the heads, the Mamba in and out projections) in this dtype
-        (bfloat16, for CPUs with bf16 dot products; models/derived.py); None = the model's.
+        matmuls' weights (the heads, the Mamba in and out projections; the cross-attention's
+        too where the state's memory is in bfloat16, a GPU's path) in this dtype (bfloat16:
+        models/derived.py); None = the model's. The attention runs in the dtype of the
+        state's memory (`mem_k`). A model
+        converted to bfloat16 as a whole (not a server setting: loadtest/precision.py)
+        steps in its dtype; the logits come back in float32 either way.
         phones [B]: with a phone input, the phone of the frame codebook 1 is drawn for.
         """
         h = self._with_phones(self._embed_step(inputs), phones)
         cfg = self.cfg
-        q_rope = rope_query_matrix(*rope_angles(frame, cfg.d_model // cfg.n_heads, cfg.rope_base))
+        q_rope = rope_query_matrix(*rope_angles(frame, cfg.d_model // cfg.n_heads, cfg.rope_base)).to(h.dtype)
         # additive window mask: enrollment always visible, text keys by the np/nf window
         m = cfg.n_enroll + text_mask.shape[1]
-        bias = torch.zeros(h.shape[0], 1, 1, m, dtype=h.dtype, device=h.device)
+        bias = torch.zeros(h.shape[0], 1, 1, m, dtype=state.mem_k.dtype, device=h.device)
         bias[:, 0, 0, cfg.n_enroll:].masked_fill_(~text_mask, float("-inf"))
 
         # every layer's state as views, made in four ops (two per layer and tensor otherwise)
@@ -232,7 +240,9 @@ class LiveSpeech2(nn.Module):
             return h
 
         outs = self._grouped_logits(h, run, fused_heads=True, matmul_dtype=matmul_dtype)
-        return StepLogits(graphemes=outs[0], acoustic=torch.stack(outs[1:], dim=1))
+        # float32 logits whatever the model's dtype: the sampler and the biases added to
+        # them work in float32 (a no-op for a float32 model)
+        return StepLogits(graphemes=outs[0].float(), acoustic=torch.stack(outs[1:], dim=1).float())
 
 
 class CodebookLossWeights:

@@ -43,7 +43,7 @@ class SpeechEncoder(nn.Module):
         t = min(t, self.cfg.enc_max_frames)
         codes = codes[:, :, :t]
         x = sum(self.code_emb[k](codes[:, k]) for k in range(min(q, len(self.code_emb))))
-        x = x + sinusoid(t, x.shape[-1], x.device)
+        x = x + sinusoid(t, x.shape[-1], x.device).to(x.dtype)
         x = torch.cat((self.empty.expand(b, -1, -1), x), dim=1)
         pad = torch.zeros(b, self.cfg.n_enroll + t, dtype=torch.bool, device=codes.device)
         if lengths is not None:

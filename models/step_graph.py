@@ -65,8 +65,9 @@ def record_cuda_graph(fn: Callable[[], T], device: torch.device, warmup: int, po
 
 
 class CapturedStep:
-    def __init__(self, model: LiveSpeech2, state: DecodeState, capture: bool = True, warmup: int = 3):
-        self.model, self.state = model, state
+    def __init__(self, model: LiveSpeech2, state: DecodeState, capture: bool = True, warmup: int = 3,
+                 matmul_dtype: Optional[torch.dtype] = None):
+        self.model, self.state, self.matmul_dtype = model, state, matmul_dtype
         capacity, dev = state.capacity, state.step.device
         self.inputs = state.inputs.clone()
         self.frame = state.step.clone()
@@ -83,7 +84,8 @@ class CapturedStep:
             state.ssm.copy_(saved[1])
 
     def _eager(self, b: int) -> StepLogits:
-        return self.model.step(self.inputs[:b], self.frame[:b], self.state.view(range(b)), self.mask[:b])
+        return self.model.step(self.inputs[:b], self.frame[:b], self.state.view(range(b)), self.mask[:b],
+                               self.matmul_dtype)
 
     @torch.inference_mode()
     def __call__(self, slots: Sequence[int], inputs: torch.Tensor, frame: torch.Tensor,

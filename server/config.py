@@ -52,9 +52,10 @@ class ServerConfig:
     frozen_step: bool = True
     # on the CPU, decode steady-state packets on a second thread, beside the next model step
     codec_thread: bool = True
-    # on the CPU, the decode step's widest matmuls (output heads, Mamba in/out projections)
-    # with bfloat16 weights from 2 sessions a step: auto = where the CPU has bf16 dot
-    # products (AVX512-BF16, AMX), on, off (server/runner.py; docs/loadtest.md)
+    # the decode step's widest matmuls (output heads, Mamba in/out projections) with
+    # bfloat16 weights, on the CPU from 2 sessions a step, on a GPU from 1: auto = where
+    # the CPU has bf16 dot products (AVX512-BF16, AMX) or the GPU bfloat16, on, off
+    # (server/runner.py; docs/loadtest.md)
     bf16_matmuls: str = "auto"
     # on the CPU, what runs the streaming codec: onnx = ONNX Runtime (its kernels run the
     # codec's small ops ~1.3-2.2x faster than TorchScript), torch = the frozen graph above,
@@ -144,7 +145,6 @@ class ServerConfig:
         need(not self.cuda_graphs or self.device.startswith("cuda"), "cuda_graphs needs a cuda device")
         need(self.bf16_matmuls in BF16_SETTINGS,
              f"bf16_matmuls must be one of {', '.join(BF16_SETTINGS)}, got {self.bf16_matmuls!r}")
-        need(self.bf16_matmuls != "on" or self.device == "cpu", "bf16_matmuls on applies to the cpu device")
         need(self.codec_runtime in CODEC_RUNTIMES,
              f"codec_runtime must be one of {', '.join(CODEC_RUNTIMES)}, got {self.codec_runtime!r}")
         need(self.codec_runtime != "onnx" or self.device == "cpu", "codec_runtime onnx applies to the cpu device")
@@ -287,9 +287,9 @@ class EngineConfig:
     cuda_graphs: bool = ServerConfig.cuda_graphs
     # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
     frozen_step: bool = ServerConfig.frozen_step
-    # on the CPU, the step's widest matmuls in bfloat16 from 2 sessions (server/runner.py)
+    # the step's widest matmuls with bfloat16 weights (server/runner.py)
     bf16_matmuls: bool = False
-    # the batch size they start at (None: server/runner.py's BF16_FROM_BATCH)
+    # the batch size they start at (None: server/runner.py's BF16_FROM_BATCH on the CPU, 1 on a GPU)
     bf16_from_batch: Optional[int] = None
     # on the CPU, the streaming codec run by ONNX Runtime (server/runner.py)
     onnx_codec: bool = False

@@ -38,15 +38,25 @@ log = logging.getLogger(__name__)
 
 # On the CPU, the bf16 step graph (models/derived.py) runs from this batch size: against
 # float32 the default model's step measured 0.77x at batch 1, 1.11x at 2, 1.58x at 4 and
-# 1.39x at 16 (AMD EPYC with AVX512-BF16, one thread; docs/loadtest.md, "Measured choices")
+# 1.39x at 16 (AMD EPYC with AVX512-BF16, one thread; docs/loadtest.md, "Measured choices").
+# On a GPU from one session: a lone session's step reads every weight too.
 BF16_FROM_BATCH = 2
 
 
 def bf16_matmuls_enabled(setting: str, device: str) -> bool:
-    """Whether the step's widest matmuls run in bfloat16 (`ServerConfig.bf16_matmuls`):
-    "auto" where the CPU has bf16 dot products (`cpu_has_bf16_dot`), "on" on any CPU,
-    never on a GPU."""
-    return _cpu_choice("bf16_matmuls", setting, BF16_SETTINGS, device, cpu_has_bf16_dot)
+    """Whether the step's widest matmuls run with bfloat16 weights (`ServerConfig.bf16_matmuls`;
+    activations and the state stay float32): "auto" where the CPU has bf16 dot products
+    (`cpu_has_bf16_dot`) or on a CUDA device that has bfloat16, "on" anywhere, "off" never.
+    On a GPU they halve the bytes of the weights a step reads and run on tensor cores: in
+    float32 the paper preset's compute bound at 256 sessions alone is 12.2 ms of the 13.3
+    a frame allows (docs/loadtest.md)."""
+    if setting not in BF16_SETTINGS:
+        raise ValueError(f"bf16_matmuls must be one of {', '.join(BF16_SETTINGS)}, got {setting!r}")
+    if setting != "auto":
+        return setting == "on"
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return torch.device(device).type == "cpu" and cpu_has_bf16_dot()
 
 
 def onnx_codec_enabled(setting: str, device: str) -> bool:
@@ -121,29 +131,36 @@ class ModelRunner:
         self.codec = bundle.codec
         self.device = bundle.device
         self.capacity = capacity
-        self.state = DecodeState.allocate(self.model, capacity, device=self.device)
+        # the widest matmuls with bfloat16 weights: on the CPU from BF16_FROM_BATCH sessions
+        # (the evaluation asks for them from one, to hear what a busy server's sessions
+        # sound like), on a GPU from one, with the text memory in bfloat16 too (on the CPU
+        # its float32 reads fit the cache at the lengths a server reaches, and ran faster)
+        self.low_precision = torch.bfloat16 if bf16_matmuls else None
+        self.bf16_from_batch = (bf16_from_batch if bf16_from_batch is not None
+                                else BF16_FROM_BATCH if self.device.type == "cpu" else 1)
+        memory_dtype = self.low_precision if self.device.type == "cuda" else None
+        self.state = DecodeState.allocate(self.model, capacity, device=self.device, memory_dtype=memory_dtype)
         if self.device.type == "cuda":
             kernel_fusion(False)  # no kernel compiled mid-service for a new batch size
         # the model step over the smallest bucket of slots holding the batch, replayed
-        # from a CUDA graph (eagerly off CUDA, which only tests use)
-        self.captured = (CapturedStep(self.model, self.state, capture=self.device.type == "cuda")
-                         if cuda_graphs else None)
+        # from a CUDA graph (eagerly off CUDA, which only tests use); its matmuls' dtype is
+        # recorded with it, at every batch size
+        self.captured = (CapturedStep(self.model, self.state, capture=self.device.type == "cuda",
+                                      matmul_dtype=self.low_precision) if cuda_graphs else None)
         # classifier-free guidance on the text (`text_guided`): the decoder without text
         # steps beside every session, on a recurrent state of its own with no text memory
         self.text_cfg_scale = text_cfg_scale
-        self.unconditioned = (DecodeState.allocate(self.model, capacity, device=self.device, text_tokens=0)
+        self.unconditioned = (DecodeState.allocate(self.model, capacity, device=self.device, text_tokens=0,
+                                                   memory_dtype=memory_dtype)
                               if text_cfg_scale > 0 else None)
         self.captured_unconditioned = (
-            CapturedStep(self.model, self.unconditioned, capture=self.device.type == "cuda")
+            CapturedStep(self.model, self.unconditioned, capture=self.device.type == "cuda",
+                         matmul_dtype=self.low_precision)
             if cuda_graphs and self.unconditioned is not None else None)
         # on the CPU, the model step and the streaming codec as frozen TorchScript graphs
         # (the same ops, no Python between them), the codec on ONNX Runtime when asked
         # (`_codec_step`); the eager calls elsewhere
         frozen = frozen_step and self.device.type == "cpu"
-        # the widest matmuls in bfloat16 from BF16_FROM_BATCH sessions (CPU only); the
-        # evaluation asks for them from one, to hear what a busy server's sessions sound like
-        self.low_precision = torch.bfloat16 if bf16_matmuls and self.device.type == "cpu" else None
-        self.bf16_from_batch = BF16_FROM_BATCH if bf16_from_batch is None else bf16_from_batch
         self.model_step, self.codec_step = self.model.step, self.codec.decode_step
         if frozen and self.captured is None:
             self.model_step = frozen_or_eager(lambda: FrozenStep(self.model, matmul_dtype=self.low_precision),

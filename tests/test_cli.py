@@ -182,23 +182,28 @@ def test_sync_client_with_a_blocking_text_source(srv) -> None:
         assert result.summary is not None and len(result.pcm16()) == 2 * round(result.summary.audio_s * 24000)
 
 
-def test_bf16_matmuls_auto_follows_the_cpu_and_reaches_the_engine(monkeypatch) -> None:
-    """auto: on where the CPU has bf16 dot products (AVX512-BF16 or AMX), off elsewhere;
-    on / off as set; never on a GPU; anything else refused at the edge."""
+def test_bf16_matmuls_auto_follows_the_device_and_reaches_the_engine(monkeypatch) -> None:
+    """auto: on where the CPU has bf16 dot products (AVX512-BF16 or AMX) or the GPU has
+    bfloat16, off elsewhere; on / off as set on either device; anything else refused at
+    the edge."""
     import torch
 
     from livespeech.server.app import engine_config
+    cuda = ["--device", "cuda"]
     for avx512_bf16, amx, want in ((True, False, True), (False, True, True), (False, False, False)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
         assert engine_config(ServerConfig()).bf16_matmuls is want
         assert engine_config(ServerConfig.from_args(["--bf16-matmuls", "on"], env={})).bf16_matmuls
         assert not engine_config(ServerConfig.from_args([], env={"LIVESPEECH_BF16_MATMULS": "off"})).bf16_matmuls
-        assert not engine_config(ServerConfig.from_args(["--device", "cuda"], env={})).bf16_matmuls
+    for available, bf16, want in ((True, True, True), (True, False, False), (False, True, False)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda v=available: v)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, v=bf16: v)
+        assert engine_config(ServerConfig.from_args(cuda, env={})).bf16_matmuls is want
+        assert engine_config(ServerConfig.from_args(cuda + ["--bf16-matmuls", "on"], env={})).bf16_matmuls
+        assert not engine_config(ServerConfig.from_args(cuda + ["--bf16-matmuls", "off"], env={})).bf16_matmuls
     with pytest.raises(ConfigError, match="bf16_matmuls must be one of auto, on, off"):
         ServerConfig.from_args(["--bf16-matmuls", "yes"], env={})
-    with pytest.raises(ConfigError, match="bf16_matmuls on applies to the cpu"):
-        ServerConfig.from_args(["--bf16-matmuls", "on", "--device", "cuda"], env={})
 
 
 def test_codec_runtime_auto_follows_onnx_runtime_and_reaches_the_engine(monkeypatch) -> None:

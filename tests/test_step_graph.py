@@ -38,11 +38,11 @@ def _onnx_runtime() -> bool:
     return onnx_codec_enabled("auto", "cpu")
 
 
-def _state(model, device="cpu"):
+def _state(model, device="cpu", memory_dtype=None):
     """Four slots: 0, 2 and 3 hold sessions with their own voices and text; 1 is free."""
     cfg = model.cfg
     g = torch.Generator().manual_seed(3)
-    st = DecodeState.allocate(model, capacity=4, device=device)
+    st = DecodeState.allocate(model, capacity=4, device=device, memory_dtype=memory_dtype)
     for slot in (0, 2, 3):
         codes = torch.randint(0, cfg.codebook_size, (1, cfg.n_acoustic_codebooks, 12), generator=g).to(device)
         st.reset_slot(slot, enrollment_kv(model, model.encode_enrollment(codes)[0]))
@@ -336,6 +336,31 @@ def test_the_bf16_step_frozen_equals_it_eager_and_stays_near_float32():
     scale = outs[None].abs().max()
     assert not torch.equal(outs[None], outs[torch.bfloat16])
     assert (outs[None] - outs[torch.bfloat16]).abs().max() <= 0.03 * scale
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
+def test_the_captured_step_runs_a_gpus_bf16_weights_and_memory(device):
+    """A GPU's bf16 path: the matmuls' dtype is recorded with the step at every batch-size
+    bucket (`CapturedStep(matmul_dtype=...)`), the text memory kept in bfloat16. It
+    equals the eager step with the same settings along a decode (recorded on CUDA,
+    eagerly elsewhere) and stays near the float32 step, from which it differs."""
+    torch.manual_seed(0)
+    model = LiveSpeech2(small_cfg(), device=device).to(device).eval()
+    bf16 = torch.bfloat16
+    states = [_state(model, device, memory_dtype=bf16), _state(model, device, memory_dtype=bf16), _state(model, device)]
+    assert states[0].mem_k.dtype == states[0].mem_v.dtype == bf16 and states[0].ssm.dtype == torch.float32
+    capture = device == "cuda"
+    with torch.no_grad():
+        want = _run(model, states[0], lambda *a: model.step(*a, matmul_dtype=bf16), BATCHES, whole_state=False)
+        got = _run(model, states[1], CapturedStep(model, states[1], capture=capture, matmul_dtype=bf16), BATCHES)
+        f32 = _run(model, states[2], CapturedStep(model, states[2], capture=capture), BATCHES)
+    for a, b in zip(want, got):
+        assert torch.allclose(a.acoustic, b.acoustic, atol=1e-4) and torch.allclose(a.graphemes, b.graphemes, atol=1e-4)
+    assert want[0].acoustic.dtype == torch.float32
+    scale = f32[0].acoustic.abs().max()
+    assert not torch.allclose(got[0].acoustic, f32[0].acoustic, atol=1e-5)
+    assert (got[0].acoustic - f32[0].acoustic).abs().max() <= 0.05 * scale
 
 
 def test_the_runner_steps_in_bf16_from_two_sessions_when_asked():

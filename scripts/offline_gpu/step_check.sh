@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Issue 29's short GPU check, a second call right after next_run.sh's (the same carry,
-# [".dev"]; ~2-3 minutes, timeout_s ~240): the step-graph tests on CUDA (each batch-size
+# [".dev"]; ~3-4 minutes, timeout_s ~300): the step-graph tests on CUDA (each batch-size
 # bucket's recorded graph against the eager step) and the codec thread's on CUDA (its own stream: the same
 # audio as without it); the engine step's host reads and copies from the host at batch 1
 # and 64 (one each: livespeech.loadtest.host_reads); 64 sessions started together in
 # process with the CUDA graphs, their slowest engine steps and codec calls (the ~2 s
 # stalls at N=64 through gRPC: livespeech.loadtest.replay); each batch size's first runner
 # step against its next ones with the CUDA graphs (`bench_step --first-calls`); then the
-# step's cost at batch 1, 16 and 64 with the graphs (the runner step over the model
-# step: what the copies from the host cost). The paper preset with random weights.
+# step's cost at batch 1, 16, 64 and 256 with the graphs (the runner step over the model
+# step: what the copies from the host cost), with bf16 matmul weights (the GPU's default)
+# and in float32. The paper preset with random weights.
 # Writes $OUT/step_check.txt.
 #   export OUT; bash scripts/offline_gpu/step_check.sh
 # Knobs: PY (python3), DEVICE (cuda), PRESET (paper), CODEC (encodec_24khz), REPLAY_SESSIONS (64).
@@ -33,6 +34,7 @@ bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --co
     --sentences-per-turn 1 | sed -n 1,8p
   echo "== first calls, with the CUDA graphs"
   bench --first-calls --batch 1 2 3 4 6 8 12 16 24 32 48 64 --cuda-graphs
-  echo "== the step at batch 1, 16, 64 with the CUDA graphs"
-  bench --batch 1 16 64 --steps 30 --cuda-graphs
+  echo "== the step at batch 1, 16, 64, 256 with the CUDA graphs: bf16 matmul weights (the default on a GPU), then float32"
+  bench --batch 1 16 64 256 --steps 30 --cuda-graphs
+  bench --batch 1 16 64 256 --steps 30 --cuda-graphs --bf16-matmuls off
 } 2>&1 | tee "$OUT/step_check.txt"
