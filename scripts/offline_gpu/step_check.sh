@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Issue 29's short GPU check, a second call right after next_run.sh's (the same carry,
-# [".dev"]; ~3-4 minutes, timeout_s ~300): the step-graph tests on CUDA (each batch-size
-# bucket's recorded graph against the eager step) and the codec thread's on CUDA (its own stream: the same
-# audio as without it); the engine step's host reads and copies from the host at batch 1
-# and 64 (one each: livespeech.loadtest.host_reads); 64 sessions started together in
-# process with the CUDA graphs, their slowest engine steps and codec calls (the ~2 s
-# stalls at N=64 through gRPC: livespeech.loadtest.replay); each batch size's first runner
-# step against its next ones with the CUDA graphs (`bench_step --first-calls`); then the
-# step's cost at batch 1, 16, 64 and 256 with the graphs (the runner step over the model
-# step: what the copies from the host cost), with bf16 matmul weights (the GPU's default)
-# and in float32. The paper preset with random weights.
+# [".dev"]; ~3-4 minutes, timeout_s ~300), its most wanted figures first (what a timeout
+# cuts is the end): the step-graph tests on CUDA (each batch-size bucket's recorded graph
+# against the eager step, with and without the bf16 path) and the codec thread's on CUDA
+# (its own stream: the same audio as without it); the step's cost at batch 1, 16, 64 and
+# 256 with the graphs (the runner step over the model step: what the copies from the
+# host cost), with the GPU's bf16 path (its default) and in float32; the engine step's
+# host reads and copies from the host at batch 1 and 64 (one each:
+# livespeech.loadtest.host_reads); 64 sessions started together in process with the CUDA
+# graphs, their slowest engine steps and codec calls (the ~2 s stalls at N=64 through
+# gRPC: livespeech.loadtest.replay); each batch size's first runner step against its next
+# ones with the CUDA graphs (`bench_step --first-calls`). The paper preset with random
+# weights.
 # Writes $OUT/step_check.txt.
 #   export OUT; bash scripts/offline_gpu/step_check.sh
 # Knobs: PY (python3), DEVICE (cuda), PRESET (paper), CODEC (encodec_24khz), REPLAY_SESSIONS (64).
@@ -25,6 +27,9 @@ bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --co
   # no conftest: it starts gRPC servers, whose health and reflection packages the image lacks
   $PY -m pytest -q -p no:cacheprovider --noconftest tests/test_step_graph.py \
     tests/test_engine.py::test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order 2>&1 | tail -n 3
+  echo "== the step at batch 1, 16, 64, 256 with the CUDA graphs: bf16 matmul weights (the default on a GPU), then float32"
+  bench --batch 1 16 64 256 --steps 30 --cuda-graphs
+  bench --batch 1 16 64 256 --steps 30 --cuda-graphs --bf16-matmuls off
   echo "== host reads and copies from the host per engine step"
   $PY -m livespeech.loadtest.host_reads --model-path "random:${PRESET:-paper}/${CODEC:-encodec_24khz}" \
     --device "${DEVICE:-cuda}" --batch 1 64 --steps 20
@@ -34,7 +39,4 @@ bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --co
     --sentences-per-turn 1 | sed -n 1,8p
   echo "== first calls, with the CUDA graphs"
   bench --first-calls --batch 1 2 3 4 6 8 12 16 24 32 48 64 --cuda-graphs
-  echo "== the step at batch 1, 16, 64, 256 with the CUDA graphs: bf16 matmul weights (the default on a GPU), then float32"
-  bench --batch 1 16 64 256 --steps 30 --cuda-graphs
-  bench --batch 1 16 64 256 --steps 30 --cuda-graphs --bf16-matmuls off
 } 2>&1 | tee "$OUT/step_check.txt"
