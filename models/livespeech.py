@@ -19,7 +19,7 @@ from torch import nn
 from .attention import CrossAttention, rope_angles, rope_query_matrix
 from .config import ModelConfig
 from .derived import derived, matmul_t, transposed
-from .mamba import make_mamba
+from .mamba import MambaBlock, make_mamba
 from .speech_encoder import SpeechEncoder
 from .spelling import SpellingEmbedding
 
@@ -46,8 +46,9 @@ class DecoderLayer(nn.Module):
 
     def step(self, h, conv_state, ssm_state, q_rope, mem_k, mem_v, bias, matmul_dtype=None):
         """h [B, D]; Mamba states updated in place (mamba-ssm's step convention)."""
-        # only our block takes a matmul dtype (the CPU's bf16 path); mamba-ssm's keeps its own
-        kw = {} if matmul_dtype is None else {"matmul_dtype": matmul_dtype}
+        # only our block takes a matmul dtype; mamba-ssm's (on CUDA where it is installed)
+        # keeps its own projections' dtype
+        kw = {"matmul_dtype": matmul_dtype} if matmul_dtype is not None and isinstance(self.mamba, MambaBlock) else {}
         y, _, _ = self.mamba.step(self.norm1(h).unsqueeze(1), conv_state, ssm_state, **kw)
         h = h + y.view(h.shape)
         # with the memory in bfloat16 (a GPU's bf16 path, server/runner.py) the attention's

@@ -390,6 +390,33 @@ def test_step_reads_only_the_text_slots_its_mask_covers(model):
     assert torch.allclose(full.acoustic, narrow.acoustic, atol=1e-6)
 
 
+def test_a_bf16_step_leaves_a_mamba_ssm_block_its_own_projections(model):
+    """mamba-ssm's block (on CUDA where it is installed) has no matmul dtype in its step:
+    a step with bf16 matmul weights (a GPU's default) calls it as mamba-ssm does, and
+    still runs its own block's projections in bf16."""
+    import copy
+
+    model = copy.deepcopy(model)
+    layer = model.layers[0]
+    calls = []
+
+    class MambaSsmLike(torch.nn.Module):  # mamba_ssm.Mamba's step signature
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def step(self, hidden_states, conv_state, ssm_state):
+            calls.append(hidden_states.dtype)
+            return self.block.step(hidden_states, conv_state, ssm_state)
+
+    layer.mamba = MambaSsmLike(layer.mamba)
+    st = DecodeState.allocate(model, capacity=1)
+    with torch.no_grad():
+        out = model.step(st.inputs[:1], st.step[:1], st.view([0]), torch.zeros(1, 0, dtype=torch.bool),
+                         torch.bfloat16)
+    assert calls == [torch.float32] and torch.isfinite(out.acoustic).all()
+
+
 def test_step_follows_in_place_weight_updates(model):
     """The step keeps weights derived from the parameters (transposed, stacked heads,
     exp(A_log)); an in-place update, as an optimiser makes, must show in the next step."""
