@@ -218,9 +218,9 @@ class LiveSpeech2(nn.Module):
         matmuls' weights (the heads, the Mamba in and out projections; the cross-attention's
         too where the state's memory is in bfloat16, a GPU's path) in this dtype (bfloat16:
         models/derived.py); None = the model's. The attention runs in the dtype of the
-        state's memory (`mem_k`). A model
-        converted to bfloat16 as a whole (not a server setting: loadtest/precision.py)
-        steps in its dtype; the logits come back in float32 either way.
+        state's memory (`mem_k`). A model converted to bfloat16 as a whole (not a server
+        setting: loadtest/precision.py) steps in its dtype; the logits come back in
+        float32 either way.
         phones [B]: with a phone input, the phone of the frame codebook 1 is drawn for.
         """
         h = self._with_phones(self._embed_step(inputs), phones)

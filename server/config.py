@@ -53,8 +53,9 @@ class ServerConfig:
     # on the CPU, decode steady-state packets on a second thread, beside the next model step
     codec_thread: bool = True
     # the decode step's widest matmuls (output heads, Mamba in/out projections) with
-    # bfloat16 weights, on the CPU from 2 sessions a step, on a GPU from 1: auto = where
-    # the CPU has bf16 dot products (AVX512-BF16, AMX) or the GPU bfloat16, on, off
+    # bfloat16 weights, on the CPU from 2 sessions a step; on a GPU at every step, the
+    # cross-attention's projections and the text memory in bfloat16 too: auto = where the
+    # CPU has bf16 dot products (AVX512-BF16, AMX) or the GPU bfloat16, on, off
     # (server/runner.py; docs/loadtest.md)
     bf16_matmuls: str = "auto"
     # on the CPU, what runs the streaming codec: onnx = ONNX Runtime (its kernels run the
