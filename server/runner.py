@@ -303,16 +303,18 @@ class ModelRunner:
                      if first_code_rows is not None and max(first_code_rows) >= 0 else None)
         sent = up.send(self.device)
         self.state.apply_rotations(sent, rotations)
+        # the attention reads no text slot past the last one any row shows (past chunks
+        # are evicted from the front, so the windows sit near the memory's start)
+        n_visible = self.state.visible_length(slots, lo, hi)
         # the captured step reads the whole state itself: its view gathers no memory
-        view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else ())
+        view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else (),
+                               memory_slots=self.model.cfg.n_enroll + n_visible)
         mask = self.state.window_mask(view, sent[lo_hi[0]], sent[lo_hi[1]])
         dtype = self.low_precision if len(slots) >= self.bf16_from_batch else None
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
         else:
-            # the attention reads no text slot past the last one any row shows (past chunks
-            # are evicted from the front, so the windows sit near the memory's start)
-            visible = mask[:, : self.state.visible_length(slots, lo, hi)]
+            visible = mask[:, :n_visible]
             phone_in = None  # the phone input of a decoder that reads one (-1: none)
             if self.model.cfg.n_phones:
                 phone_in = (self._phone_of_row(sent[bias_rows]) if bias_rows is not None

@@ -113,6 +113,9 @@ def test_a_phone_input_added_to_a_trained_decoder_starts_with_no_effect(model):
 
 
 def test_gathered_view_equals_slice(model):
+    """A gathered view (slots 0 and 2) steps as a slice of the same sessions does, its
+    memory gathered only up to the slots the step reads (`memory_slots`, as the runner
+    gathers it), and its state goes back to its slots."""
     cfg = model.cfg
     enroll = model.encode_enrollment(torch.randint(0, cfg.codebook_size, (2, cfg.n_acoustic_codebooks, 10)))
     st = DecodeState.allocate(model, capacity=4)
@@ -125,8 +128,9 @@ def test_gathered_view_equals_slice(model):
         ref.append_text(slot, [5, 6, 7], [0, 1, 2], chunk=0)
     with torch.no_grad():
         for _ in range(5):
-            v1, v2 = st.view([0, 2]), ref.view([0, 1])
-            o1 = model.step(v1.inputs, v1.step, v1, st.window_mask(v1, [0, 0], [0, 0]))
+            v1, v2 = st.view([0, 2], memory_slots=cfg.n_enroll + 3), ref.view([0, 1])
+            assert v1.mem_k.shape[3] == cfg.n_enroll + 3 < st.mem_k.shape[3]
+            o1 = model.step(v1.inputs, v1.step, v1, st.window_mask(v1, [0, 0], [0, 0])[:, :3])
             o2 = model.step(v2.inputs, v2.step, v2, ref.window_mask(v2, [0, 0], [0, 0]))
             assert torch.allclose(o1.acoustic, o2.acoustic, atol=1e-5)
             tok = torch.cat((o2.graphemes.argmax(-1, keepdim=True), o2.acoustic.argmax(-1)), 1)
