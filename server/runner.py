@@ -138,7 +138,7 @@ class ModelRunner:
         self.low_precision = torch.bfloat16 if bf16_matmuls else None
         self.bf16_from_batch = (bf16_from_batch if bf16_from_batch is not None
                                 else BF16_FROM_BATCH if self.device.type == "cpu" else 1)
-        memory_dtype = self.low_precision if self.device.type == "cuda" else None
+        memory_dtype = self._memory_dtype()
         self.state = DecodeState.allocate(self.model, capacity, device=self.device, memory_dtype=memory_dtype)
         if self.device.type == "cuda":
             kernel_fusion(False)  # no kernel compiled mid-service for a new batch size
@@ -192,6 +192,10 @@ class ModelRunner:
         self.bias_phones = bundle.front_end.bias_phones().to(self.device) if bundle.front_end is not None else None
         self._voice_lock = threading.Lock()
         self._warm_up(warm_text_tokens)
+
+    def _memory_dtype(self) -> Optional[torch.dtype]:
+        """The text memory's dtype: bfloat16 on a GPU with bf16 matmuls, else float32 (None)."""
+        return self.low_precision if self.device.type == "cuda" else None
 
     @torch.inference_mode()
     def _warm_up(self, text_tokens: int) -> None:

@@ -1155,6 +1155,22 @@ def test_every_uint64_seed_is_taken(engine, voice):
     assert len({tuple(r) for r in u.tolist()}) == 4
 
 
+def test_a_gpus_bf16_path_speaks_through_the_engine(voice, monkeypatch):
+    """A GPU's bf16 path (bf16 matmul weights from one session, the text memory in
+    bfloat16, the bucketed step of the CUDA graphs, here eagerly) through the whole engine:
+    text placed, re-rotated and evicted in a bfloat16 memory, the session spoken to its
+    end, as in float32."""
+    monkeypatch.setattr(ModelRunner, "_memory_dtype", lambda self: self.low_precision)
+    text = "one two three four five six seven eight nine ten"
+    for bf16 in (True, False):
+        eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=2, bf16_matmuls=bf16, cuda_graphs=True,
+                                                                 low_water_steps=0))
+        assert eng.runner.captured is not None
+        assert eng.runner.state.mem_k.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        c = speak_alone(eng, voice, text)  # Finished, nothing failed
+        assert c.events[-1].summary.audio_s > 0 and c.of(AudioPacket)
+
+
 def test_bf16_from_batch_one_runs_a_lone_sessions_step_in_bfloat16(voice):
     """A server's bf16 matmuls start at two sessions; the evaluation asks for them from one
     (`eval --bf16-matmuls`), so what a busy server's sessions sound like is measured."""
