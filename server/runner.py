@@ -50,13 +50,13 @@ def bf16_matmuls_enabled(setting: str, device: str) -> bool:
     On a GPU they halve the bytes of the weights a step reads and run on tensor cores: in
     float32 the paper preset's compute bound at 256 sessions alone is 12.2 ms of the 13.3
     a frame allows (docs/loadtest.md)."""
-    if setting not in BF16_SETTINGS:
-        raise ValueError(f"bf16_matmuls must be one of {', '.join(BF16_SETTINGS)}, got {setting!r}")
-    if setting != "auto":
-        return setting == "on"
-    if torch.device(device).type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return torch.device(device).type == "cpu" and cpu_has_bf16_dot()
+    kind = torch.device(device).type
+
+    def auto() -> bool:
+        if kind == "cuda":
+            return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return kind == "cpu" and cpu_has_bf16_dot()
+    return _choice("bf16_matmuls", setting, BF16_SETTINGS, auto)
 
 
 def onnx_codec_enabled(setting: str, device: str) -> bool:
@@ -67,13 +67,17 @@ def onnx_codec_enabled(setting: str, device: str) -> bool:
                        lambda: all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx")))
 
 
-def _cpu_choice(name: str, setting: str, choices: Sequence[str], device: str, auto: Callable[[], bool]) -> bool:
-    """A CPU-only setting of the form (auto, on, off): auto asks `auto()`; never on a GPU."""
+def _choice(name: str, setting: str, choices: Sequence[str], auto: Callable[[], bool]) -> bool:
+    """A setting of the form (auto, on, off): auto asks `auto()`."""
     if setting not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {setting!r}")
-    if torch.device(device).type != "cpu" or setting == choices[2]:
-        return False
-    return setting == choices[1] or auto()
+    return auto() if setting == choices[0] else setting == choices[1]
+
+
+def _cpu_choice(name: str, setting: str, choices: Sequence[str], device: str, auto: Callable[[], bool]) -> bool:
+    """`_choice` for a CPU-only setting: never on a GPU."""
+    cpu = torch.device(device).type == "cpu"
+    return _choice(name, setting, choices, lambda: cpu and auto()) and cpu
 
 
 @dataclass
@@ -307,12 +311,13 @@ class ModelRunner:
                      if first_code_rows is not None and max(first_code_rows) >= 0 else None)
         sent = up.send(self.device)
         self.state.apply_rotations(sent, rotations)
-        # the attention reads no text slot past the last one any row shows (past chunks
-        # are evicted from the front, so the windows sit near the memory's start)
-        n_visible = self.state.visible_length(slots, lo, hi)
-        # the captured step reads the whole state itself: its view gathers no memory
-        view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if self.captured is not None else (),
-                               memory_slots=self.model.cfg.n_enroll + n_visible)
+        if self.captured is not None:  # it reads the whole state itself: its view gathers no memory
+            view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v"))
+        else:
+            # the attention reads no text slot past the last one any row shows (past chunks
+            # are evicted from the front, so the windows sit near the memory's start)
+            n_visible = self.state.visible_length(slots, lo, hi)
+            view = self.state.view(slots, memory_slots=self.model.cfg.n_enroll + n_visible)
         mask = self.state.window_mask(view, sent[lo_hi[0]], sent[lo_hi[1]])
         dtype = self.low_precision if len(slots) >= self.bf16_from_batch else None
         if self.captured is not None:
