@@ -83,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cuda-graphs", action="store_true", help="the model step replayed from a CUDA graph")
+    ap.add_argument("--compile-step", action="store_true",
+                    help="the CUDA graphs record the step compiled by torch.compile (ServerConfig.compile_step)")
     ap.add_argument("--eager-step", action="store_true", help="the eager model step on the CPU (default: frozen graph)")
     ap.add_argument("--device-guidance", action="store_true",
                     help="every slot's guidance as tensors on the device (ServerConfig.device_guidance)")
@@ -104,7 +106,8 @@ def main(argv=None) -> int:
 
     bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
     out = {"preset": args.preset, "threads": args.threads, "device": args.device,
-           "cuda_graphs": args.cuda_graphs, "device_guidance": args.device_guidance, "frozen_step": None, "rows": [],
+           "cuda_graphs": args.cuda_graphs, "compile_step": args.compile_step, "device_guidance": args.device_guidance,
+           "frozen_step": None, "rows": [],
            "bf16_matmuls": bf16_matmuls_enabled(args.bf16_matmuls, args.device),
            "onnx_codec": onnx_codec_enabled(args.codec_runtime, args.device)}
     rows = first_call_rows(bundle, args, out) if args.first_calls else step_cost_rows(bundle, args, out)
@@ -121,7 +124,9 @@ def step_cost_rows(bundle, args, out: dict):
     """Per batch size (a runner of its own): the model step, the whole runner step and a
     codec packet, each the median of --steps calls."""
     for b in args.batch:
+        t0 = time.perf_counter()
         runner, guides = runner_with_sessions(bundle, args, out, b)
+        setup_s = time.perf_counter() - t0
         slots = list(range(b))
         st = runner.state
         with torch.inference_mode():
@@ -140,7 +145,7 @@ def step_cost_rows(bundle, args, out: dict):
             frames = [[[1] * bundle.model.cfg.n_acoustic_codebooks] * pf] * b
             t_codec = bench(lambda: runner.decode(slots, frames), max(10, args.steps // 5))
         yield {
-            "batch": b, "model_step_ms": t_model * 1e3, "full_step_ms": t_full * 1e3,
+            "batch": b, "runner_setup_s": round(setup_s, 2), "model_step_ms": t_model * 1e3, "full_step_ms": t_full * 1e3,
             "codec_packet_frames": pf, "codec_packet_ms": t_codec * 1e3,
             "per_frame_ms": (t_full + t_codec / pf) * 1e3,
             "realtime_sessions_bound": b * (1000 / FRAME_RATE) / ((t_full + t_codec / pf) * 1e3),
@@ -154,10 +159,13 @@ def runner_with_sessions(bundle, args, out: dict, capacity: int):
     from livespeech.models.guidance import GuidanceState
     from livespeech.server.runner import ModelRunner
 
-    runner = ModelRunner(bundle, capacity, cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
+    runner = ModelRunner(bundle, capacity, cuda_graphs=args.cuda_graphs, compile_step=args.compile_step,
+                         frozen_step=not args.eager_step,
                          bf16_matmuls=out["bf16_matmuls"], onnx_codec=out["onnx_codec"],
                          device_guidance=args.device_guidance)
     out["frozen_step"] = runner.frozen
+    # torch.compile's step in use (the runner falls back to the uncompiled one where it fails)
+    out["compiled_step"] = runner.captured is not None and runner.captured.compiled
     if args.jit_fuser:
         kernel_fusion(True)
     out["jit_fuser"] = args.jit_fuser

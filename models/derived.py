@@ -32,7 +32,11 @@ def cpu_has_bf16_dot() -> bool:
 
 def derived(owner: nn.Module, name: str, sources: Sequence[torch.Tensor], build: Callable[[], T]) -> T:
     """`build()` cached on `owner` under `name`, keyed by the identity and version of
-    `sources` (every tensor the derived value is computed from)."""
+    `sources` (every tensor the derived value is computed from). Under `torch.compile`
+    the value built by an eager call before it is read as it is (the key's data pointers
+    cannot be traced): a compiled step is made for weights that no longer change."""
+    if torch.compiler.is_compiling():
+        return owner.__dict__[name][1]
     key = tuple((t.data_ptr(), t._version) for t in sources)
     hit = owner.__dict__.get(name)
     if hit is None or hit[0] != key:

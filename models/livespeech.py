@@ -50,7 +50,7 @@ class DecoderLayer(nn.Module):
         # keeps its own projections' dtype
         kw = {"matmul_dtype": matmul_dtype} if matmul_dtype is not None and isinstance(self.mamba, MambaBlock) else {}
         y, _, _ = self.mamba.step(self.norm1(h).unsqueeze(1), conv_state, ssm_state, **kw)
-        h = h + y.view(h.shape)
+        h = h + y.squeeze(1)
         # with the memory in bfloat16 (a GPU's bf16 path, server/runner.py) the attention's
         # projections take bf16 weights too; the CPU keeps both in float32 (its 256-wide
         # projections ran slower with bf16 weights: 16 x 256 x 256, 38 against 20 us)
@@ -231,8 +231,13 @@ class LiveSpeech2(nn.Module):
         bias = torch.zeros(h.shape[0], 1, 1, m, dtype=state.mem_k.dtype, device=h.device)
         bias[:, 0, 0, cfg.n_enroll:].masked_fill_(~text_mask, float("-inf"))
 
-        # every layer's state as views, made in four ops (two per layer and tensor otherwise)
-        conv, ssm = state.conv.unbind(0), state.ssm.unbind(0)
+        # every layer's state as views, made in four ops (two per layer and tensor otherwise);
+        # under torch.compile indexed per layer, as unbinding a state the step updates in
+        # place fixes its batch size there (one compiled step serves every batch size)
+        if torch.compiler.is_compiling():
+            conv, ssm = state.conv, state.ssm
+        else:
+            conv, ssm = state.conv.unbind(0), state.ssm.unbind(0)
         mem_k, mem_v = state.mem_k[:, :, :, :m].unbind(0), state.mem_v[:, :, :, :m].unbind(0)
 
         def run(h, ids):

@@ -323,7 +323,7 @@ class MambaBlock(nn.Module):
             conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
         conv_state[:, :, -1] = x
         # sum over the window as a matrix-vector product: faster than .sum(-1) from batch 8
-        x = torch.mv((conv_state * conv_w).reshape(-1, self.d_conv), ones).view_as(x)
+        x = torch.mv((conv_state * conv_w).reshape(-1, self.d_conv), ones).view(-1, self.d_inner)
         x = F.silu(x if conv_b is None else x + conv_b)
         dt, B, C = torch.mm(x, w_x).split([self.dt_rank, self.d_state, self.d_state], -1)
         dt = F.softplus(matmul_t(dt, w_dt, b_dt))

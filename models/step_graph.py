@@ -66,13 +66,18 @@ def record_cuda_graph(fn: Callable[[], T], device: torch.device, warmup: int, po
 
 class CapturedStep:
     def __init__(self, model: LiveSpeech2, state: DecodeState, capture: bool = True, warmup: int = 3,
-                 matmul_dtype: Optional[torch.dtype] = None):
+                 matmul_dtype: Optional[torch.dtype] = None, compiled: bool = False):
         self.model, self.state, self.matmul_dtype = model, state, matmul_dtype
         capacity, dev = state.capacity, state.step.device
         self.inputs = state.inputs.clone()
         self.frame = state.step.clone()
         self.mask = torch.zeros(capacity, state.txt_chunk.shape[1], dtype=torch.bool, device=dev)
         self.buckets = buckets(capacity)
+        # `compiled`: the step the graphs record is torch.compile's (`compiled_step`); a
+        # batch of one steps the bucket of two, as a size of 1 would be compiled apart
+        self._compiled = compiled_step(model, state, matmul_dtype) if compiled else None
+        if compiled and capacity > 1:
+            self.buckets = self.buckets[1:]
         # bucket -> (its CUDA graph, its output); empty when not captured
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepLogits]] = {}
         if capture:
@@ -83,9 +88,17 @@ class CapturedStep:
             state.conv.copy_(saved[0])
             state.ssm.copy_(saved[1])
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the step recorded is torch.compile's."""
+        return self._compiled is not None
+
     def _eager(self, b: int) -> StepLogits:
-        return self.model.step(self.inputs[:b], self.frame[:b], self.state.view(range(b)), self.mask[:b],
-                               self.matmul_dtype)
+        """The step of the bucket of `b` slots, not replayed: what a graph records."""
+        view = self.state.view(range(b))
+        if self._compiled is not None:
+            return self._compiled(self.inputs[:b], self.frame[:b], view, self.mask[:b])
+        return self.model.step(self.inputs[:b], self.frame[:b], view, self.mask[:b], self.matmul_dtype)
 
     @torch.inference_mode()
     def __call__(self, slots: Sequence[int], inputs: torch.Tensor, frame: torch.Tensor,
@@ -126,6 +139,39 @@ class _StepOverTensors(nn.Module):
                                step=None, eos_frame=None, ring=None)
         out = self.model.step(inputs, frame, view, text_mask, self.matmul_dtype, phones=phones)
         return out.graphemes, out.acoustic
+
+
+def compiled_step(model: LiveSpeech2, state: DecodeState, matmul_dtype: Optional[torch.dtype] = None
+                  ) -> Callable[[torch.Tensor, torch.Tensor, DecodeStateView, torch.Tensor], StepLogits]:
+    """`LiveSpeech2.step` compiled by torch.compile (Inductor), called like it: its
+    elementwise ops fused, so a step is far fewer kernels. On a GPU the step is bound by
+    its kernels (~1,150 at the paper preset's 30 layers), which a CUDA graph replays
+    without launching but not fewer; fused, the same work is fewer and larger kernels.
+    The batch size stays symbolic (the batch's tensors marked dynamic), so one graph serves
+    every batch size from 2, and a second the state's full capacity (its views are
+    contiguous there, which the compiled in-place state update is specialised on).
+    Weights are constants of the graph: the derived step tensors are built by one eager
+    step over `state`'s first slots (its recurrent state put back after it)."""
+    module = _StepOverTensors(model, matmul_dtype)
+    b = min(2, state.capacity)
+    saved = state.conv.clone(), state.ssm.clone()
+    with torch.inference_mode():
+        view = state.view(range(b))
+        mask = torch.zeros(b, 1, dtype=torch.bool, device=state.step.device)
+        model.step(state.inputs[:b], state.step[:b], view, mask, matmul_dtype)
+    state.conv.copy_(saved[0])
+    state.ssm.copy_(saved[1])
+    compiled = torch.compile(module, fullgraph=True)
+
+    def step(inputs: torch.Tensor, frame: torch.Tensor, view: DecodeStateView, text_mask: torch.Tensor) -> StepLogits:
+        args = (inputs, frame, view.conv, view.ssm, view.mem_k, view.mem_v, text_mask)
+        if inputs.shape[0] > 1:
+            for t, dim in zip(args, (0, 0, 1, 1, 1, 1, 0)):
+                torch._dynamo.mark_dynamic(t, dim)
+        g, a = compiled(*args)
+        return StepLogits(graphemes=g, acoustic=a)
+
+    return step
 
 
 class FrozenStep:

@@ -223,6 +223,7 @@ def engine_config(config: ServerConfig):
         max_text_piece_chars=config.max_text_piece_chars,
         max_session_text_chars=config.max_session_text_chars,
         cuda_graphs=config.cuda_graphs,
+        compile_step=config.compile_step,
         frozen_step=config.frozen_step,
         codec_thread=config.codec_thread,
         bf16_matmuls=bf16_matmuls_enabled(config.bf16_matmuls, config.device),

@@ -46,6 +46,10 @@ class ServerConfig:
     # replay the decode step, and the codec's steady packets, from CUDA graphs
     # (models/step_graph.py); CUDA devices only
     cuda_graphs: bool = False
+    # the CUDA graphs record the decode step compiled by torch.compile (Inductor: its
+    # elementwise ops fused into fewer kernels; compiled at start-up, ~2 graphs); off
+    # until a GPU run measures it (docs/loadtest.md)
+    compile_step: bool = False
     # on the CPU, run the model step (and the streaming codec under codec_runtime torch) as
     # frozen TorchScript graphs (models/step_graph.py): the same ops without Python
     # between them; false = eager
@@ -144,6 +148,7 @@ class ServerConfig:
             f"device must be cpu, cuda or cuda:N, got {self.device!r}",
         )
         need(not self.cuda_graphs or self.device.startswith("cuda"), "cuda_graphs needs a cuda device")
+        need(not self.compile_step or self.cuda_graphs, "compile_step needs cuda_graphs")
         need(self.bf16_matmuls in BF16_SETTINGS,
              f"bf16_matmuls must be one of {', '.join(BF16_SETTINGS)}, got {self.bf16_matmuls!r}")
         need(self.codec_runtime in CODEC_RUNTIMES,
@@ -286,6 +291,8 @@ class EngineConfig:
     # the model step and the codec's steady packets replayed from CUDA graphs, one per
     # batch-size bucket (models/step_graph.py)
     cuda_graphs: bool = ServerConfig.cuda_graphs
+    # the step the CUDA graphs record compiled by torch.compile (models/step_graph.py)
+    compile_step: bool = ServerConfig.compile_step
     # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
     frozen_step: bool = ServerConfig.frozen_step
     # the step's widest matmuls with bfloat16 weights (server/runner.py)

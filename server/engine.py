@@ -43,6 +43,7 @@ class Engine:
         self.bundle = bundle
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs,
+                                  compile_step=config.compile_step,
                                   frozen_step=config.frozen_step, bf16_matmuls=config.bf16_matmuls,
                                   onnx_codec=config.onnx_codec, warm_text_tokens=config.warm_text_tokens,
                                   device_guidance=config.device_guidance,

@@ -127,7 +127,7 @@ class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
                  bf16_matmuls: bool = False, onnx_codec: bool = False, device_guidance: bool = False,
                  max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0,
-                 bf16_from_batch: Optional[int] = None):
+                 bf16_from_batch: Optional[int] = None, compile_step: bool = False):
         if bundle.model.cfg.n_phones and (cuda_graphs or text_cfg_scale > 0):
             raise ValueError("a decoder with a phone input runs without CUDA graphs and text CFG")
         self.bundle = bundle
@@ -148,19 +148,17 @@ class ModelRunner:
             kernel_fusion(False)  # no kernel compiled mid-service for a new batch size
         # the model step over the smallest bucket of slots holding the batch, replayed
         # from a CUDA graph (eagerly off CUDA, which only tests use); its matmuls' dtype is
-        # recorded with it, at every batch size
-        self.captured = (CapturedStep(self.model, self.state, capture=self.device.type == "cuda",
-                                      matmul_dtype=self.low_precision) if cuda_graphs else None)
+        # recorded with it, at every batch size; `compile_step`: the step the graphs
+        # record is torch.compile's
+        self.captured = self._captured_step(self.state, compile_step) if cuda_graphs else None
         # classifier-free guidance on the text (`text_guided`): the decoder without text
         # steps beside every session, on a recurrent state of its own with no text memory
         self.text_cfg_scale = text_cfg_scale
         self.unconditioned = (DecodeState.allocate(self.model, capacity, device=self.device, text_tokens=0,
                                                    memory_dtype=memory_dtype)
                               if text_cfg_scale > 0 else None)
-        self.captured_unconditioned = (
-            CapturedStep(self.model, self.unconditioned, capture=self.device.type == "cuda",
-                         matmul_dtype=self.low_precision)
-            if cuda_graphs and self.unconditioned is not None else None)
+        self.captured_unconditioned = (self._captured_step(self.unconditioned, compile_step)
+                                       if cuda_graphs and self.unconditioned is not None else None)
         # on the CPU, the model step and the streaming codec as frozen TorchScript graphs
         # (the same ops, no Python between them), the codec on ONNX Runtime when asked
         # (`_codec_step`); the eager calls elsewhere
@@ -196,6 +194,19 @@ class ModelRunner:
         self.bias_phones = bundle.front_end.bias_phones().to(self.device) if bundle.front_end is not None else None
         self._voice_lock = threading.Lock()
         self._warm_up(warm_text_tokens)
+
+    def _captured_step(self, state: DecodeState, compiled: bool) -> CapturedStep:
+        """The bucketed step over `state`, compiled by torch.compile when asked; where that
+        fails (no Triton, a step it cannot trace), the uncompiled one."""
+        def make(compiled: bool) -> CapturedStep:
+            return CapturedStep(self.model, state, capture=self.device.type == "cuda",
+                                matmul_dtype=self.low_precision, compiled=compiled)
+        if compiled:
+            try:
+                return make(True)
+            except Exception as e:  # noqa: BLE001 - any failure here only costs speed
+                log.warning("the step is recorded uncompiled: torch.compile failed (%s: %s)", type(e).__name__, e)
+        return make(False)
 
     def _memory_dtype(self) -> Optional[torch.dtype]:
         """The text memory's dtype: bfloat16 on a GPU with bf16 matmuls, else float32 (None)."""

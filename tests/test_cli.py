@@ -62,8 +62,14 @@ def test_server_config_flags_env_defaults() -> None:
         ServerConfig.from_args(["--device", "cuda", "--cuda-graphs", "maybe"], env={})
     with pytest.raises(ConfigError, match="cuda_graphs needs a cuda device"):
         ServerConfig.from_args(["--cuda-graphs", "yes"], env={})
-    # the frozen CPU step is on unless switched off, and reaches the engine's settings
+    # torch.compile's step: off by default, only for the CUDA graphs, and reaches the engine
     from livespeech.server.app import engine_config
+    assert not ServerConfig().compile_step
+    compiled = ServerConfig.from_args(["--device", "cuda", "--cuda-graphs", "1", "--compile-step", "1"], env={})
+    assert engine_config(compiled).compile_step
+    with pytest.raises(ConfigError, match="compile_step needs cuda_graphs"):
+        ServerConfig.from_args(["--device", "cuda", "--compile-step", "1"], env={})
+    # the frozen CPU step is on unless switched off, and reaches the engine's settings
     assert ServerConfig().frozen_step and engine_config(ServerConfig()).frozen_step
     off = ServerConfig.from_args(["--frozen-step", "false"], env={})
     assert not off.frozen_step and not engine_config(off).frozen_step

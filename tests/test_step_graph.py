@@ -12,6 +12,7 @@ uses them unless told not to.
 """
 import functools
 import logging
+import shutil
 
 import numpy as np
 import pytest
@@ -76,7 +77,7 @@ def _run(model, st, step_fn, batches, whole_state=True):
 BATCHES = [[0, 2, 3], [0, 3], [2], [0, 2, 3], [3, 0], [2, 3]]
 
 
-def _check(device, capture=False, frozen=False, batches=BATCHES):
+def _check(device, capture=False, frozen=False, batches=BATCHES, compiled=False):
     torch.manual_seed(0)
     model = LiveSpeech2(small_cfg(), device=device).to(device).eval()
     eager_state, graph_state = _state(model, device), _state(model, device)
@@ -85,7 +86,8 @@ def _check(device, capture=False, frozen=False, batches=BATCHES):
         if frozen:
             got = _run(model, graph_state, FrozenStep(model), batches, whole_state=False)
         else:
-            got = _run(model, graph_state, CapturedStep(model, graph_state, capture=capture), batches)
+            step = CapturedStep(model, graph_state, capture=capture, compiled=compiled)
+            got = _run(model, graph_state, step, batches)
     for a, b in zip(want, got):
         assert torch.allclose(a.graphemes, b.graphemes, atol=1e-5)
         assert torch.allclose(a.acoustic, b.acoustic, atol=1e-5)
@@ -110,6 +112,27 @@ def test_a_step_runs_the_smallest_bucket_that_holds_its_slots(monkeypatch):
     monkeypatch.setattr(CapturedStep, "_eager", lambda self, b: stepped.append(b) or eager(self, b))
     _check("cpu", batches=[[0], [0, 2], [2, 3], [0], [3]])
     assert stepped == [1, 4, 4, 1, 4]
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(shutil.which("g++") is None,
+                                                 reason="torch.compile's CPU kernels need a C++ compiler")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
+def test_the_compiled_step_equals_the_eager_step_with_one_graph_for_the_batch_sizes_below_capacity(device):
+    """`CapturedStep(compiled=True)` (torch.compile's step, which a GPU's graphs record):
+    equal to the eager step along a decode (`_check`; on CUDA its graphs recorded), a
+    batch of one stepping the bucket of two; the batch size stays symbolic: one graph for
+    the buckets below the capacity, one for the capacity itself (two compiles however
+    many buckets)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    stepped, eager = [], CapturedStep._eager
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CapturedStep, "_eager", lambda self, b: stepped.append(b) or eager(self, b))
+        _check(device, capture=device == "cuda", compiled=True, batches=[[0], [0, 2, 3], [2, 3], [0], [3], [0]])
+    if device == "cpu":  # (recorded graphs replay without calling it)
+        assert stepped == [2, 4, 4, 2, 4, 2]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 def test_frozen_step_equals_the_eager_step():
@@ -204,6 +227,22 @@ def test_runner_with_cuda_graphs_records_the_codec_steady_packet_or_decodes_eage
     with caplog.at_level(logging.WARNING, logger="livespeech.server.runner"):
         assert ModelRunner(bundle, 2, cuda_graphs=True).codec_step == bundle.codec.decode_step
     assert "no graphs here" in caplog.text
+
+
+def test_a_runner_records_the_uncompiled_step_where_torch_compile_fails(monkeypatch, caplog):
+    """`compile_step`: where torch.compile's step cannot be made, the runner records the
+    uncompiled one, with a warning; the server goes on."""
+    from livespeech.models.loading import load_bundle
+    from livespeech.server.runner import ModelRunner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no Triton here")
+
+    monkeypatch.setattr("livespeech.models.step_graph.compiled_step", broken)
+    with caplog.at_level(logging.WARNING, logger="livespeech.server.runner"):
+        runner = ModelRunner(load_bundle(random_init=True), 2, cuda_graphs=True, compile_step=True)
+    assert runner.captured is not None and not runner.captured.compiled
+    assert "no Triton here" in caplog.text
 
 
 def test_a_step_that_cannot_be_traced_runs_eagerly(monkeypatch, caplog):
