@@ -283,6 +283,42 @@ def test_decoder_data_counts_utterances_still_without_codes(pipeline, tmp_path):
         np.save(path, kept)
 
 
+def test_batches_made_ahead_are_those_made_in_turn_and_a_failure_reaches_the_loop(pipeline):
+    """`BatchPrefetch`: batch s from the sampler and a generator seeded by s, each with the
+    sampler's state after it (what a checkpoint saves); a failure on the batches' thread
+    (a re-read of the data, here) is raised where the next batch is taken; closing stops a
+    thread blocked on a full queue."""
+    _, corpus, _, codes_dir = pipeline
+    cfg = train.preset("tiny", **train.parse_overrides(SMALL))
+    model = train.build_model(cfg, "cpu")
+    data = DecoderData(corpus, codes_dir, cfg, "train")
+    data.index = {it["rec"]["id"]: i for i, it in enumerate(data.items)}
+    inline = train.Sampler(0, 300, 2)
+    made = train.BatchPrefetch(None, data, train.Sampler(0, 300, 2), model, seed=5, first_step=0, rescan_every=1)
+    try:
+        for s in range(3):
+            batch, state, n = made.next()
+            rng = random.Random(5 * 1_000_039 + s)
+            want = collate([data.example(i, rng) for i in inline.next(data)], model)
+            for f in want.__dataclass_fields__:
+                assert torch.equal(getattr(batch, f), getattr(want, f)), f
+            assert state == inline.state() and n == len(data)
+    finally:
+        made.close()
+
+    def broken():
+        raise OSError("the codes directory went away")
+
+    data.missing = 1  # an encoder still filling it: the data is re-read at step 1
+    failing = train.BatchPrefetch(broken, data, train.Sampler(0, 300, 2), model, seed=5, first_step=0, rescan_every=1)
+    try:
+        failing.next()
+        with pytest.raises(OSError, match="went away"):
+            failing.next()
+    finally:
+        failing.close()
+
+
 def test_end_key_jitter_moves_only_the_end_key(pipeline):
     _, corpus, _, codes_dir = pipeline
     from livespeech.models.config import preset

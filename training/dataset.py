@@ -394,8 +394,12 @@ class Batch:
     # [B, S] the phone input of each step (the front end's phone of the frame codebook 1 predicts; -1: none)
     phone_input: torch.Tensor
 
-    def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        return Batch(*(getattr(self, f).to(device, non_blocking=non_blocking) for f in self.__dataclass_fields__))
+
+    def pin_memory(self) -> "Batch":
+        """In page-locked memory, which a CUDA device copies from without the host waiting."""
+        return Batch(*(getattr(self, f).pin_memory() for f in self.__dataclass_fields__))
 
 
 def collate(examples: Sequence[Example], model) -> Batch:

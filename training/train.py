@@ -22,8 +22,10 @@ import argparse
 import dataclasses
 import json
 import os
+import queue
 import random
 import sys
+import threading
 import time
 from typing import NamedTuple, Optional
 
@@ -107,6 +109,66 @@ class Sampler:
     def load(self, st: dict) -> None:
         self.rng.setstate(_tuplify(st["rng"]))
         self.epoch, self.batches, self.pos = st["epoch"], st["batches"], st["pos"]
+
+
+class BatchPrefetch:
+    """The training batches drawn, read and collated on a thread of their own, up to
+    `depth` ahead of the step that takes them: a batch of ~80,000 frames costs 70-170 ms
+    of one core (2-core Intel Xeon VM), which a GPU's step of ~180 ms would otherwise wait
+    for. Batch s is a function of the sampler's state and of s alone (its examples draw
+    from a generator seeded by the step), so a resumed run takes the batches a straight
+    one does; each comes with the sampler's state after it, which a checkpoint saves, and
+    the number of training utterances it was drawn from. While an encoder is still
+    filling the codes directory, the data is re-read every `rescan_every` steps."""
+
+    def __init__(self, load_data, data: DecoderData, sampler: Sampler, model: LiveSpeech2, seed: int,
+                 first_step: int, rescan_every: int, pin: bool = False, depth: int = 2):
+        self._load_data, self._data, self._sampler, self._model = load_data, data, sampler, model
+        self._seed, self._step, self._rescan_every, self._pin = seed, first_step, rescan_every, pin
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="batches", daemon=True)
+        self._thread.start()
+
+    def next(self) -> tuple[Batch, dict, int]:
+        """(the next step's batch, the sampler's state after it, the training utterances)."""
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():  # a producer blocked on a full queue takes its stop
+            try:
+                self._queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                s = self._step
+                if self._data.missing and s > 0 and s % self._rescan_every == 0:
+                    self._data = self._load_data()
+                idx = self._sampler.next(self._data)
+                rng = random.Random(self._seed * 1_000_039 + s)
+                batch = collate([self._data.example(i, rng) for i in idx], self._model)
+                if self._pin:
+                    batch = batch.pin_memory()
+                self._put((batch, self._sampler.state(), len(self._data)))
+                self._step += 1
+        except BaseException as e:  # noqa: BLE001 - the training loop raises it
+            self._put(e)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                pass
 
 
 def _tuplify(x):
@@ -384,11 +446,11 @@ def dev_batches(data: DecoderData, model: LiveSpeech2, n_batches: int, batch_siz
     return out
 
 
-def save_checkpoint(path: str, model, opt, step: int, lw: CodebookLossWeights, sampler: Sampler,
+def save_checkpoint(path: str, model, opt, step: int, lw: CodebookLossWeights, sampler_state: dict,
                     mask_gen: torch.Generator, py_rng: random.Random, best: float, args: dict, extra: dict) -> None:
     obj = {
         "config": model.cfg.to_dict(), "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-        "loss_acc": lw.acc.clone(), "sampler": sampler.state(), "mask_gen": mask_gen.get_state(),
+        "loss_acc": lw.acc.clone(), "sampler": sampler_state, "mask_gen": mask_gen.get_state(),
         "py_rng": py_rng.getstate(), "torch_rng": torch.get_rng_state(), "np_rng": np.random.get_state(),
         "best": best, "args": args, **extra,
     }
@@ -665,11 +727,13 @@ def main(argv=None) -> int:
     n_acc = 0
     model.train()
 
+    sampler_state, n_train = sampler.state(), len(data)  # as of the last batch taken
+
     def ckpt(path: str) -> None:
-        extra = {"n_train": len(data), "train_s": train_s}
+        extra = {"n_train": n_train, "train_s": train_s}
         if phone_head is not None:
             extra.update(phone_head=phone_head.state_dict(), phone_vocab=phone_head.names)
-        save_checkpoint(path, model, opt, step, lw, sampler, mask_gen, py_rng, best, vars(a), extra)
+        save_checkpoint(path, model, opt, step, lw, sampler_state, mask_gen, py_rng, best, vars(a), extra)
 
     if a.init and step == 0:
         # the starting point's dev figures: a continued decoder must beat them (short runs at
@@ -682,86 +746,91 @@ def main(argv=None) -> int:
         log.flush()
         print(json.dumps(row), flush=True)
     t_resume = time.time() - train_s  # training time carried over from earlier runs
-    while not sched.finished(step, train_s) and not (stop_at and step >= stop_at):
-        # re-read the codes directory while an encoder is still filling it (a full re-read
-        # tokenises the whole manifest: seconds per call on 40 h)
-        if data.missing and step > 0 and step % a.rescan_every == 0:
-            data = load_data()
-        idx = sampler.next(data)
-        batch = collate([data.example(i, py_rng) for i in idx], model)
-        # drawn whatever the phase, so a resumed run draws what a straight one does
-        stream = py_rng.random() < a.stream_p and sched.progress(step, train_s) >= a.stream_after
-        r1, r2 = py_rng.randint(1, 3), py_rng.randint(1, 3)
-        # drawn on the CPU from the CPU generator: the same masks on every device
-        mask = text_mask_for(batch, stream, mask_gen, r1, r2).to(device)
-        if a.text_dropout > 0:  # seeded by the step, as the history noise
-            mask = drop_text(mask, a.text_dropout, torch.Generator().manual_seed(a.seed * 1_000_037 + step))
-        if a.history_noise > 0:  # seeded by the step: a resumed run corrupts what a straight one does
-            noise_gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
-            batch.inputs = corrupt_history(batch.inputs, a.history_noise, model.none_ids(), model.cfg.codebook_size,
-                                           noise_gen)
-        batch = batch.to(device)
-        for g in opt.param_groups:
-            g["lr"] = sched.lr(step, train_s)
-        w = lw.weights()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            if a.own_history > 0:  # seeded by the step, as the history noise
-                own_gen = torch.Generator().manual_seed(a.seed * 1_000_033 + step)
-                batch.inputs = own_history(model, batch, mask, a.own_history, own_gen, a.own_passes,
-                                           OwnSampling.named(a.own_sampling))
-            total, losses, accs, reading = forward_loss(model, batch, mask, w, a.read_heads if a.read_weight > 0 else 0)
-            if reading is not None:
-                total = total + a.read_weight * reading[0]
-                accum["read_loss"] = accum.get("read_loss", 0.0) + float(reading[0].detach())
-                accum["read_mass"] = accum.get("read_mass", 0.0) + float(reading[1])
-            if phone_head is not None:
-                phone_ce, phone_acc = phone_head.loss(batch.phones)
-                total = total + a.phone_weight * phone_ce
-                accum["ce_phone"] = accum.get("ce_phone", 0.0) + float(phone_ce.detach())
-                accum["acc_phone"] = accum.get("acc_phone", 0.0) + float(phone_acc)
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        gn = torch.nn.utils.clip_grad_norm_([*model.parameters(), *(phone_head.parameters() if phone_head else ())], 1.0)
-        opt.step()
-        lw.update(accs)
-        step += 1
-        train_s = time.time() - t_resume
-        frames_acc += int(batch.inputs.shape[0] * batch.inputs.shape[2])
-        for k, v in (("loss", float(total.detach())), ("ce_sum", float(losses.detach().sum())),
-                     ("ce_graph", float(losses[0].detach())), ("ce_acoustic", float(losses[1:].detach().mean())),
-                     ("acc_graph", float(accs[0])), ("acc_acoustic", float(accs[1:].mean())),
-                     ("acc_cb1", float(accs[1])), ("grad_norm", float(gn)), ("stream", float(stream))):
-            accum[k] = accum.get(k, 0.0) + v
-        n_acc += 1
-        if step % a.log_every == 0 or step == 1:
-            now = time.time()
-            row = {"step": step, "time_s": round(now - t0, 1), "lr": round(opt.param_groups[0]["lr"], 7),
-                   "s_per_step": round((now - t_log) / n_acc, 3), "frames_per_s": round(frames_acc / (now - t_log), 1),
-                   "epoch": sampler.epoch, "n_train": len(data),
-                   **{k: round(v / n_acc, 5) for k, v in accum.items()}}
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            print(json.dumps(row), flush=True)
-            accum, n_acc, t_log, frames_acc = {}, 0, now, 0
-        done = (sched.finished(step, train_s) or bool(stop_at and step >= stop_at)
-                or (a.max_minutes is not None and time.time() - t0 > a.max_minutes * 60))
-        if step % a.eval_every == 0 or done:
-            ev = evaluate(model, devb, device, phone_head, a.read_heads)
-            is_best = ev["dev_loss"] < best
-            if is_best:
-                best = ev["dev_loss"]
-            row = {"step": step, "eval": True, "best": is_best, "loss_weights": [round(float(x), 3) for x in lw.weights()],
-                   **ev}
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            print(json.dumps(row), flush=True)
-            if is_best:
-                ckpt(os.path.join(a.out, "best.pt"))
-        if done or time.time() - t_ckpt > a.ckpt_minutes * 60 or (a.ckpt_every and step % a.ckpt_every == 0):
-            ckpt(last_path)
-            t_ckpt = time.time()
-        if done:
-            break
+    # the batches made on a thread of their own (a re-read of the data while an encoder
+    # fills the codes directory, which tokenises the whole manifest, there too)
+    batches = BatchPrefetch(load_data, data, sampler, model, a.seed, step, a.rescan_every, pin=device.type == "cuda")
+    try:
+        while not sched.finished(step, train_s) and not (stop_at and step >= stop_at):
+            batch, sampler_state, n_train = batches.next()
+            # drawn whatever the phase, so a resumed run draws what a straight one does
+            stream = py_rng.random() < a.stream_p and sched.progress(step, train_s) >= a.stream_after
+            r1, r2 = py_rng.randint(1, 3), py_rng.randint(1, 3)
+            # drawn on the CPU from the CPU generator: the same masks on every device
+            mask = text_mask_for(batch, stream, mask_gen, r1, r2).to(device)
+            if a.text_dropout > 0:  # seeded by the step, as the history noise
+                mask = drop_text(mask, a.text_dropout, torch.Generator().manual_seed(a.seed * 1_000_037 + step))
+            if a.history_noise > 0:  # seeded by the step: a resumed run corrupts what a straight one does
+                noise_gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
+                batch.inputs = corrupt_history(batch.inputs, a.history_noise, model.none_ids(), model.cfg.codebook_size,
+                                               noise_gen)
+            batch = batch.to(device, non_blocking=device.type == "cuda")
+            for g in opt.param_groups:
+                g["lr"] = sched.lr(step, train_s)
+            w = lw.weights()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                if a.own_history > 0:  # seeded by the step, as the history noise
+                    own_gen = torch.Generator().manual_seed(a.seed * 1_000_033 + step)
+                    batch.inputs = own_history(model, batch, mask, a.own_history, own_gen, a.own_passes,
+                                               OwnSampling.named(a.own_sampling))
+                total, losses, accs, reading = forward_loss(model, batch, mask, w,
+                                                            a.read_heads if a.read_weight > 0 else 0)
+                if reading is not None:
+                    total = total + a.read_weight * reading[0]
+                    accum["read_loss"] = accum.get("read_loss", 0.0) + float(reading[0].detach())
+                    accum["read_mass"] = accum.get("read_mass", 0.0) + float(reading[1])
+                if phone_head is not None:
+                    phone_ce, phone_acc = phone_head.loss(batch.phones)
+                    total = total + a.phone_weight * phone_ce
+                    accum["ce_phone"] = accum.get("ce_phone", 0.0) + float(phone_ce.detach())
+                    accum["acc_phone"] = accum.get("acc_phone", 0.0) + float(phone_acc)
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            gn = torch.nn.utils.clip_grad_norm_(
+                [*model.parameters(), *(phone_head.parameters() if phone_head else ())], 1.0)
+            opt.step()
+            lw.update(accs)
+            step += 1
+            train_s = time.time() - t_resume
+            frames_acc += int(batch.inputs.shape[0] * batch.inputs.shape[2])
+            for k, v in (("loss", float(total.detach())), ("ce_sum", float(losses.detach().sum())),
+                         ("ce_graph", float(losses[0].detach())), ("ce_acoustic", float(losses[1:].detach().mean())),
+                         ("acc_graph", float(accs[0])), ("acc_acoustic", float(accs[1:].mean())),
+                         ("acc_cb1", float(accs[1])), ("grad_norm", float(gn)), ("stream", float(stream))):
+                accum[k] = accum.get(k, 0.0) + v
+            n_acc += 1
+            if step % a.log_every == 0 or step == 1:
+                now = time.time()
+                row = {"step": step, "time_s": round(now - t0, 1), "lr": round(opt.param_groups[0]["lr"], 7),
+                       "s_per_step": round((now - t_log) / n_acc, 3),
+                       "frames_per_s": round(frames_acc / (now - t_log), 1),
+                       "epoch": sampler_state["epoch"], "n_train": n_train,
+                       **{k: round(v / n_acc, 5) for k, v in accum.items()}}
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                print(json.dumps(row), flush=True)
+                accum, n_acc, t_log, frames_acc = {}, 0, now, 0
+            done = (sched.finished(step, train_s) or bool(stop_at and step >= stop_at)
+                    or (a.max_minutes is not None and time.time() - t0 > a.max_minutes * 60))
+            if step % a.eval_every == 0 or done:
+                ev = evaluate(model, devb, device, phone_head, a.read_heads)
+                is_best = ev["dev_loss"] < best
+                if is_best:
+                    best = ev["dev_loss"]
+                row = {"step": step, "eval": True, "best": is_best,
+                       "loss_weights": [round(float(x), 3) for x in lw.weights()],
+                       **ev}
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                print(json.dumps(row), flush=True)
+                if is_best:
+                    ckpt(os.path.join(a.out, "best.pt"))
+            if done or time.time() - t_ckpt > a.ckpt_minutes * 60 or (a.ckpt_every and step % a.ckpt_every == 0):
+                ckpt(last_path)
+                t_ckpt = time.time()
+            if done:
+                break
+    finally:
+        batches.close()
     print(f"done at step {step}, best dev loss {best:.4f}, {time.time() - t0:.0f} s", flush=True)
     return 0
 
