@@ -272,25 +272,26 @@ class CodebookLossWeights:
             self.boost[k] = x
 
     def update(self, accuracies: torch.Tensor) -> None:
-        self.acc = self.momentum * self.acc + (1 - self.momentum) * accuracies.detach().cpu().float()
+        """Kept where the accuracies are (on a GPU, no read of the device a step)."""
+        acc = accuracies.detach().float()
+        self.acc = self.momentum * self.acc.to(acc.device) + (1 - self.momentum) * acc
 
     def weights(self) -> torch.Tensor:
-        w = ((1.0 - self.acc) + self.lambda_cb) * self.boost
+        w = ((1.0 - self.acc) + self.lambda_cb) * self.boost.to(self.acc.device)
         return w / w.mean()
 
 
 def codebook_losses(logits: list[torch.Tensor], targets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy and accuracy per codebook over valid positions.
-    targets/valid [B, K, S]. Returns (loss [K], acc [K])."""
+    """Mean cross-entropy and accuracy per codebook over valid positions (0 where there
+    is none). targets/valid [B, K, S]. Returns (loss [K], acc [K]). The invalid positions
+    are ignored rather than cut out: cutting needs their count on the host, which on a GPU
+    stops the host until the device catches up, twice a codebook a step."""
     losses, accs = [], []
     for k, lg in enumerate(logits):
         m = valid[:, k]
-        tgt = targets[:, k][m]
-        lk = lg[m]
-        if tgt.numel() == 0:
-            losses.append(lg.sum() * 0.0)
-            accs.append(lg.new_zeros(()))
-            continue
-        losses.append(F.cross_entropy(lk.float(), tgt))
-        accs.append((lk.argmax(-1) == tgt).float().mean())
+        n = m.sum().clamp_min(1)
+        tgt = targets[:, k].masked_fill(~m, -100)
+        ce = F.cross_entropy(lg.float().flatten(0, -2), tgt.flatten(), ignore_index=-100, reduction="sum")
+        losses.append(ce / n)
+        accs.append(((lg.argmax(-1) == targets[:, k]) & m).sum() / n)
     return torch.stack(losses), torch.stack(accs)

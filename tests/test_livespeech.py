@@ -346,6 +346,26 @@ def test_streaming_dropout_mask_contains_closest_key():
         assert all(row[first : lastv + 1])  # one contiguous window
 
 
+def test_codebook_losses_are_the_mean_over_valid_positions_and_zero_without_any():
+    """The loss ignores the invalid positions instead of cutting them out (no read of the
+    device): the same CE and accuracy as over the valid positions alone; a codebook with
+    none has loss and accuracy 0, and its logits still get a (zero) gradient."""
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(3, 7, 11, generator=g, requires_grad=True) for _ in range(3)]
+    targets = torch.randint(0, 11, (3, 3, 7), generator=g)
+    valid = torch.rand(3, 3, 7, generator=g) < 0.6
+    valid[:, 2] = False
+    loss, acc = codebook_losses(logits, targets, valid)
+    for k in range(2):
+        m = valid[:, k]
+        want = torch.nn.functional.cross_entropy(logits[k][m], targets[:, k][m])
+        torch.testing.assert_close(loss[k], want)
+        torch.testing.assert_close(acc[k], (logits[k][m].argmax(-1) == targets[:, k][m]).float().mean())
+    assert float(loss[2]) == 0.0 and float(acc[2]) == 0.0
+    loss.sum().backward()
+    assert logits[2].grad is not None and float(logits[2].grad.abs().sum()) == 0.0
+
+
 def test_losses_and_weights(model):
     cfg = model.cfg
     codes, last, text, pos = random_example(cfg)

@@ -450,7 +450,7 @@ def save_checkpoint(path: str, model, opt, step: int, lw: CodebookLossWeights, s
                     mask_gen: torch.Generator, py_rng: random.Random, best: float, args: dict, extra: dict) -> None:
     obj = {
         "config": model.cfg.to_dict(), "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-        "loss_acc": lw.acc.clone(), "sampler": sampler_state, "mask_gen": mask_gen.get_state(),
+        "loss_acc": lw.acc.cpu().clone(), "sampler": sampler_state, "mask_gen": mask_gen.get_state(),
         "py_rng": py_rng.getstate(), "torch_rng": torch.get_rng_state(), "np_rng": np.random.get_state(),
         "best": best, "args": args, **extra,
     }
@@ -776,13 +776,13 @@ def main(argv=None) -> int:
                                                             a.read_heads if a.read_weight > 0 else 0)
                 if reading is not None:
                     total = total + a.read_weight * reading[0]
-                    accum["read_loss"] = accum.get("read_loss", 0.0) + float(reading[0].detach())
-                    accum["read_mass"] = accum.get("read_mass", 0.0) + float(reading[1])
+                    accum["read_loss"] = accum.get("read_loss", 0.0) + reading[0].detach()
+                    accum["read_mass"] = accum.get("read_mass", 0.0) + reading[1]
                 if phone_head is not None:
                     phone_ce, phone_acc = phone_head.loss(batch.phones)
                     total = total + a.phone_weight * phone_ce
-                    accum["ce_phone"] = accum.get("ce_phone", 0.0) + float(phone_ce.detach())
-                    accum["acc_phone"] = accum.get("acc_phone", 0.0) + float(phone_acc)
+                    accum["ce_phone"] = accum.get("ce_phone", 0.0) + phone_ce.detach()
+                    accum["acc_phone"] = accum.get("acc_phone", 0.0) + phone_acc
             opt.zero_grad(set_to_none=True)
             total.backward()
             gn = torch.nn.utils.clip_grad_norm_(
@@ -792,10 +792,12 @@ def main(argv=None) -> int:
             step += 1
             train_s = time.time() - t_resume
             frames_acc += int(batch.inputs.shape[0] * batch.inputs.shape[2])
-            for k, v in (("loss", float(total.detach())), ("ce_sum", float(losses.detach().sum())),
-                         ("ce_graph", float(losses[0].detach())), ("ce_acoustic", float(losses[1:].detach().mean())),
-                         ("acc_graph", float(accs[0])), ("acc_acoustic", float(accs[1:].mean())),
-                         ("acc_cb1", float(accs[1])), ("grad_norm", float(gn)), ("stream", float(stream))):
+            # summed where they are and read at the log's steps: a read of a GPU each step
+            # would stop the host from queueing the next step while this one runs
+            losses, accs = losses.detach(), accs.detach()
+            for k, v in (("loss", total.detach()), ("ce_sum", losses.sum()), ("ce_graph", losses[0]),
+                         ("ce_acoustic", losses[1:].mean()), ("acc_graph", accs[0]), ("acc_acoustic", accs[1:].mean()),
+                         ("acc_cb1", accs[1]), ("grad_norm", gn), ("stream", float(stream))):
                 accum[k] = accum.get(k, 0.0) + v
             n_acc += 1
             if step % a.log_every == 0 or step == 1:
@@ -804,7 +806,7 @@ def main(argv=None) -> int:
                        "s_per_step": round((now - t_log) / n_acc, 3),
                        "frames_per_s": round(frames_acc / (now - t_log), 1),
                        "epoch": sampler_state["epoch"], "n_train": n_train,
-                       **{k: round(v / n_acc, 5) for k, v in accum.items()}}
+                       **{k: round(float(v) / n_acc, 5) for k, v in accum.items()}}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 print(json.dumps(row), flush=True)
