@@ -5,8 +5,8 @@
 # against the eager step, with and without the bf16 path and torch.compile's step) and
 # the codec thread's on CUDA (its own stream: the same audio as without it); the step's
 # cost at batch 1, 16, 64 and 256 with the graphs (the runner step over the model step:
-# what the copies from the host cost), with the GPU's bf16 path (its default) and in
-# float32, then at 1 and 256 with torch.compile's step (at most 200 s); the engine step's
+# what the copies from the host cost) on the GPU's bf16 path (its default), at 1 and 256
+# with torch.compile's step (at most 200 s), and at 1 and 256 in float32; the engine step's
 # host reads and copies from the host at batch 1 and 64 (one each:
 # livespeech.loadtest.host_reads); 64 sessions started together in process with the CUDA
 # graphs, their slowest engine steps and codec calls (the ~2 s stalls at N=64 through
@@ -28,14 +28,15 @@ bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --co
   # no conftest: it starts gRPC servers, whose health and reflection packages the image lacks
   $PY -m pytest -q -p no:cacheprovider --noconftest tests/test_step_graph.py \
     tests/test_engine.py::test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order 2>&1 | tail -n 3
-  echo "== the step at batch 1, 16, 64, 256 with the CUDA graphs: bf16 matmul weights (the default on a GPU), then float32"
+  echo "== the step at batch 1, 16, 64, 256 with the CUDA graphs: bf16 matmul weights (the default on a GPU)"
   bench --batch 1 16 64 256 --steps 30 --cuda-graphs
-  bench --batch 1 16 64 256 --steps 30 --cuda-graphs --bf16-matmuls off
   echo "== the step torch.compile made, recorded by the graphs (--compile-step; runner_setup_s holds the compile), bf16"
   timeout 200 $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --codec "${CODEC:-encodec_24khz}" \
     --device "${DEVICE:-cuda}" --batch 1 256 --steps 30 --cuda-graphs --compile-step --json "$OUT/compiled_step.json"
   $PY -c "import json,sys; print('compiled step in use:', json.load(open(sys.argv[1]))['compiled_step'])" \
     "$OUT/compiled_step.json" 2>/dev/null
+  echo "== the step in float32 (--bf16-matmuls off), with the CUDA graphs"
+  bench --batch 1 256 --steps 30 --cuda-graphs --bf16-matmuls off
   echo "== host reads and copies from the host per engine step"
   $PY -m livespeech.loadtest.host_reads --model-path "random:${PRESET:-paper}/${CODEC:-encodec_24khz}" \
     --device "${DEVICE:-cuda}" --batch 1 64 --steps 20
