@@ -113,9 +113,9 @@ class Sampler:
 
 class BatchPrefetch:
     """The training batches drawn, read and collated on a thread of their own, up to
-    `depth` ahead of the step that takes them: a batch of ~80,000 frames costs 70-170 ms
-    of one core (2-core Intel Xeon VM), which a GPU's step of ~180 ms would otherwise wait
-    for. Batch s is a function of the sampler's state and of s alone (its examples draw
+    `depth` ahead of the step that takes them: a batch of ~80,000 frames costs 70-450 ms
+    of one core (2-core Intel Xeon VM; the least once its codes are cached), which a GPU's
+    step of ~180 ms would otherwise wait for. Batch s is a function of the sampler's state and of s alone (its examples draw
     from a generator seeded by the step), so a resumed run takes the batches a straight
     one does; each comes with the sampler's state after it, which a checkpoint saves, and
     the number of training utterances it was drawn from. While an encoder is still
