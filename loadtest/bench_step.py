@@ -166,6 +166,8 @@ def runner_with_sessions(bundle, args, out: dict, capacity: int):
     out["frozen_step"] = runner.frozen
     # torch.compile's step in use (the runner falls back to the uncompiled one where it fails)
     out["compiled_step"] = runner.captured is not None and runner.captured.compiled
+    # the graphs record the sampling and commit too: model_step_ms is then that whole replay
+    out["graph_samples"] = runner.captured is not None and runner.captured.after is not None
     if args.jit_fuser:
         kernel_fusion(True)
     out["jit_fuser"] = args.jit_fuser

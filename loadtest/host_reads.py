@@ -85,7 +85,8 @@ class HostReads(TorchFunctionMode):
 
 
 def engine_step_reads(bundle: Any, batch: int, steps: int = 40, warmup: int = 10, guidance_lambda: float = 1.0,
-                      text_chars: int = 300, timeout_s: float = 600.0, device_guidance: bool = False) -> dict:
+                      text_chars: int = 300, timeout_s: float = 600.0, device_guidance: bool = False,
+                      cuda_graphs: bool = False) -> dict:
     """Host reads of `steps` engine steps at the full `batch` (after `warmup` steps): per
     step outside the codec (`step`), and the codec's (`codec`, when a packet was decoded
     on the engine thread), with the sites they come from; and the step's copies from the
@@ -95,7 +96,7 @@ def engine_step_reads(bundle: Any, batch: int, steps: int = 40, warmup: int = 10
     from livespeech.server.engine import Engine, EngineConfig
 
     engine = Engine(bundle, EngineConfig(max_sessions=batch, max_lead_s=1e6, max_session_s=3600.0,
-                                         device_guidance=device_guidance))
+                                         device_guidance=device_guidance, cuda_graphs=cuda_graphs))
     voice = engine.make_voice("reads", noise_reference(), 24000)
     text = (TEXT * (text_chars // len(TEXT) + 1))[:text_chars]
     text = text[: text.rfind(" ")] + "."
@@ -167,12 +168,14 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--lambda", dest="guidance_lambda", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device-guidance", action="store_true", help="every slot's guidance as tensors on the device")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="the step recorded with its sampling and commit, one graph a batch-size bucket")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     bundle = load_bundle(a.model_path, device=a.device)
     for b in a.batch:
         r = engine_step_reads(bundle, b, steps=a.steps, guidance_lambda=a.guidance_lambda,
-                              device_guidance=a.device_guidance)
+                              device_guidance=a.device_guidance, cuda_graphs=a.cuda_graphs)
         dist = sorted(collections.Counter(r["step"]).items())
         lam = "inf" if math.isinf(a.guidance_lambda) else a.guidance_lambda
         print(f"batch {b} (lambda {lam}): {r['steps']} steps; host reads per step: "

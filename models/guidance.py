@@ -644,12 +644,11 @@ class SamplingPlan:
             self._inv_t = up.add([1.0 if x == 0.0 else 1.0 / x for row in t for x in row], torch.float32, (b, 3))
             self._greedy = up.add([x == 0.0 for row in t for x in row], torch.bool, (b, 3))
 
-    def sample(self, sent: Sequence[torch.Tensor], g_logits: torch.Tensor, a_logits: torch.Tensor,
-               u: torch.Tensor, sets: Optional[GuidingSets] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [B, 1 + Q], bad [B]) from the logits, the `Upload`'s sent tensors, the
-        step's draws u [B, 1 + Q], and the device's guiding sets where `states` was None."""
+    def rows(self, sent: Sequence[torch.Tensor], sets: Optional[GuidingSets] = None) -> "SamplingRows":
+        """Each row's settings as `_step_tokens` reads them, from the `Upload`'s sent
+        tensors and the device's guiding sets where `states` was None."""
         b, g, _ = self.shape
-        dev = g_logits.device
+        dev = sent[self._bonus].device
         if sets is not None:
             guide, barred = sets.mask & sent[self._guided][:, None], sets.eos_barred
         else:
@@ -658,9 +657,34 @@ class SamplingPlan:
             inv_t, greedy = sent[self._inv_t], sent[self._greedy]
         else:  # read only when scaled
             inv_t, greedy = torch.ones(b, 3, device=dev), torch.zeros(b, 3, dtype=torch.bool, device=dev)
-        return _scripted_step_tokens()(g_logits, a_logits, barred, guide, sent[self._bonus], sent[self._hard],
-                                       sent[self._k_g], self.kmax_g, sent[self._k_a], self.kmax_a, u, EOS,
-                                       inv_t, greedy, self.scaled)
+        return SamplingRows(guide, barred, sent[self._bonus], sent[self._hard], sent[self._k_g], sent[self._k_a],
+                            inv_t, greedy)
+
+    def sample(self, sent: Sequence[torch.Tensor], g_logits: torch.Tensor, a_logits: torch.Tensor,
+               u: torch.Tensor, sets: Optional[GuidingSets] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B, 1 + Q], bad [B]) from the logits, the `Upload`'s sent tensors, the
+        step's draws u [B, 1 + Q], and the device's guiding sets where `states` was None."""
+        return self.rows(sent, sets).sample(g_logits, a_logits, u, self.kmax_g, self.kmax_a, self.scaled)
+
+
+class SamplingRows(NamedTuple):
+    """Each row's sampling settings as tensors on the device (`SamplingPlan.rows`): what a
+    step's sampling reads besides the logits and the draws."""
+    guide: torch.Tensor  # [B, G] bool: the guiding graphemes
+    eos_barred: torch.Tensor  # [B] bool
+    bonus: torch.Tensor  # [B] float: log(1 + lambda)
+    hard: torch.Tensor  # [B] bool: lambda inf
+    k_g: torch.Tensor  # [B] long: the grapheme's top-k
+    k_a: torch.Tensor  # [B] long: the acoustic codes' top-k
+    inv_t: torch.Tensor  # [B, 3] float: 1 / temperature of (grapheme, codebook 1, codebooks 2..Q)
+    greedy: torch.Tensor  # [B, 3] bool: temperature 0
+
+    def sample(self, g_logits: torch.Tensor, a_logits: torch.Tensor, u: torch.Tensor, kmax_g: int, kmax_a: int,
+               scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B, 1 + Q], bad [B]); `kmax_*` at least every row's k (more draws the
+        same tokens); `scaled` False skips the temperatures (when they are all 1)."""
+        return _scripted_step_tokens()(g_logits, a_logits, self.eos_barred, self.guide, self.bonus, self.hard,
+                                       self.k_g, kmax_g, self.k_a, kmax_a, u, EOS, self.inv_t, self.greedy, scaled)
 
 
 def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Union[Sequence[GuidanceState], GuidingSets],

@@ -325,6 +325,18 @@ class DecodeState(DecodeStateView):
         return StepResult(frames=frames, frame_index=index, has_frame=has, done=done)
 
 
+    def commit_first(self, b: int, sampled: torch.Tensor, active: torch.Tensor) -> StepResult:
+        """`commit` for the first `b` slots, in place, where `active` [b] (the rows a
+        step stepped: a recorded step over a bucket of slots runs every row of it); the
+        other rows' state is left as it was."""
+        view = self.view(range(b), skip=("conv", "ssm", "mem_k", "mem_v"))
+        kept = view.step.clone(), view.eos_frame.clone(), view.ring.clone(), view.inputs.clone()
+        res = self.commit(view, sampled)
+        for t, old in zip((view.step, view.eos_frame, view.ring, view.inputs), kept):
+            t.copy_(torch.where(active.view(-1, *[1] * (t.dim() - 1)), t, old))
+        return res
+
+
 def _commit(step: torch.Tensor, eos_frame: torch.Tensor, ring: torch.Tensor, inputs: torch.Tensor,
             delays: torch.Tensor, none: torch.Tensor, sampled: torch.Tensor, eos: int, no_eos: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,7 +5,8 @@ the streaming codec), and the streaming codec as an ONNX Runtime session on the 
 (`OnnxCodecStep`, the server's default there).
 
 CUDA graph: the decode step over the first slots of a DecodeState, one graph per
-batch-size bucket.
+batch-size bucket, with what the caller runs after the model step recorded too (`after`:
+the server's sampling and commit, server/runner.py).
 
 On a GPU the eager step is bound by kernel launches, not by math: the paper preset's
 step costs about the same at batch 1 and at batch 128 (docs/loadtest.md), hundreds of
@@ -26,7 +27,7 @@ from __future__ import annotations
 import io
 import logging
 import warnings
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Callable, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
@@ -66,8 +67,13 @@ def record_cuda_graph(fn: Callable[[], T], device: torch.device, warmup: int, po
 
 class CapturedStep:
     def __init__(self, model: LiveSpeech2, state: DecodeState, capture: bool = True, warmup: int = 3,
-                 matmul_dtype: Optional[torch.dtype] = None, compiled: bool = False):
+                 matmul_dtype: Optional[torch.dtype] = None, compiled: bool = False,
+                 after: Optional[Callable[[StepLogits, int], torch.Tensor]] = None):
         self.model, self.state, self.matmul_dtype = model, state, matmul_dtype
+        # `after(logits, b)`: what the graphs record after the model step over a bucket of
+        # b slots (the caller's sampling and commit of every row of it, from buffers of its
+        # own), its result [b, X] a row each: a whole decode step is one replay
+        self.after = after
         capacity, dev = state.capacity, state.step.device
         self.inputs = state.inputs.clone()
         self.frame = state.step.clone()
@@ -79,7 +85,7 @@ class CapturedStep:
         if compiled and capacity > 1:
             self.buckets = self.buckets[1:]
         # bucket -> (its CUDA graph, its output); empty when not captured
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepLogits]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Union[StepLogits, torch.Tensor]]] = {}
         if capture:
             saved = state.conv.clone(), state.ssm.clone()  # warm-up steps advance them
             pool = torch.cuda.graph_pool_handle()  # one memory pool: a step replays one graph
@@ -93,19 +99,23 @@ class CapturedStep:
         """Whether the step recorded is torch.compile's."""
         return self._compiled is not None
 
-    def _eager(self, b: int) -> StepLogits:
+    def _eager(self, b: int) -> Union[StepLogits, torch.Tensor]:
         """The step of the bucket of `b` slots, not replayed: what a graph records."""
         view = self.state.view(range(b))
         if self._compiled is not None:
-            return self._compiled(self.inputs[:b], self.frame[:b], view, self.mask[:b])
-        return self.model.step(self.inputs[:b], self.frame[:b], view, self.mask[:b], self.matmul_dtype)
+            logits = self._compiled(self.inputs[:b], self.frame[:b], view, self.mask[:b])
+        else:
+            logits = self.model.step(self.inputs[:b], self.frame[:b], view, self.mask[:b], self.matmul_dtype)
+        return logits if self.after is None else self.after(logits, b)
 
     @torch.inference_mode()
     def __call__(self, slots: Sequence[int], inputs: torch.Tensor, frame: torch.Tensor,
-                 text_mask: torch.Tensor) -> StepLogits:
+                 text_mask: torch.Tensor, replay: bool = True) -> Union[StepLogits, torch.Tensor]:
         """`LiveSpeech2.step` for `slots` (inputs [B, K], frame [B], text_mask [B, l] over
         the first l <= L text slots): the state's rows of those slots are updated in
-        place, every other row is as it was; returns the batch's logits (a copy)."""
+        place, every other row is as it was; returns the batch's logits (a copy), or with
+        `after` its rows of what that returned. `replay` False: the step runs eagerly
+        (`after` reads settings its recording did not cover)."""
         b = next(b for b in self.buckets if b > max(slots))
         idx = self.state.slot_index(slots)
         self.inputs.index_copy_(0, idx, inputs)
@@ -116,7 +126,7 @@ class CapturedStep:
         if others:
             keep = self.state.slot_index(others)
             saved = self.state.conv.index_select(1, keep), self.state.ssm.index_select(1, keep)
-        if b in self.graphs:
+        if replay and b in self.graphs:
             graph, out = self.graphs[b]
             graph.replay()
         else:
@@ -124,6 +134,8 @@ class CapturedStep:
         if others:
             self.state.conv.index_copy_(1, keep, saved[0])
             self.state.ssm.index_copy_(1, keep, saved[1])
+        if self.after is not None:
+            return out.index_select(0, idx)
         return StepLogits(graphemes=out.graphemes.index_select(0, idx), acoustic=out.acoustic.index_select(0, idx))
 
 

@@ -21,7 +21,8 @@ import torch
 from livespeech.api.session import SessionConfig
 from livespeech.models import graphemes
 from livespeech.models.derived import cpu_has_bf16_dot
-from livespeech.models.guidance import GuidanceState, SamplingPlan, Temperatures, counter_uniforms, sample_step
+from livespeech.models.guidance import (GuidanceState, SamplingPlan, SamplingRows, Temperatures, counter_uniforms,
+                                        sample_step)
 from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
 from livespeech.models.inference import DecodeState, DecodeStateView, enrollment_kv
 from livespeech.models.livespeech import StepLogits, text_guided
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 # 1.39x at 16 (AMD EPYC with AVX512-BF16, one thread; docs/loadtest.md, "Measured choices").
 # On a GPU from one session: a lone session's step reads every weight too.
 BF16_FROM_BATCH = 2
+
+# The top-k sizes (grapheme, acoustic) the CUDA graphs record a step's sampling with: the
+# sessions' defaults. A step with a session asking for more runs eagerly.
+RECORDED_TOP_K = (SessionConfig().grapheme_top_k, SessionConfig().top_k)
 
 
 def bf16_matmuls_enabled(setting: str, device: str) -> bool:
@@ -123,6 +128,37 @@ class Voice:
     engine: int = 0  # the front end's synthesiser engine the voice sounds most like (models/front_end.py)
 
 
+class _StepRows:
+    """Per slot, what a step recorded with its sampling and commit reads besides the
+    state (`ModelRunner._sample_and_commit`): the step fills the rows of its slots, and
+    `active` says which those are."""
+
+    def __init__(self, capacity: int, n_graphemes: int, device: torch.device):
+        # a row never filled is sampled too (its result unused): with k 1 and temperature 1
+        def full(*shape, dtype=torch.long, value=0):
+            return torch.full((capacity, *shape), value, dtype=dtype, device=device)
+        self.active = full(dtype=torch.bool)
+        self.forced, self.force_eos, self.bias_row = full(value=-1), full(dtype=torch.bool), full(value=-1)
+        self.sampling = SamplingRows(guide=full(n_graphemes, dtype=torch.bool), eos_barred=full(dtype=torch.bool),
+                                     bonus=full(dtype=torch.float32), hard=full(dtype=torch.bool), k_g=full(value=1),
+                                     k_a=full(value=1), inv_t=full(3, dtype=torch.float32, value=1.0),
+                                     greedy=full(3, dtype=torch.bool))
+
+    def fill(self, idx: torch.Tensor, sampling: SamplingRows, forced: Optional[torch.Tensor],
+             force_eos: Optional[torch.Tensor], bias_row: Optional[torch.Tensor]) -> None:
+        """The rows `idx` (the step's slots) from its settings; None: none forced / no bias."""
+        self.active.zero_()
+        self.active[idx] = True
+        for buf, rows in zip(self.sampling, sampling):
+            buf.index_copy_(0, idx, rows)
+        for buf, rows, none in ((self.forced, forced, -1), (self.force_eos, force_eos, False),
+                                (self.bias_row, bias_row, -1)):
+            if rows is None:
+                buf.fill_(none)
+            else:
+                buf.index_copy_(0, idx, rows)
+
+
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
                  bf16_matmuls: bool = False, onnx_codec: bool = False, device_guidance: bool = False,
@@ -146,25 +182,12 @@ class ModelRunner:
         self.state = DecodeState.allocate(self.model, capacity, device=self.device, memory_dtype=memory_dtype)
         if self.device.type == "cuda":
             kernel_fusion(False)  # no kernel compiled mid-service for a new batch size
-        # the model step over the smallest bucket of slots holding the batch, replayed
-        # from a CUDA graph (eagerly off CUDA, which only tests use); its matmuls' dtype is
-        # recorded with it, at every batch size; `compile_step`: the step the graphs
-        # record is torch.compile's
-        self.captured = self._captured_step(self.state, compile_step) if cuda_graphs else None
-        # classifier-free guidance on the text (`text_guided`): the decoder without text
-        # steps beside every session, on a recurrent state of its own with no text memory
-        self.text_cfg_scale = text_cfg_scale
-        self.unconditioned = (DecodeState.allocate(self.model, capacity, device=self.device, text_tokens=0,
-                                                   memory_dtype=memory_dtype)
-                              if text_cfg_scale > 0 else None)
-        self.captured_unconditioned = (self._captured_step(self.unconditioned, compile_step)
-                                       if cuda_graphs and self.unconditioned is not None else None)
         # on the CPU, the model step and the streaming codec as frozen TorchScript graphs
         # (the same ops, no Python between them), the codec on ONNX Runtime when asked
         # (`_codec_step`); the eager calls elsewhere
         frozen = frozen_step and self.device.type == "cpu"
         self.model_step, self.codec_step = self.model.step, self.codec.decode_step
-        if frozen and self.captured is None:
+        if frozen and not cuda_graphs:
             self.model_step = frozen_or_eager(lambda: FrozenStep(self.model, matmul_dtype=self.low_precision),
                                               self.model.step)
         # with the CUDA graphs, the codec's too, for the packet most calls decode (the
@@ -192,15 +215,36 @@ class ModelRunner:
         self.first_code_bias = (bundle.front_end.first_code_bias().to(self.device)
                                 if bundle.front_end is not None else None)
         self.bias_phones = bundle.front_end.bias_phones().to(self.device) if bundle.front_end is not None else None
+        # classifier-free guidance on the text (`text_guided`): the decoder without text
+        # steps beside every session, on a recurrent state of its own with no text memory
+        self.text_cfg_scale = text_cfg_scale
+        self.unconditioned = (DecodeState.allocate(self.model, capacity, device=self.device, text_tokens=0,
+                                                   memory_dtype=memory_dtype)
+                              if text_cfg_scale > 0 else None)
+        # the model step over the smallest bucket of slots holding the batch, replayed
+        # from a CUDA graph (eagerly off CUDA, which only tests use), its matmuls' dtype
+        # recorded with it, at every batch size, and with it the step's sampling and
+        # commit (`_sample_and_commit`; not with text CFG, whose logits come from two
+        # steps); `compile_step`: the model step the graphs record is torch.compile's
+        self._rows = (_StepRows(capacity, self.model.cfg.n_graphemes, self.device)
+                      if cuda_graphs and self.unconditioned is None else None)
+        self._kmax = RECORDED_TOP_K  # the top-k sizes `_sample_and_commit` runs with
+        self.captured = (self._captured_step(self.state, compile_step,
+                                             self._sample_and_commit if self._rows is not None else None)
+                         if cuda_graphs else None)
+        self.captured_unconditioned = (self._captured_step(self.unconditioned, compile_step)
+                                       if cuda_graphs and self.unconditioned is not None else None)
         self._voice_lock = threading.Lock()
         self._warm_up(warm_text_tokens)
 
-    def _captured_step(self, state: DecodeState, compiled: bool) -> CapturedStep:
-        """The bucketed step over `state`, compiled by torch.compile when asked; where that
-        fails (no Triton, a step it cannot trace), the uncompiled one."""
+    def _captured_step(self, state: DecodeState, compiled: bool,
+                       after: Optional[Callable[[StepLogits, int], torch.Tensor]] = None) -> CapturedStep:
+        """The bucketed step over `state` (with `after` recorded after it), compiled by
+        torch.compile when asked; where that fails (no Triton, a step it cannot trace),
+        the uncompiled one."""
         def make(compiled: bool) -> CapturedStep:
             return CapturedStep(self.model, state, capture=self.device.type == "cuda",
-                                matmul_dtype=self.low_precision, compiled=compiled)
+                                matmul_dtype=self.low_precision, compiled=compiled, after=after)
         if compiled:
             try:
                 return make(True)
@@ -322,6 +366,7 @@ class ModelRunner:
                      if first_code_rows is not None and max(first_code_rows) >= 0 else None)
         sent = up.send(self.device)
         self.state.apply_rotations(sent, rotations)
+        n_visible = None
         if self.captured is not None:  # it reads the whole state itself: its view gathers no memory
             view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v"))
         else:
@@ -330,6 +375,36 @@ class ModelRunner:
             n_visible = self.state.visible_length(slots, lo, hi)
             view = self.state.view(slots, memory_slots=self.model.cfg.n_enroll + n_visible)
         mask = self.state.window_mask(view, sent[lo_hi[0]], sent[lo_hi[1]])
+        idx = self.state.slot_index(slots)
+        n_graphemes = self.model.cfg.n_graphemes
+        sets = self.guidance.guide(idx, n_graphemes) if on_device else guidance
+        if self._rows is not None:  # the sampling and commit recorded with the model step
+            self._rows.fill(idx, plan.rows(sent, sets if on_device else None),
+                            *(None if t is None else sent[t] for t in (forced, eos, bias_rows)))
+            replay = plan.kmax_g <= RECORDED_TOP_K[0] and plan.kmax_a <= RECORDED_TOP_K[1]
+            self._kmax = RECORDED_TOP_K if replay else (plan.kmax_g, plan.kmax_a)
+            out = self.captured(slots, view.inputs, view.step, mask, replay=replay)
+        else:
+            out = self._sample_and_commit_batch(slots, view, mask, n_visible, sent, plan, sets, forced, eos,
+                                                bias_rows, lambdas, top_ks, grapheme_top_ks, temperatures)
+        # out [B, 5 + Q]: grapheme, frame index, has frame, done, bad, the frame's codes
+        if on_device:
+            self.guidance.observe(idx, out[:, 0])
+            out = torch.cat((out[:, :5], self.guidance.progress[idx][:, None], out[:, 5:]), 1)
+        # one conversion to Python for the whole batch
+        rows = out.tolist()
+        head = 6 if on_device else 5
+        for g, r in zip(guidance, rows):
+            if on_device:
+                g.progress = r[head - 1]
+            else:
+                g.observe(r[0])
+        return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
+
+    def _sample_and_commit_batch(self, slots, view, mask, n_visible, sent, plan, sets, forced, eos, bias_rows,
+                                 lambdas, top_ks, grapheme_top_ks, temperatures) -> torch.Tensor:
+        """`step`'s model step, sampling and commit call by call (the CPU's, and a GPU's
+        with text CFG); `_sample_and_commit`'s result for the batch."""
         dtype = self.low_precision if len(slots) >= self.bf16_from_batch else None
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
@@ -342,12 +417,11 @@ class ModelRunner:
             logits = self.model_step(view.inputs, view.step, view, visible, dtype, phones=phone_in)
         if self.unconditioned is not None:
             logits = text_guided(logits, self._step_without_text(slots, view, dtype), self.text_cfg_scale)
-        idx = self.state.slot_index(slots)
-        sets = self.guidance.guide(idx, logits.graphemes.shape[-1]) if on_device else guidance
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
         acoustic = logits.acoustic
         if bias_rows is not None:
             acoustic = self._first_code_given_phone(acoustic, sent[bias_rows])
+        idx = self.state.slot_index(slots)
         tokens, bad = sample_step(logits.graphemes, acoustic, sets, lambdas, top_ks,
                                   self.uniforms(idx, view.step), grapheme_top_ks, temperatures, staged=(plan, sent))
         if forced is not None:
@@ -356,19 +430,26 @@ class ModelRunner:
             tokens[:, 0] = tokens[:, 0].masked_fill(sent[eos], graphemes.EOS)
         res = self.state.commit(view, tokens)
         self.state.write_back(view)
-        cols = [tokens[:, :1], res.frame_index[:, None], res.has_frame[:, None], res.done[:, None], bad[:, None]]
-        if on_device:
-            self.guidance.observe(idx, tokens[:, 0])
-            cols.append(self.guidance.progress[idx][:, None])
-        # one conversion to Python for the whole batch
-        rows = torch.cat((*cols, res.frames[:, 1:]), 1).tolist()
-        head = len(cols)
-        for g, r in zip(guidance, rows):
-            if on_device:
-                g.progress = r[head - 1]
-            else:
-                g.observe(r[0])
-        return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
+        return torch.cat((tokens[:, :1], res.frame_index[:, None], res.has_frame[:, None], res.done[:, None],
+                          bad[:, None], res.frames[:, 1:]), 1)
+
+    def _sample_and_commit(self, logits: StepLogits, b: int) -> torch.Tensor:
+        """What the CUDA graphs record after the model step over the first `b` slots:
+        codebook 1's bias, the sampling, the letter schedule's graphemes and the runaway
+        guard's EOS, and the commit, from the per-slot settings the step filled
+        (`_StepRows`); the slots not stepped are left as they were. [b, 5 + Q] as
+        `_sample_and_commit_batch`'s."""
+        r = self._rows
+        acoustic = logits.acoustic
+        if self.first_code_bias is not None:
+            acoustic = self._first_code_given_phone(acoustic, r.bias_row[:b])
+        u = counter_uniforms(self.seeds[:b], self.state.step[:b], self.model.cfg.n_codebooks)
+        tokens, bad = SamplingRows(*(t[:b] for t in r.sampling)).sample(logits.graphemes, acoustic, u, *self._kmax)
+        tokens[:, 0] = torch.where(r.forced[:b] >= 0, r.forced[:b], tokens[:, 0])
+        tokens[:, 0] = tokens[:, 0].masked_fill(r.force_eos[:b], graphemes.EOS)
+        res = self.state.commit_first(b, tokens, r.active[:b])
+        return torch.cat((tokens[:, :1], res.frame_index[:, None], res.has_frame[:, None], res.done[:, None],
+                          bad[:, None], res.frames[:, 1:]), 1)
 
     def _codec_step(self, frozen: bool, onnx: bool, graph_frames: int):
         """What decodes packets: with `graph_frames`, CUDA graphs for packets of that many

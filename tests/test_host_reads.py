@@ -35,11 +35,15 @@ def test_the_counter_counts_what_hands_data_to_python() -> None:
     assert reads.uploads == 2 and reads.total == 0
 
 
-@pytest.mark.parametrize("batch, guidance_lambda, device_guidance",
-                         [(1, 1.0, False), (32, 1.0, False), (32, math.inf, False), (1, 1.0, True), (32, 1.0, True)])
-def test_an_engine_step_reads_the_device_once(batch: int, guidance_lambda: float, device_guidance: bool) -> None:
+@pytest.mark.parametrize("batch, guidance_lambda, device_guidance, cuda_graphs",
+                         [(1, 1.0, False, False), (32, 1.0, False, False), (32, math.inf, False, False),
+                          (1, 1.0, True, False), (32, 1.0, True, False), (1, 1.0, True, True), (32, 1.0, True, True),
+                          (32, 1.0, False, True)])
+def test_an_engine_step_reads_the_device_once(batch: int, guidance_lambda: float, device_guidance: bool,
+                                              cuda_graphs: bool) -> None:
+    """`cuda_graphs`: the step recorded with its sampling and commit (eagerly here)."""
     r = engine_step_reads(random_bundle(), batch, steps=25, warmup=5, guidance_lambda=guidance_lambda,
-                          device_guidance=device_guidance)
+                          device_guidance=device_guidance, cuda_graphs=cuda_graphs)
     assert r["steps"] == 25
     assert r["step"] == [1] * 25, r["sites_per_step"]
     # and its host-side inputs go to the device in one copy (on a GPU a copy from pageable

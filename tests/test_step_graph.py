@@ -424,3 +424,61 @@ def test_the_runner_steps_in_bf16_from_two_sessions_when_asked():
             n = len(slots)
             runner.step(slots, [(0, 0)] * n, [GuidanceState() for _ in slots], [1.0] * n, [5] * n, [False] * n)
         assert seen == ([None, torch.bfloat16, torch.bfloat16, None] if bf16 else [None] * 4)
+
+
+@pytest.mark.parametrize("device_guidance", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
+def test_the_step_recorded_with_its_sampling_and_commit_equals_the_step_call_by_call(device, device_guidance):
+    """With the CUDA graphs a step's sampling and commit are recorded with the model step
+    over the bucket of slots (`ModelRunner._sample_and_commit`; recorded on CUDA, eagerly
+    elsewhere): the same tokens, frames and endings as the runner stepping call by call,
+    along a decode with a session sitting out, the letter schedule's graphemes, codebook
+    1's bias, the runaway guard's EOS, temperatures, and a session whose top-k the
+    recording does not cover (that step runs eagerly); the sessions not stepped keep
+    their state."""
+    from livespeech.api.session import SessionConfig
+    from livespeech.models import graphemes
+    from livespeech.models.loading import load_bundle
+    from livespeech.server.runner import RECORDED_TOP_K, ModelRunner
+    from livespeech.models.guidance import GuidanceState, Temperatures
+
+    torch.manual_seed(0)
+    bundle = load_bundle(random_init=True, device=device)
+    cfg = bundle.model.cfg
+    noise = (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32)
+    bias = torch.randn(6, cfg.codebook_size, generator=torch.Generator().manual_seed(1)).to(device)
+    runners = [ModelRunner(bundle, 4, cuda_graphs=graphs, frozen_step=False, device_guidance=device_guidance)
+               for graphs in (False, True)]
+    assert runners[0]._rows is None and runners[1]._rows is not None
+    text = graphemes.text_to_ids("a short text to read")
+    guides = []
+    for r in runners:
+        r.first_code_bias = bias
+        voice = r.make_voice("v", noise, 24000)
+        gs = {}
+        for slot in (0, 1, 3):
+            gs[slot] = r.admit(slot, voice, seed=slot + 7, guidance=GuidanceState(text))
+            r.add_chunk(slot, list(range(100, 106 + slot)), 0, 0)
+        guides.append(gs)
+    default = SessionConfig()
+    temps = {0: Temperatures(1.0, 0.5, 1.0), 1: Temperatures(0.0, 1.0, 0.7), 3: Temperatures(1.0, 1.0, 1.0)}
+    # (slots, forced graphemes, bias rows, runaway EOS, top-k of slot 3)
+    plan = [((0, 1, 3), [5, -1, 7], [2, -1, 4], False, default.top_k),
+            ((0, 3), [-1, -1], [-1, -1], False, default.top_k),
+            ((1,), [9], [5], False, default.top_k),
+            ((0, 1, 3), [-1, 4, -1], [-1, 1, 0], False, RECORDED_TOP_K[1] + 10),
+            ((0, 1, 3), [-1, -1, -1], [3, 3, 3], True, default.top_k),
+            ((1, 3), [6, 6], [-1, 2], False, default.top_k)]
+    results = [[], []]
+    for slots, forced, rows, eos, k3 in plan * 3:
+        for r, gs, out in zip(runners, guides, results):
+            with torch.inference_mode():
+                out.append(r.step(list(slots), [(0, 0)] * len(slots), [gs[s] for s in slots], [1.0] * len(slots),
+                                  [k3 if s == 3 else default.top_k for s in slots], [eos and s == 1 for s in slots],
+                                  [default.grapheme_top_k] * len(slots), [temps[s] for s in slots], forced, rows))
+    assert results[0] == results[1]
+    assert any(x.frame is not None for step in results[0] for x in step)
+    for name in ("inputs", "step", "eos_frame", "ring", "conv", "ssm"):
+        a, b = (getattr(r.state, name) for r in runners)
+        assert torch.allclose(a.float(), b.float(), atol=1e-5), name

@@ -5,9 +5,10 @@
 # against the eager step, with and without the bf16 path and torch.compile's step) and
 # the codec thread's on CUDA (its own stream: the same audio as without it); the step's
 # cost at batch 1, 16, 64 and 256 with the graphs (the runner step over the model step:
-# what the copies from the host cost) on the GPU's bf16 path (its default), at 1 and 256
+# what the copies from the host cost; the sampling and commit recorded with it) on the
+# GPU's bf16 path (its default), at 1 and 256
 # with torch.compile's step (at most 200 s), and at 1 and 256 in float32; the engine step's
-# host reads and copies from the host at batch 1 and 64 (one each:
+# host reads and copies from the host at batch 1 and 64 with the graphs (one each:
 # livespeech.loadtest.host_reads); 64 sessions started together in process with the CUDA
 # graphs, their slowest engine steps and codec calls (the ~2 s stalls at N=64 through
 # gRPC: livespeech.loadtest.replay); each batch size's first runner step against its next
@@ -39,7 +40,7 @@ bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --co
   bench --batch 1 256 --steps 30 --cuda-graphs --bf16-matmuls off
   echo "== host reads and copies from the host per engine step"
   $PY -m livespeech.loadtest.host_reads --model-path "random:${PRESET:-paper}/${CODEC:-encodec_24khz}" \
-    --device "${DEVICE:-cuda}" --batch 1 64 --steps 20
+    --device "${DEVICE:-cuda}" --batch 1 64 --steps 20 --cuda-graphs
   echo "== ${REPLAY_SESSIONS:-64} sessions in process with the CUDA graphs: the slowest steps and codec calls"
   $PY -m livespeech.loadtest.replay --model-path "random:${PRESET:-paper}/${CODEC:-encodec_24khz}" \
     --device "${DEVICE:-cuda}" --cuda-graphs --sessions "${REPLAY_SESSIONS:-64}" --turns 1 --stagger-s 0.01 \
