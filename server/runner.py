@@ -232,6 +232,8 @@ class ModelRunner:
         self.captured = (self._captured_step(self.state, compile_step,
                                              self._sample_and_commit if self._rows is not None else None)
                          if cuda_graphs else None)
+        if self.captured is not None and self.captured.after is None:
+            self._rows = None
         self.captured_unconditioned = (self._captured_step(self.unconditioned, compile_step)
                                        if cuda_graphs and self.unconditioned is not None else None)
         self._voice_lock = threading.Lock()
@@ -240,17 +242,24 @@ class ModelRunner:
     def _captured_step(self, state: DecodeState, compiled: bool,
                        after: Optional[Callable[[StepLogits, int], torch.Tensor]] = None) -> CapturedStep:
         """The bucketed step over `state` (with `after` recorded after it), compiled by
-        torch.compile when asked; where that fails (no Triton, a step it cannot trace),
-        the uncompiled one."""
-        def make(compiled: bool) -> CapturedStep:
+        torch.compile when asked. Where that fails (no Triton, a step it cannot trace),
+        the uncompiled one; where recording `after` fails, the model step alone (the
+        sampling and commit then run call by call). Each fallback only costs speed."""
+        def make(c: bool, a) -> CapturedStep:
             return CapturedStep(self.model, state, capture=self.device.type == "cuda",
-                                matmul_dtype=self.low_precision, compiled=compiled, after=after)
-        if compiled:
+                                matmul_dtype=self.low_precision, compiled=c, after=a)
+
+        def name(c: bool, a) -> str:
+            return ("compiled" if c else "uncompiled") + (" with its sampling and commit" if a else "")
+
+        tries = [(compiled, after)] + [(False, after)] * compiled + [(False, None)] * (after is not None)
+        for (c, a), then in zip(tries, tries[1:]):
             try:
-                return make(True)
-            except Exception as e:  # noqa: BLE001 - any failure here only costs speed
-                log.warning("the step is recorded uncompiled: torch.compile failed (%s: %s)", type(e).__name__, e)
-        return make(False)
+                return make(c, a)
+            except Exception as e:  # noqa: BLE001 - see above
+                log.warning("recording the step %s failed (%s: %s); recording it %s", name(c, a),
+                            type(e).__name__, e, name(*then))
+        return make(*tries[-1])
 
     def _memory_dtype(self) -> Optional[torch.dtype]:
         """The text memory's dtype: bfloat16 on a GPU with bf16 matmuls, else float32 (None)."""

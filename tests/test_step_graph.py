@@ -241,8 +241,28 @@ def test_a_runner_records_the_uncompiled_step_where_torch_compile_fails(monkeypa
     monkeypatch.setattr("livespeech.models.step_graph.compiled_step", broken)
     with caplog.at_level(logging.WARNING, logger="livespeech.server.runner"):
         runner = ModelRunner(load_bundle(random_init=True), 2, cuda_graphs=True, compile_step=True)
-    assert runner.captured is not None and not runner.captured.compiled
+    assert runner.captured is not None and not runner.captured.compiled and runner.captured.after is not None
     assert "no Triton here" in caplog.text
+
+
+def test_a_runner_records_the_model_step_alone_where_recording_its_sampling_fails(monkeypatch, caplog):
+    """Where the step cannot be recorded with its sampling and commit, the runner records
+    the model step alone and samples and commits call by call, with a warning."""
+    from livespeech.models.loading import load_bundle
+    from livespeech.server.runner import ModelRunner
+
+    real = CapturedStep.__init__
+
+    def no_after(self, *args, after=None, **kwargs):
+        if after is not None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CapturedStep, "__init__", no_after)
+    with caplog.at_level(logging.WARNING, logger="livespeech.server.runner"):
+        runner = ModelRunner(load_bundle(random_init=True), 2, cuda_graphs=True)
+    assert runner.captured.after is None and runner._rows is None
+    assert "not permitted when stream is capturing" in caplog.text
 
 
 def test_a_step_that_cannot_be_traced_runs_eagerly(monkeypatch, caplog):
