@@ -17,8 +17,8 @@ behaves the same. Each scope's exclusive time is reported per step:
           cross-attention  CrossAttention.attend_step (every layer)
           layernorm        norm1/norm2 and the group norms
           heads            the output projections (one stacked matmul per codebook group)
-        sampling           sample_step: semantic guidance and top-k for the grapheme and
-                           the acoustic codes (one TorchScript call)
+        sampling           SamplingRows.sample: semantic guidance and top-k for the grapheme
+                           and the acoustic codes (one TorchScript call)
           guidance.set     GuidanceState.guiding_set (Python)
         state.*            DecodeState view / window_mask / commit / write_back
       guidance.observe     GuidanceState.observe (Python)
@@ -197,7 +197,7 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
     for gn in m.group_norms:
         p.wrap(scopes, "layernorm", gn, "forward")
     p.wrap(scopes, "heads", m, "_fused_heads")  # the step's heads: one matmul per codebook group
-    p.wrap(scopes, "sampling", runner_mod, "sample_step")
+    p.wrap(scopes, "sampling", runner_mod.SamplingRows, "sample")
     p.wrap(scopes, "guidance.set", GuidanceState, "guiding_set")
     p.wrap(scopes, "guidance.observe", GuidanceState, "observe")
     p.wrap(scopes, "audio.encode", AudioEncoder, "push")

@@ -385,17 +385,15 @@ class ModelRunner:
             view = self.state.view(slots, memory_slots=self.model.cfg.n_enroll + n_visible)
         mask = self.state.window_mask(view, sent[lo_hi[0]], sent[lo_hi[1]])
         idx = self.state.slot_index(slots)
-        n_graphemes = self.model.cfg.n_graphemes
-        sets = self.guidance.guide(idx, n_graphemes) if on_device else guidance
+        sets = self.guidance.guide(idx, cfg.n_graphemes) if on_device else None  # else from the plan
         if self._rows is not None:  # the sampling and commit recorded with the model step
-            self._rows.fill(idx, plan.rows(sent, sets if on_device else None),
+            self._rows.fill(idx, plan.rows(sent, sets),
                             *(None if t is None else sent[t] for t in (forced, eos, bias_rows)))
             replay = plan.kmax_g <= RECORDED_TOP_K[0] and plan.kmax_a <= RECORDED_TOP_K[1]
             self._kmax = RECORDED_TOP_K if replay else (plan.kmax_g, plan.kmax_a)
             out = self.captured(slots, view.inputs, view.step, mask, replay=replay)
         else:
-            out = self._sample_and_commit_batch(slots, view, mask, n_visible, sent, plan, sets, forced, eos,
-                                                bias_rows, lambdas, top_ks, grapheme_top_ks, temperatures)
+            out = self._sample_and_commit_batch(slots, view, mask, n_visible, sent, plan, sets, forced, eos, bias_rows)
         # out [B, 5 + Q]: grapheme, frame index, has frame, done, bad, the frame's codes
         if on_device:
             self.guidance.observe(idx, out[:, 0])
@@ -410,8 +408,8 @@ class ModelRunner:
                 g.observe(r[0])
         return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
 
-    def _sample_and_commit_batch(self, slots, view, mask, n_visible, sent, plan, sets, forced, eos, bias_rows,
-                                 lambdas, top_ks, grapheme_top_ks, temperatures) -> torch.Tensor:
+    def _sample_and_commit_batch(self, slots, view, mask, n_visible, sent, plan, sets, forced, eos,
+                                 bias_rows) -> torch.Tensor:
         """`step`'s model step, sampling and commit call by call (the CPU's, and a GPU's
         with text CFG); `_sample_and_commit`'s result for the batch."""
         dtype = self.low_precision if len(slots) >= self.bf16_from_batch else None
@@ -430,9 +428,8 @@ class ModelRunner:
         acoustic = logits.acoustic
         if bias_rows is not None:
             acoustic = self._first_code_given_phone(acoustic, sent[bias_rows])
-        idx = self.state.slot_index(slots)
-        tokens, bad = sample_step(logits.graphemes, acoustic, sets, lambdas, top_ks,
-                                  self.uniforms(idx, view.step), grapheme_top_ks, temperatures, staged=(plan, sent))
+        u = self.uniforms(self.state.slot_index(slots), view.step)
+        tokens, bad = plan.sample(sent, logits.graphemes, acoustic, u, sets)
         if forced is not None:
             tokens[:, 0] = torch.where(sent[forced] >= 0, sent[forced], tokens[:, 0])
         if eos is not None:

@@ -28,18 +28,18 @@ def _run(runner, voice, slots, with_text, steps, monkeypatch, tokens=None):
     """Step `runner` on `slots`; returns each step's logits (graphemes, acoustic) as given
     to the sampler, and the tokens sampled (or `tokens`, replayed, when given)."""
     seen, sampled = [], []
-    real = runner_module.sample_step
+    real = runner_module.SamplingPlan.sample
 
-    def sample(g, a, *args, **kw):
+    def sample(plan, sent, g, a, *args, **kw):
         seen.append((g.clone(), a.clone()))
         if tokens is None:
-            out = real(g, a, *args, **kw)
+            out = real(plan, sent, g, a, *args, **kw)
             sampled.append(out[0].clone())
             return out
         t = tokens[len(seen) - 1].clone()
         return t, torch.zeros(t.shape[0], dtype=torch.bool, device=t.device)
 
-    monkeypatch.setattr(runner_module, "sample_step", sample)
+    monkeypatch.setattr(runner_module.SamplingPlan, "sample", sample)
     guides = []
     for k, s in enumerate(slots):
         guides.append(runner.admit(s, voice, seed=5 + k, guidance=GuidanceState(graphemes.text_to_ids("some text"))))
@@ -48,7 +48,7 @@ def _run(runner, voice, slots, with_text, steps, monkeypatch, tokens=None):
     n = len(slots)
     for _ in range(steps):
         runner.step(slots, [(0, 0)] * n, guides, [0.0] * n, [20] * n, [False] * n, [3] * n, [(1.0, 0.5, 1.0)] * n)
-    monkeypatch.setattr(runner_module, "sample_step", real)
+    monkeypatch.setattr(runner_module.SamplingPlan, "sample", real)
     return seen, sampled
 
 
