@@ -357,8 +357,10 @@ class ModelRunner:
         each row's grapheme from its letter schedule (-1: sampled); first_code_rows:
         the front end's `first_code_bias` row of each row's codebook-1 frame (its phone,
         or its phone in context: `FrontEnd.bias_row`; -1: none), given which codebook 1
-        is sampled. Each session's guidance
-        observes its grapheme (on the device with device guidance)."""
+        is sampled. Each session's guidance observes its grapheme (on the device with
+        device guidance). With the CUDA graphs the model step, the sampling and the
+        commit are one replay (`_sample_and_commit`); otherwise they run call by call
+        (`_sample_and_commit_batch`)."""
         # every host-side input of the step goes to the device in one copy (models/upload.py)
         on_device = self.guidance is not None
         up = Upload()
