@@ -324,7 +324,6 @@ class DecodeState(DecodeStateView):
                                                       self.delays, self.none, sampled, graphemes.EOS, NO_EOS)
         return StepResult(frames=frames, frame_index=index, has_frame=has, done=done)
 
-
     def commit_first(self, b: int, sampled: torch.Tensor, active: torch.Tensor) -> StepResult:
         """`commit` for the first `b` slots, in place, where `active` [b] (the rows a
         step stepped: a recorded step over a bucket of slots runs every row of it); the

@@ -24,10 +24,11 @@ calls run eagerly, which is how the CPU tests check everything but the recording
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import warnings
-from typing import Callable, Optional, Sequence, TypeVar, Union
+from typing import Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
@@ -65,6 +66,18 @@ def record_cuda_graph(fn: Callable[[], T], device: torch.device, warmup: int, po
     return graph, out
 
 
+@contextlib.contextmanager
+def recurrent_state_kept(state: DecodeState) -> Iterator[None]:
+    """Steps run inside leave `state`'s recurrent state (conv, ssm) as it was: the warm-up
+    and recorded steps of a graph, which advance every row they run."""
+    saved = state.conv.clone(), state.ssm.clone()
+    try:
+        yield
+    finally:
+        state.conv.copy_(saved[0])
+        state.ssm.copy_(saved[1])
+
+
 class CapturedStep:
     def __init__(self, model: LiveSpeech2, state: DecodeState, capture: bool = True, warmup: int = 3,
                  matmul_dtype: Optional[torch.dtype] = None, compiled: bool = False,
@@ -87,12 +100,10 @@ class CapturedStep:
         # bucket -> (its CUDA graph, its output); empty when not captured
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Union[StepLogits, torch.Tensor]]] = {}
         if capture:
-            saved = state.conv.clone(), state.ssm.clone()  # warm-up steps advance them
             pool = torch.cuda.graph_pool_handle()  # one memory pool: a step replays one graph
-            for b in reversed(self.buckets):  # the largest first: the pool's blocks fit the rest
-                self.graphs[b] = record_cuda_graph(lambda: self._eager(b), dev, warmup, pool)
-            state.conv.copy_(saved[0])
-            state.ssm.copy_(saved[1])
+            with recurrent_state_kept(state):  # warm-up steps advance it
+                for b in reversed(self.buckets):  # the largest first: the pool's blocks fit the rest
+                    self.graphs[b] = record_cuda_graph(lambda: self._eager(b), dev, warmup, pool)
 
     @property
     def compiled(self) -> bool:
@@ -166,13 +177,10 @@ def compiled_step(model: LiveSpeech2, state: DecodeState, matmul_dtype: Optional
     step over `state`'s first slots (its recurrent state put back after it)."""
     module = _StepOverTensors(model, matmul_dtype)
     b = min(2, state.capacity)
-    saved = state.conv.clone(), state.ssm.clone()
-    with torch.inference_mode():
+    with recurrent_state_kept(state), torch.inference_mode():
         view = state.view(range(b))
         mask = torch.zeros(b, 1, dtype=torch.bool, device=state.step.device)
         model.step(state.inputs[:b], state.step[:b], view, mask, matmul_dtype)
-    state.conv.copy_(saved[0])
-    state.ssm.copy_(saved[1])
     compiled = torch.compile(module, fullgraph=True)
 
     def step(inputs: torch.Tensor, frame: torch.Tensor, view: DecodeStateView, text_mask: torch.Tensor) -> StepLogits:

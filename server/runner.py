@@ -24,7 +24,7 @@ from livespeech.models.derived import cpu_has_bf16_dot
 from livespeech.models.guidance import (GuidanceState, SamplingPlan, SamplingRows, Temperatures, counter_uniforms,
                                         sample_step)
 from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
-from livespeech.models.inference import DecodeState, DecodeStateView, enrollment_kv
+from livespeech.models.inference import DecodeState, DecodeStateView, StepResult, enrollment_kv
 from livespeech.models.livespeech import StepLogits, text_guided
 from livespeech.models.loading import ModelBundle
 from livespeech.models.scripted import kernel_fusion
@@ -126,6 +126,20 @@ class Voice:
     enrollment: torch.Tensor  # [N, D] speech-encoder output
     kv: torch.Tensor  # per-layer enrollment K/V, computed once per voice
     engine: int = 0  # the front end's synthesiser engine the voice sounds most like (models/front_end.py)
+
+
+def _step_result(tokens: torch.Tensor, bad: torch.Tensor, forced: Optional[torch.Tensor],
+                 force_eos: Optional[torch.Tensor], commit: Callable[[torch.Tensor], StepResult]) -> torch.Tensor:
+    """The letter schedule's graphemes (`forced`, -1: sampled) and the runaway guard's EOS
+    (`force_eos`) over a step's sampled tokens (None: none), then `commit(tokens)`; the
+    step's result [B, 5 + Q]: grapheme, frame index, has frame, done, bad, the frame's codes."""
+    if forced is not None:
+        tokens[:, 0] = torch.where(forced >= 0, forced, tokens[:, 0])
+    if force_eos is not None:
+        tokens[:, 0] = tokens[:, 0].masked_fill(force_eos, graphemes.EOS)
+    res = commit(tokens)
+    return torch.cat((tokens[:, :1], res.frame_index[:, None], res.has_frame[:, None], res.done[:, None],
+                      bad[:, None], res.frames[:, 1:]), 1)
 
 
 class _StepRows:
@@ -370,11 +384,12 @@ class ModelRunner:
         cfg = self.model.cfg
         plan = SamplingPlan(up, None if on_device else guidance, lambdas, top_ks,
                             (len(slots), cfg.n_graphemes, cfg.codebook_size), grapheme_top_ks, temperatures)
-        forced = (up.add(forced_graphemes, torch.long)
-                  if forced_graphemes is not None and max(forced_graphemes) >= 0 else None)
-        eos = up.add(force_eos, torch.bool) if any(force_eos) else None
-        bias_rows = (up.add(first_code_rows, torch.long)
-                     if first_code_rows is not None and max(first_code_rows) >= 0 else None)
+        # where each of these is in the copy (None: no row has one)
+        forced_at = (up.add(forced_graphemes, torch.long)
+                     if forced_graphemes is not None and max(forced_graphemes) >= 0 else None)
+        eos_at = up.add(force_eos, torch.bool) if any(force_eos) else None
+        bias_at = (up.add(first_code_rows, torch.long)
+                   if first_code_rows is not None and max(first_code_rows) >= 0 else None)
         sent = up.send(self.device)
         self.state.apply_rotations(sent, rotations)
         n_visible = None
@@ -388,14 +403,15 @@ class ModelRunner:
         mask = self.state.window_mask(view, sent[lo_hi[0]], sent[lo_hi[1]])
         idx = self.state.slot_index(slots)
         sets = self.guidance.guide(idx, cfg.n_graphemes) if on_device else None  # else from the plan
+        forced, eos, bias_rows = (None if at is None else sent[at] for at in (forced_at, eos_at, bias_at))
         if self._rows is not None:  # the sampling and commit recorded with the model step
-            self._rows.fill(idx, plan.rows(sent, sets),
-                            *(None if t is None else sent[t] for t in (forced, eos, bias_rows)))
+            self._rows.fill(idx, plan.rows(sent, sets), forced, eos, bias_rows)
             replay = plan.kmax_g <= RECORDED_TOP_K[0] and plan.kmax_a <= RECORDED_TOP_K[1]
             self._kmax = RECORDED_TOP_K if replay else (plan.kmax_g, plan.kmax_a)
             out = self.captured(slots, view.inputs, view.step, mask, replay=replay)
         else:
-            out = self._sample_and_commit_batch(slots, view, mask, n_visible, sent, plan, sets, forced, eos, bias_rows)
+            out = self._sample_and_commit_batch(slots, idx, view, mask, n_visible, sent, plan, sets, forced, eos,
+                                                bias_rows)
         # out [B, 5 + Q]: grapheme, frame index, has frame, done, bad, the frame's codes
         if on_device:
             self.guidance.observe(idx, out[:, 0])
@@ -410,10 +426,11 @@ class ModelRunner:
                 g.observe(r[0])
         return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
 
-    def _sample_and_commit_batch(self, slots, view, mask, n_visible, sent, plan, sets, forced, eos,
+    def _sample_and_commit_batch(self, slots, idx, view, mask, n_visible, sent, plan, sets, forced, eos,
                                  bias_rows) -> torch.Tensor:
         """`step`'s model step, sampling and commit call by call (the CPU's, and a GPU's
-        with text CFG); `_sample_and_commit`'s result for the batch."""
+        with text CFG); `_sample_and_commit`'s result for the batch. forced, eos,
+        bias_rows: the rows' tensors on the device, or None where no row has one."""
         dtype = self.low_precision if len(slots) >= self.bf16_from_batch else None
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
@@ -421,7 +438,7 @@ class ModelRunner:
             visible = mask[:, :n_visible]
             phone_in = None  # the phone input of a decoder that reads one (-1: none)
             if self.model.cfg.n_phones:
-                phone_in = (self._phone_of_row(sent[bias_rows]) if bias_rows is not None
+                phone_in = (self._phone_of_row(bias_rows) if bias_rows is not None
                             else torch.full((len(slots),), -1, device=self.device))
             logits = self.model_step(view.inputs, view.step, view, visible, dtype, phones=phone_in)
         if self.unconditioned is not None:
@@ -429,17 +446,14 @@ class ModelRunner:
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
         acoustic = logits.acoustic
         if bias_rows is not None:
-            acoustic = self._first_code_given_phone(acoustic, sent[bias_rows])
-        u = self.uniforms(self.state.slot_index(slots), view.step)
-        tokens, bad = plan.sample(sent, logits.graphemes, acoustic, u, sets)
-        if forced is not None:
-            tokens[:, 0] = torch.where(sent[forced] >= 0, sent[forced], tokens[:, 0])
-        if eos is not None:
-            tokens[:, 0] = tokens[:, 0].masked_fill(sent[eos], graphemes.EOS)
-        res = self.state.commit(view, tokens)
-        self.state.write_back(view)
-        return torch.cat((tokens[:, :1], res.frame_index[:, None], res.has_frame[:, None], res.done[:, None],
-                          bad[:, None], res.frames[:, 1:]), 1)
+            acoustic = self._first_code_given_phone(acoustic, bias_rows)
+        tokens, bad = plan.sample(sent, logits.graphemes, acoustic, self.uniforms(idx, view.step), sets)
+
+        def commit(tokens: torch.Tensor) -> StepResult:
+            res = self.state.commit(view, tokens)
+            self.state.write_back(view)
+            return res
+        return _step_result(tokens, bad, forced, eos, commit)
 
     def _sample_and_commit(self, logits: StepLogits, b: int) -> torch.Tensor:
         """What the CUDA graphs record after the model step over the first `b` slots:
@@ -453,11 +467,8 @@ class ModelRunner:
             acoustic = self._first_code_given_phone(acoustic, r.bias_row[:b])
         u = counter_uniforms(self.seeds[:b], self.state.step[:b], self.model.cfg.n_codebooks)
         tokens, bad = SamplingRows(*(t[:b] for t in r.sampling)).sample(logits.graphemes, acoustic, u, *self._kmax)
-        tokens[:, 0] = torch.where(r.forced[:b] >= 0, r.forced[:b], tokens[:, 0])
-        tokens[:, 0] = tokens[:, 0].masked_fill(r.force_eos[:b], graphemes.EOS)
-        res = self.state.commit_first(b, tokens, r.active[:b])
-        return torch.cat((tokens[:, :1], res.frame_index[:, None], res.has_frame[:, None], res.done[:, None],
-                          bad[:, None], res.frames[:, 1:]), 1)
+        return _step_result(tokens, bad, r.forced[:b], r.force_eos[:b],
+                            lambda tokens: self.state.commit_first(b, tokens, r.active[:b]))
 
     def _codec_step(self, frozen: bool, onnx: bool, graph_frames: int):
         """What decodes packets: with `graph_frames`, CUDA graphs for packets of that many
