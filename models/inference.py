@@ -57,7 +57,7 @@ class StepResult:
 
 class DecodeState(DecodeStateView):
     """All slots; also the unrotated text keys and the text positions, which only
-    change when a chunk is added, evicted or re-placed (a re-placement is applied when a
+    change when a chunk is added, evicted or re-placed (its rotation is applied when a
     window next sees the chunk; never inside a step)."""
 
     @classmethod
@@ -98,8 +98,9 @@ class DecodeState(DecodeStateView):
         # part), so nothing about the text's layout is read back from the device
         st.chunk_ids = [[] for _ in range(capacity)]
         st._slot_index = {}  # tuple of slots -> its index tensor (`slot_index`)
-        # re-placed chunk -> its new first position, applied by rotate_windows once a window
-        # sees it (until then its keys are masked: a chunk far ahead moves at most steps)
+        # chunk added (`append_chunk`) or re-placed -> its first position, applied by
+        # stage_rotations once a window sees it (until then its keys are masked: a chunk
+        # far ahead moves at most steps)
         st.unrotated = [{} for _ in range(capacity)]
         # chunk -> its token span, mirrored on the host: finding it in txt_chunk is a device
         # sync, and chunks are re-placed at almost every step
@@ -207,15 +208,33 @@ class DecodeState(DecodeStateView):
         rotated = apply_rope(self.txt_k[:, r, :, c], cos[:, None, None], sin[:, None, None])
         self.mem_k[:, r, :, e + c, hd:] = rotated.to(self.mem_k.dtype)  # index_put does not cast
 
-    @torch.no_grad()
     def append_text(self, slot: int, token_ids: Sequence[int], positions: Sequence[float], chunk: int) -> None:
-        """Project a chunk's tokens once and cache them (caller makes room first)."""
-        n = len(token_ids)
+        """Cache a chunk's tokens (projected once: `TextKV`) at `positions`, their keys rotated
+        now (caller makes room first)."""
+        a = self._cache_text(slot, token_ids, chunk)
+        self._rotate([slot] * len(token_ids), range(a, a + len(token_ids)), positions)
+
+    def append_chunk(self, slot: int, token_ids: Sequence[int], first_position: float, chunk: int) -> None:
+        """Cache a new chunk's tokens at first_position, first_position + 1, ...; their keys
+        are rotated when a window first sees the chunk (`stage_rotations`, in the step's one
+        copy from the host), as a re-placed chunk's are: a server adds text a word at a
+        time, mostly far ahead of the speech, where the window's mask hides it, and a
+        rotation of its own cost each word a copy and ~10 ops (caller makes room first)."""
+        if chunk in self.spans[slot]:
+            raise ValueError(f"chunk {chunk} is cached already: append_text adds to it")
+        if token_ids:
+            self._cache_text(slot, token_ids, chunk)
+            self.unrotated[slot][chunk] = first_position
+
+    @torch.no_grad()
+    def _cache_text(self, slot: int, token_ids: Sequence[int], chunk: int) -> int:
+        """Write a chunk's tokens' unrotated keys and values after the slot's cached ones;
+        returns the first one's column."""
+        n, a, e = len(token_ids), len(self.chunk_ids[slot]), self.n_enroll
         if n == 0:
-            return
+            return a
         if n > self.text_room(slot):
             raise ValueError("text memory full: evict past chunks first")
-        a, e = len(self.chunk_ids[slot]), self.n_enroll
         kv = self.text_kv(token_ids)
         self.txt_k[:, slot, :, a : a + n] = kv[:, 0]
         self.mem_v[:, slot, :, e + a : e + a + n] = kv[:, 1]
@@ -223,7 +242,7 @@ class DecodeState(DecodeStateView):
         self.chunk_ids[slot] += [chunk] * n
         first = self.spans[slot].get(chunk, (a, a))[0]
         self.spans[slot][chunk] = (first, a + n)
-        self._rotate([slot] * n, range(a, a + n), positions)
+        return a
 
     def tokens_before(self, slot: int, chunk: int) -> int:
         """Cached tokens of chunks < `chunk` (chunks are cached in order)."""
@@ -268,15 +287,15 @@ class DecodeState(DecodeStateView):
     def set_chunk_positions(self, slot: int, chunk: int, first_position: float) -> None:
         """Re-place a cached chunk on the speech timeline. Its positions are written and its
         keys re-rotated (from the cached unrotated ones, nothing is re-projected) by
-        `rotate_windows` once a step can see it: a chunk far ahead of the speech moves at
+        `stage_rotations` once a step can see it: a chunk far ahead of the speech moves at
         almost every step, and while it is outside the np/nf window its keys are masked
         anyway. Here it is a dictionary update."""
         if chunk in self.spans[slot]:
             self.unrotated[slot][chunk] = first_position
 
     def rotate_windows(self, slots: Sequence[int], windows: Sequence[tuple[int, int]]) -> None:
-        """Bring the positions and keys of re-placed chunks up to date before a step in
-        which slots[i] sees chunks windows[i] = (lo, hi)."""
+        """Bring the positions and keys of added or re-placed chunks up to date before a step
+        in which slots[i] sees chunks windows[i] = (lo, hi)."""
         up = Upload()
         staged = self.stage_rotations(up, slots, windows)
         if staged is not None:
@@ -285,7 +304,7 @@ class DecodeState(DecodeStateView):
     def stage_rotations(self, up: Upload, slots: Sequence[int],
                         windows: Sequence[tuple[int, int]]) -> Optional[tuple[int, int, int]]:
         """`rotate_windows` in two halves, so a step sends the rotations with its other
-        inputs in one copy: the re-placed chunks' keys staged into `up` (None: none to
+        inputs in one copy: the added or re-placed chunks' keys staged into `up` (None: none to
         rotate), for `apply_rotations` once it is sent."""
         rows: list[int] = []
         cols: list[int] = []

@@ -336,7 +336,7 @@ class ModelRunner:
         return on_device
 
     def add_chunk(self, slot: int, token_ids: Sequence[int], tau: int, chunk: int) -> None:
-        self.state.append_text(slot, token_ids, [tau + i for i in range(len(token_ids))], chunk)
+        self.state.append_chunk(slot, token_ids, float(tau), chunk)
 
     def place_chunk(self, slot: int, chunk: int, tau: int) -> None:
         self.state.set_chunk_positions(slot, chunk, float(tau))

@@ -231,11 +231,20 @@ class EngineSession:
         and of the nf after it."""
         if not self.chunks:
             return 0, -1
+        lo, hi = self._window_text_chunks()
+        return self.text_chunk_starts[lo], min(self._text_chunk_end(hi), self.n_in_memory) - 1
+
+    def _window_text_chunks(self) -> tuple[int, int]:
+        """First and last text chunk of the np/nf window at this step (chunks exist)."""
         c = self.timeline.current_chunk(self.step_count)
         n_past = None if self.config.n_past_chunks < 0 else self.config.n_past_chunks
-        lo, hi = window_chunk_range(self.chunks[c].text_chunk, n_past, self.config.n_future_chunks,
-                                    len(self.text_chunk_starts))
-        return self.text_chunk_starts[lo], min(self._text_chunk_end(hi), self.n_in_memory) - 1
+        return window_chunk_range(self.chunks[c].text_chunk, n_past, self.config.n_future_chunks,
+                                  len(self.text_chunk_starts))
+
+    def window_needs(self, chunk: Chunk) -> bool:
+        """Whether the np/nf window shows `chunk` at this step or may at the next (a text
+        chunk further on)."""
+        return chunk.text_chunk <= self._window_text_chunks()[1] + 1
 
     def _text_chunk_end(self, k: int) -> int:
         """One past the last of `chunks` of text chunk k."""

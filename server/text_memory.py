@@ -46,11 +46,16 @@ class TextMemory:
             self.fill(s)
 
     def fill(self, s: EngineSession) -> None:
-        """Move chunks into the model's text memory, oldest first, evicting chunks that
-        left the np window for good when memory is full."""
+        """Move chunks into the model's text memory, oldest first. When it is full, the
+        chunks that left the np window for good make room at once only for a chunk the
+        window needs (`EngineSession.window_needs`); otherwise `evict_past` frees them
+        EVICT_MIN_TOKENS at a time: text far ahead of the speech kept memory full, and
+        each word the window passed cost an eviction of its own."""
         while s.n_in_memory < len(s.chunks):
             ch = s.chunks[s.n_in_memory]
             if self.runner.text_room(s.slot) < len(ch.token_ids):
+                if not s.window_needs(ch):
+                    return  # `evict_past` makes room as the speech moves on
                 self.runner.evict_chunks_before(s.slot, s.window()[0])
                 if self.runner.text_room(s.slot) < len(ch.token_ids):
                     # keep at least the current chunk: drop older ones beyond np

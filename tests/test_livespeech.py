@@ -225,6 +225,27 @@ def test_window_mask_selects_chunks(model):
     assert st.txt_pos[0, :3].tolist() == [20.0, 40.0, 41.0]
 
 
+def test_a_chunk_added_unrotated_is_rotated_when_a_window_first_sees_it(model):
+    """`append_chunk` (the server's) leaves a chunk's rotation to the first window that
+    shows it; from then on the memory equals one where `append_text` rotated it at once."""
+    enroll = torch.randn(model.n_layers, 2, 4, 4, 16)
+    now, later = (DecodeState.allocate(model, capacity=2) for _ in range(2))
+    for st in (now, later):
+        st.reset_slot(1, enroll)
+    for c, n in enumerate([2, 3, 1]):
+        now.append_text(1, list(range(5, 5 + n)), [7.0 * c + i for i in range(n)], chunk=c)
+        later.append_chunk(1, list(range(5, 5 + n)), 7.0 * c, chunk=c)
+    with pytest.raises(ValueError):
+        later.append_chunk(1, [5], 0.0, chunk=2)
+    assert torch.equal(now.mem_v, later.mem_v) and torch.equal(now.txt_chunk, later.txt_chunk)
+    later.rotate_windows([1], [(0, 1)])  # chunk 2 is not shown yet: it stays as it was cached
+    shown = now.n_enroll + 5  # the enrollment and chunks 0 and 1
+    assert torch.equal(now.mem_k[:, :, :, :shown], later.mem_k[:, :, :, :shown])
+    assert not torch.equal(now.mem_k, later.mem_k) and later.txt_pos[1].tolist()[:6] == [0, 1, 7, 8, 9, 0]
+    later.rotate_windows([1], [(2, 2)])
+    assert torch.equal(now.mem_k, later.mem_k) and torch.equal(now.txt_pos, later.txt_pos)
+
+
 def test_chunk_spans_kept_on_the_host_match_the_text_memory(model):
     """Re-placing a chunk, evicting and cutting the step's mask find the text's layout from
     a host-side index (no device sync); through appends (a chunk in two pieces too),

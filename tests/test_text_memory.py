@@ -79,3 +79,51 @@ def test_the_start_waits_for_whole_text_chunks_of_lookahead():
     assert len(s.chunks) == 3 and not s.lookahead_ready()
     release(s, memory, TEXT_CHUNKS[1:2])
     assert s.lookahead_ready()
+
+
+class RoomRecorder(MemoryRecorder):
+    """A memory of `capacity` tokens, cached chunk by chunk in order, like `DecodeState`'s."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.cached: list[tuple[int, int]] = []  # (chunk, tokens)
+        self.evicted: list[int] = []  # tokens freed by each eviction that freed any
+
+    def text_room(self, slot):
+        return self.capacity - sum(n for _, n in self.cached)
+
+    def add_chunk(self, slot, token_ids, tau, chunk):
+        super().add_chunk(slot, token_ids, tau, chunk)
+        assert len(token_ids) <= self.text_room(slot)
+        self.cached.append((chunk, len(token_ids)))
+
+    def evict_chunks_before(self, slot, chunk):
+        if freed := self.tokens_before(slot, chunk):
+            self.evicted.append(freed)
+            self.cached = [(c, n) for c, n in self.cached if c >= chunk]
+
+    def tokens_before(self, slot, chunk):
+        return sum(n for c, n in self.cached if c < chunk)
+
+
+def test_text_far_ahead_of_the_speech_is_evicted_in_batches_and_the_window_always_has_its_chunks():
+    from livespeech.server.text_memory import EVICT_MIN_TOKENS
+
+    words = [f"word{i}" for i in range(200)]
+    runner = RoomRecorder(capacity=4 * EVICT_MIN_TOKENS)
+    s = session(n_past=2, n_future=2)
+    memory = TextMemory(runner, get_tokenizer(), 64, Metrics())
+    release(s, memory, [[w] for w in words])  # the whole text at once, as an LLM far ahead sends it
+    assert len(s.chunks) == len(words) and 0 < s.n_in_memory < len(words)
+    tau = [ch.tau for ch in s.timeline.chunks]
+    for frame in range(tau[-1] + 1):  # the speech moves along every frame of the text
+        s.step_count = frame
+        memory.evict_past(s)
+        lo, hi = s.window()
+        cached = [c for c, _ in runner.cached]
+        # every chunk of the np/nf window is in memory, and the next one
+        assert set(range(lo, min(hi + 2, len(words)))) <= set(cached), frame
+    assert [c for _, _, c in runner.added] == list(range(len(words)))
+    # a word the window passed did not cost an eviction of its own
+    assert runner.evicted and min(runner.evicted) >= EVICT_MIN_TOKENS

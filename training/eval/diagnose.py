@@ -254,6 +254,7 @@ def synthesize(runner, voice, prep: Prepared, mode: str, seed: int, top_k: int =
              if mode.startswith("bound") else None)
     for t in range(max(T, len(forced)) + max_overrun + model.cfg.max_delay + 2):
         lo, hi = window(prep.chunk_tau, t, n_past, n_future)
+        st.rotate_windows([0], [(lo, hi)])  # the chunks' keys, as the runner's step rotates them
         view = st.view([0])
         mask = st.window_mask(view, [lo], [hi])
         logits = runner.model_step(view.inputs, view.step, view, mask[:, : st.visible_length([0], [lo], [hi])])
