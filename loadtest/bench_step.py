@@ -2,6 +2,7 @@
 sampling + commit, then the codec decode of one packet, at several batch sizes.
 
     python -m livespeech.loadtest.bench_step --preset tiny --threads 1 --batch 1 16
+    python -m livespeech.loadtest.bench_step --roofline --batch 1 16   # + the step's bound on this machine
     python -m livespeech.loadtest.bench_step --guidance-only --batch 1 16 64   # guidance alone
     python -m livespeech.loadtest.bench_step --first-calls --batch 1 2 3 4 8 16   # a batch size's first step
 """
@@ -18,7 +19,7 @@ from livespeech.models.config import FRAME_RATE
 from livespeech.models.loading import load_bundle
 from livespeech.models.scripted import kernel_fusion
 
-from .profile_step import add_path_arguments, noise_reference
+from .profile_step import add_path_arguments, analytic_cost, measure_machine, model_step_cost, noise_reference, roofline
 
 
 def bench(fn, n: int) -> float:
@@ -93,6 +94,10 @@ def main(argv=None) -> int:
                          "(what a server pays as its batch grows to sizes it has not run)")
     ap.add_argument("--jit-fuser", action="store_true",
                     help="keep TorchScript's fused kernels on CUDA (the runner turns them off: models/scripted.py)")
+    ap.add_argument("--roofline", action="store_true",
+                    help="measure this machine's gemm and memcpy rates first, and give each row the model step's "
+                         "bound (max of FLOPs over gemm, bytes over memcpy: profile_step's cost model) and the "
+                         "model and whole runner steps over it")
     ap.add_argument("--guidance-only", action="store_true",
                     help="time the guidance alone: per session in Python against all slots as tensors")
     add_path_arguments(ap)
@@ -110,6 +115,10 @@ def main(argv=None) -> int:
            "frozen_step": None, "rows": [],
            "bf16_matmuls": bf16_matmuls_enabled(args.bf16_matmuls, args.device),
            "onnx_codec": onnx_codec_enabled(args.codec_runtime, args.device)}
+    if args.roofline:
+        out["machine"] = measure_machine(bundle.device, bf16=out["bf16_matmuls"])
+        out["analytic"] = analytic_cost(bundle.model, cuda=bundle.device.type == "cuda")
+        print(json.dumps({"machine": out["machine"]}))
     rows = first_call_rows(bundle, args, out) if args.first_calls else step_cost_rows(bundle, args, out)
     for row in rows:
         out["rows"].append(row)
@@ -144,12 +153,19 @@ def step_cost_rows(bundle, args, out: dict):
             pf = runner.steady_packet_frames  # (the streams' first call pads it where it is short)
             frames = [[[1] * bundle.model.cfg.n_acoustic_codebooks] * pf] * b
             t_codec = bench(lambda: runner.decode(slots, frames), max(10, args.steps // 5))
-        yield {
+        row = {
             "batch": b, "runner_setup_s": round(setup_s, 2), "model_step_ms": t_model * 1e3, "full_step_ms": t_full * 1e3,
             "codec_packet_frames": pf, "codec_packet_ms": t_codec * 1e3,
             "per_frame_ms": (t_full + t_codec / pf) * 1e3,
             "realtime_sessions_bound": b * (1000 / FRAME_RATE) / ((t_full + t_codec / pf) * 1e3),
         }
+        if "machine" in out:  # --roofline: the model step's bound on this machine, and the steps against it
+            m = model_step_cost(out["analytic"], b, runner.low_precision is not None and b >= runner.bf16_from_batch)
+            bound = roofline(m["flops"], m["bytes"], t_model, out["machine"], m["bf16_flops"])
+            row.update(step_bound_ms=max(bound["t_flops_ms"], bound["t_bytes_ms"]), step_bytes_mb=bound["mbytes"],
+                       step_gflop=bound["gflop"], model_step_over_bound=1 / bound["roofline_fraction"],
+                       full_step_over_bound=t_full * 1e3 / max(bound["t_flops_ms"], bound["t_bytes_ms"]))
+        yield row
 
 
 def runner_with_sessions(bundle, args, out: dict, capacity: int):

@@ -404,6 +404,16 @@ def analytic_cost(model, cuda: bool = False) -> dict:
                      "vocab_sizes": list(model.vocab_sizes)}}
 
 
+def model_step_cost(cost: dict, batch: int, bf16_step: bool) -> dict:
+    """FLOPs (and how many of them in bfloat16) and bytes of one model step of `batch`
+    sessions, from `analytic_cost`'s `cost`; `bf16_step`: the step runs the bf16 path."""
+    state = (cost["state_bytes_per_session"] - (cost["bf16_memory_saving_per_session"] if bf16_step else 0)) * batch
+    weights = cost["weight_bytes"] - (cost["bf16_weight_bytes_fp32"] / 2 if bf16_step else 0)
+    return {"flops": 2 * cost["macs_per_session"] * batch,
+            "bf16_flops": 2 * cost["macs_bf16_per_session"] * batch if bf16_step else 0.0,
+            "weight_bytes": weights, "bytes": weights + state}
+
+
 def codec_cost(codec) -> dict:
     dec = sum(_bytes(p) for name, p in codec.named_parameters() if name.startswith("decoder."))
     return {"weight_bytes": dec}
@@ -559,12 +569,8 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         counted = counted_cost(bundle, b, pf)
         step_s = run["window_s"] / steps
         model_s = run["incl"].get("model.step", 0.0) / steps
-        macs = cost["macs_per_session"] * b
-        bf16_step = bool(run["bf16_matmuls"]) and b >= run["bf16_from_batch"]
-        state = (cost["state_bytes_per_session"] - (cost["bf16_memory_saving_per_session"] if bf16_step else 0)) * b
-        bf16_flops = 2 * cost["macs_bf16_per_session"] * b if bf16_step else 0.0
-        weights = cost["weight_bytes"] - (cost["bf16_weight_bytes_fp32"] / 2 if bf16_step else 0)
-        model_flops, model_bytes = 2 * macs, weights + state
+        m = model_step_cost(cost, b, bool(run["bf16_matmuls"]) and b >= run["bf16_from_batch"])
+        model_flops, model_bytes, bf16_flops, weights = m["flops"], m["bytes"], m["bf16_flops"], m["weight_bytes"]
         codec_flops = counted["codec_packet_flops"] / counted["codec_packet_frames"]  # per frame, all b sessions
         step_flops = model_flops + codec_flops
         step_bytes = model_bytes + ccost["weight_bytes"] / pf

@@ -424,3 +424,18 @@ def test_bench_step_times_each_batch_sizes_first_step(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["first_step_ms"] > 0 and r["next_steps_ms"] > 0 for r in rows)
+
+
+def test_bench_step_gives_each_batch_the_model_steps_bound_from_rates_measured_in_the_same_run(tmp_path):
+    from livespeech.loadtest import bench_step, profile_step
+
+    out = tmp_path / "bound.json"
+    assert bench_step.main(["--roofline", "--batch", "1", "4", "--steps", "3", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["machine"]["memcpy_gbs"] > 0 and res["machine"]["sgemm_gflops"] > 0
+    for row in res["rows"]:
+        # the bound is the cost model's: max(FLOPs / gemm rate, bytes / memcpy rate)
+        m = profile_step.model_step_cost(res["analytic"], row["batch"], row["batch"] >= 2 and res["bf16_matmuls"])
+        bytes_ms = 1e3 * m["bytes"] / (res["machine"]["memcpy_gbs"] * 1e9)
+        assert row["step_bound_ms"] >= bytes_ms * (1 - 1e-9) and row["step_bytes_mb"] == pytest.approx(m["bytes"] / 1e6)
+        assert row["model_step_over_bound"] == pytest.approx(row["model_step_ms"] / row["step_bound_ms"])

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Issue 29's short GPU check, a second call right after next_run.sh's (the same carry,
-# [".dev"]; ~3-4 minutes, timeout_s ~300), its most wanted figures first (what a timeout
-# cuts is the end): the step-graph tests on CUDA (each batch-size bucket's recorded graph
-# against the eager step, with and without the bf16 path and torch.compile's step) and
-# the codec thread's on CUDA (its own stream: the same audio as without it); the step's
+# [".dev"]; timeout_s: the device time left less a minute, ~3-4 minutes of a 15-minute
+# budget), its most wanted figures first (what a timeout cuts is the end): the step's
 # cost at batch 1, 16, 64 and 256 with the graphs (the runner step over the model step:
 # what the copies from the host cost; the sampling and commit recorded with it) on the
-# GPU's bf16 path (its default), at 1 and 256
+# GPU's bf16 path (its default), each against its bound on the card, whose gemm and
+# memcpy rates the same call measures (`bench_step --roofline`); the step-graph tests on
+# CUDA (each batch-size bucket's recorded graph against the eager step, with and without
+# the bf16 path and torch.compile's step) and the codec thread's on CUDA (its own
+# stream: the same audio as without it); the step at 1 and 256
 # with torch.compile's step (at most 200 s), and at 1 and 256 in float32; the engine step's
 # host reads and copies from the host at batch 1 and 64 with the graphs (one each:
 # livespeech.loadtest.host_reads); 64 sessions started together in process with the CUDA
@@ -26,11 +28,12 @@ bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --co
   --device "${DEVICE:-cuda}" "$@"; }
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+  echo "== the step at batch 1, 16, 64, 256 with the CUDA graphs: bf16 matmul weights (the default on a GPU);"
+  echo "   the card's gemm and memcpy rates measured first, each row's step against its bound (--roofline)"
+  bench --batch 1 16 64 256 --steps 30 --cuda-graphs --roofline --json "$OUT/bf16_step.json"
   # no conftest: it starts gRPC servers, whose health and reflection packages the image lacks
   $PY -m pytest -q -p no:cacheprovider --noconftest tests/test_step_graph.py \
     tests/test_engine.py::test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order 2>&1 | tail -n 3
-  echo "== the step at batch 1, 16, 64, 256 with the CUDA graphs: bf16 matmul weights (the default on a GPU)"
-  bench --batch 1 16 64 256 --steps 30 --cuda-graphs
   echo "== the step torch.compile made, recorded by the graphs (--compile-step; runner_setup_s holds the compile), bf16"
   timeout 200 $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --codec "${CODEC:-encodec_24khz}" \
     --device "${DEVICE:-cuda}" --batch 1 256 --steps 30 --cuda-graphs --compile-step --json "$OUT/compiled_step.json"
