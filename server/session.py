@@ -207,14 +207,15 @@ class EngineSession:
         """Account a word (None: the end of the text) of the current text chunk in the
         transcript (graphemes, words) and as a chunk of the model's memory."""
         ids: list[int] = []
-        g = graphemes.collapse_repeats(graphemes.word_graphemes(word)) if word is not None else []
+        letters = graphemes.word_graphemes(word) if word is not None else []
+        g = graphemes.collapse_repeats(letters)
         if g:  # a word of punctuation alone has no graphemes
             if self.n_chars > 0:
                 ids.append(graphemes.SPACE)
             ids.extend(g)
             self.words.append(Word(word, self.n_chars + len(ids) - len(g), self.n_chars + len(ids)))
             if self.letters is not None:
-                self.letters.add_word(graphemes.word_graphemes(word))
+                self.letters.add_word(letters)
         chunk = Chunk(len(self.chunks), len(self.text_chunk_starts) - 1, token_ids, len(ids))
         self.guidance.extend_transcript(ids)
         self.n_chars += len(ids)
