@@ -211,8 +211,9 @@ class DecodeState(DecodeStateView):
     def append_text(self, slot: int, token_ids: Sequence[int], positions: Sequence[float], chunk: int) -> None:
         """Cache a chunk's tokens (projected once: `TextKV`) at `positions`, their keys rotated
         now (caller makes room first)."""
-        a = self._cache_text(slot, token_ids, chunk)
-        self._rotate([slot] * len(token_ids), range(a, a + len(token_ids)), positions)
+        if token_ids:
+            a = self._cache_text(slot, token_ids, chunk)
+            self._rotate([slot] * len(token_ids), range(a, a + len(token_ids)), positions)
 
     def append_chunk(self, slot: int, token_ids: Sequence[int], first_position: float, chunk: int) -> None:
         """Cache a new chunk's tokens at first_position, first_position + 1, ...; their keys
@@ -231,8 +232,6 @@ class DecodeState(DecodeStateView):
         """Write a chunk's tokens' unrotated keys and values after the slot's cached ones;
         returns the first one's column."""
         n, a, e = len(token_ids), len(self.chunk_ids[slot]), self.n_enroll
-        if n == 0:
-            return a
         if n > self.text_room(slot):
             raise ValueError("text memory full: evict past chunks first")
         kv = self.text_kv(token_ids)

@@ -8,7 +8,8 @@
 # memcpy rates the same call measures (`bench_step --roofline`); the step-graph tests on
 # CUDA (each batch-size bucket's recorded graph against the eager step, with and without
 # the bf16 path and torch.compile's step) and the codec thread's on CUDA (its own
-# stream: the same audio as without it); the step at 1 and 256
+# stream: the same audio as without it); the step at 256 with the guidance on the device
+# (whether it should be a GPU's default); the step at 1 and 256
 # with torch.compile's step (at most 200 s), and at 1 and 256 in float32; the engine step's
 # host reads and copies from the host at batch 1 and 64 with the graphs (one each:
 # livespeech.loadtest.host_reads); 64 sessions started together in process with the CUDA
@@ -34,6 +35,8 @@ bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --co
   # no conftest: it starts gRPC servers, whose health and reflection packages the image lacks
   $PY -m pytest -q -p no:cacheprovider --noconftest tests/test_step_graph.py \
     tests/test_engine.py::test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order 2>&1 | tail -n 3
+  echo "== the same at 256 with every slot's guidance on the device (--device-guidance: off by default)"
+  bench --batch 256 --steps 30 --cuda-graphs --device-guidance
   echo "== the step torch.compile made, recorded by the graphs (--compile-step; runner_setup_s holds the compile), bf16"
   timeout 200 $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --codec "${CODEC:-encodec_24khz}" \
     --device "${DEVICE:-cuda}" --batch 1 256 --steps 30 --cuda-graphs --compile-step --json "$OUT/compiled_step.json"
