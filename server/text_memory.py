@@ -9,9 +9,9 @@ from .session import EngineSession, Phase
 # a cached chunk is re-placed when its timeline position moved at least this far
 REPLACE_MIN_FRAMES = 3
 # chunks that left the np window are evicted once they hold this many tokens (or when
-# `fill` needs the room): an eviction compacts the slot's text memory (~0.3 ms on the
-# 2-core CPU, the same for one word as for many), and the window's mask hides them
-# meanwhile, so the step's results are the same
+# the window needs the room for its next word: `fill`): an eviction compacts the slot's
+# text memory (~0.3 ms on the 2-core CPU, the same for one word as for many), and the
+# window's mask hides them meanwhile, so the step's results are the same
 EVICT_MIN_TOKENS = 16
 
 
