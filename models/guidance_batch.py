@@ -115,6 +115,7 @@ class GuidanceBatch:
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._host_n = [0] * s
         self._host_last: list[Optional[int]] = [None] * s
+        self._queued: dict[int, list[int]] = {}  # `queue`d grapheme ids by slot, not yet extended
         self.reset(range(s))
 
     # ------------------------------------------------------------------ host calls
@@ -144,20 +145,38 @@ class GuidanceBatch:
         self.complete[idx] = False
         for s in slots:
             self._host_n[s], self._host_last[s] = 0, None
+            self._queued.pop(s, None)
+
+    def queue(self, slot: int, ids: Sequence[int]) -> None:
+        """`extend` `slot`'s transcript by `ids` at the next `guide` or `observe`, in one
+        call with every slot's queued ids: an `extend` recentres the band of every slot
+        (a few hundred ops over all of them), and text arrives a word at a time. Extending
+        by several words at once ends in the same state as word by word
+        (tests/test_guidance_batch.py)."""
+        queued = self._queued.setdefault(slot, [])
+        queued.extend(ids)
+        if self._host_n[slot] + len(queued) + self.band + 2 > self.ring:
+            self.flush()  # near the ring's room: `extend` checks it here, where the text came
+
+    def flush(self) -> None:
+        """`extend` by the ids `queue`d so far."""
+        if self._queued:
+            queued, self._queued = self._queued, {}
+            self.extend(queued)
 
     @torch.inference_mode()
     def extend(self, chunks: dict[int, Sequence[int]]) -> None:
         """Append grapheme ids (>= SPACE) to each slot's transcript, repeats collapsed across
         the join too, as `GuidanceState.extend_transcript` (one chunk per slot a call)."""
-        slots, pos, ids = [], [], []
-        for s, chunk in chunks.items():
-            new = transcript_tokens(chunk, self._host_last[s])
-            if not new:
-                continue
+        news = {s: new for s, chunk in chunks.items() if (new := transcript_tokens(chunk, self._host_last[s]))}
+        for s, new in news.items():  # every slot checked before any changes
             n = self._host_n[s]
             # the ring holds T[lo - 1:], all a slot still reads; lo is read only near the limit
             if n + len(new) + 1 > self.ring and n + len(new) - int(self.lo[s]) + 1 > self.ring:
                 raise ValueError(f"slot {s}: the unspoken transcript would exceed {self.ring} graphemes")
+        slots, pos, ids = [], [], []
+        for s, new in news.items():
+            n = self._host_n[s]
             slots.extend([s] * len(new))
             pos.extend(range(n, n + len(new)))
             ids.extend(new)
@@ -178,12 +197,14 @@ class GuidanceBatch:
         self.complete[self._mask(slots)] = True
 
     def transcript_length(self, slot: int) -> int:
+        self.flush()
         return self._host_n[slot]
 
     # ------------------------------------------------------------------ device calls
     @torch.inference_mode()
     def observe(self, slots: torch.Tensor, graphemes: torch.Tensor) -> None:
         """Record one sampled frame (any id) of each of `slots` ([B] long) on the device."""
+        self.flush()
         self._active.zero_()
         self._active[slots] = True
         self._frame.fill_(_NONE - 1)
@@ -228,6 +249,7 @@ class GuidanceBatch:
     def guide(self, slots: torch.Tensor, vocab: int = VOCAB_SIZE) -> GuidingSets:
         """The guiding sets ([B, vocab] bool) and EOS bars of `slots` ([B] long), as
         `GuidanceState.guiding_set` and ``not speech_may_end``: `sample_step` takes them."""
+        self.flush()
         best = self.best[slots]
         i = self.lo[slots, None] + self._cols
         n = self.n[slots, None]

@@ -131,6 +131,7 @@ class Engine:
                 for s in list(self._sessions.values()):
                     with self._isolated(s, "releasing text"):
                         self._release_held_text(s, now)
+                self.runner.flush_transcripts()
                 batch = self.scheduler.select(list(self._sessions.values()), now)
                 if batch:
                     self._step(batch)

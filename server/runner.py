@@ -106,7 +106,7 @@ class SlotGuidance:
         self.progress = 0
 
     def extend_transcript(self, ids: Sequence[int]) -> None:
-        self._batch.extend({self._slot: ids})
+        self._batch.queue(self._slot, ids)
 
     @property
     def input_complete(self) -> bool:
@@ -334,6 +334,13 @@ class ModelRunner:
         if guidance.input_complete:
             on_device.input_complete = True
         return on_device
+
+    def flush_transcripts(self) -> None:
+        """With device guidance, extend its transcripts by the text that arrived since the
+        last call, every slot in one call (`GuidanceBatch.queue`), before a step copies its
+        inputs; its steps would do it themselves."""
+        if self.guidance is not None:
+            self.guidance.flush()
 
     def add_chunk(self, slot: int, token_ids: Sequence[int], tau: int, chunk: int) -> None:
         self.state.append_chunk(slot, token_ids, float(tau), chunk)

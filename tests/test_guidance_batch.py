@@ -167,3 +167,36 @@ def test_the_guidance_benchmark_runs(capsys) -> None:
     assert bench_step.main(["--guidance-only", "--batch", "2", "--steps", "5"]) == 0
     row = json.loads(capsys.readouterr().out.strip())
     assert row["batch"] == 2 and row["guidance_python_ms"] > 0 and row["guidance_tensors_ms"] > 0
+
+
+def test_words_queued_and_extended_together_equal_words_extended_one_by_one() -> None:
+    """`queue` (a word at a time, as text arrives) then one `extend` of every slot's words
+    at the next `guide` or `observe` ends where extending word by word does, through noisy
+    readings; an `extend` recentres every slot, so queued words cost one for all."""
+    rng = random.Random(7)
+    alphabet = text_to_ids("abcdexyz")
+    n_slots, band = 5, 8
+    batch = GuidanceBatch(n_slots, band=band, ring=512)
+    states = [GuidanceState(band=band) for _ in range(n_slots)]
+    slots = list(range(n_slots))
+    words = {s: [[rng.choice(alphabet) for _ in range(rng.randint(1, 6))] for _ in range(30)] for s in slots}
+    text = {s: [] for s in slots}
+    extends = []
+    real_extend = batch.extend
+    batch.extend = lambda chunks: (extends.append(sorted(chunks)), real_extend(chunks))[1]
+    for step in range(120):
+        n_extends = len(extends)
+        for s in slots:  # words arrive, each slot at its own pace
+            while words[s] and rng.random() < 0.4:
+                piece = ([SPACE] if text[s] else []) + words[s].pop(0)
+                text[s] += piece
+                batch.queue(s, piece)
+                states[s].extend_transcript(piece)
+        frames = {s: (text[s][min(len(text[s]) - 1, states[s].progress + rng.randint(-1, 1))]
+                      if text[s] and rng.random() < 0.85 else rng.choice(alphabet + [BLANK])) for s in slots}
+        batch.observe(torch.tensor(slots), torch.tensor([frames[s] for s in slots]))
+        for s in slots:
+            states[s].observe(frames[s])
+        assert len(extends) <= n_extends + 1  # every slot's queued words in one call
+        _assert_same(batch, states, slots)
+    assert extends and max(len(e) for e in extends) > 1
