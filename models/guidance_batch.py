@@ -156,7 +156,9 @@ class GuidanceBatch:
         queued = self._queued.setdefault(slot, [])
         queued.extend(ids)
         if self._host_n[slot] + len(queued) + self.band + 2 > self.ring:
-            self.flush()  # near the ring's room: `extend` checks it here, where the text came
+            # near the ring's room: `extend` checks it now, where the text came, and a
+            # flush (of slots below it) cannot fail
+            self.extend({slot: self._queued.pop(slot)})
 
     def flush(self) -> None:
         """`extend` by the ids `queue`d so far."""

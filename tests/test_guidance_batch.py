@@ -200,3 +200,13 @@ def test_words_queued_and_extended_together_equal_words_extended_one_by_one() ->
         assert len(extends) <= n_extends + 1  # every slot's queued words in one call
         _assert_same(batch, states, slots)
     assert extends and max(len(e) for e in extends) > 1
+
+
+def test_a_transcript_past_the_ring_fails_where_its_text_is_queued_and_spares_the_others() -> None:
+    batch = GuidanceBatch(2, band=4, ring=16)
+    batch.queue(1, text_to_ids("ab"))
+    with pytest.raises(ValueError):
+        for _ in range(20):
+            batch.queue(0, text_to_ids("cd"))
+    batch.flush()
+    assert batch.transcript_length(1) == 2
