@@ -333,3 +333,29 @@ def test_real_time_pacing_pushes_each_piece_at_its_time():
     assert events and t0 - start < 0.2 <= t1 - start and t2 - start >= 0.3
     evaluate.run_session(eng, None, None, pieces, 10)  # burst: all at once
     assert [p for p, _ in eng.handle.pushed] == ["a ", "b ", "c "]
+
+
+def test_paragraphs_speak_consecutive_test_sentences_in_one_session_each_and_compare_pairs_them(tmp_path, capsys):
+    """`eval.paragraphs` on the shipped default (Whisper skipped): the test sentences joined
+    a paragraph a session, all the text pushed at once, every word spoken; its rows pair in
+    `compare` like the evaluation's."""
+    from livespeech.training.eval import compare, paragraphs
+
+    _write_corpus(tmp_path / "corpus")
+    assert paragraphs.paragraphs(tmp_path / "corpus", 5, 2) == ["Hello there, good friend. The quick brown fox."]
+    with pytest.raises(ValueError):
+        paragraphs.paragraphs(tmp_path / "corpus", 1, 3)
+    out = tmp_path / "p.json"
+    assert paragraphs.main(["--corpus", str(tmp_path / "corpus"), "--model", "models/weights/default",
+                            "--paragraphs", "1", "--sentences", "2", "--skip-asr", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["utterances"]
+    assert row["mode"] == "paragraph" and row["text"] == "Hello there, good friend. The quick brown fox."
+    assert 1.0 < row["audio_s"] < 10.0 and row["unspoken_words"] == []
+    # compare pairs rows by paragraph (word counts added as a run with Whisper would have them)
+    for r, errors in ((row, 3), (dict(row), 5)):
+        r.update(word_errors=errors, ref_words=9, char_errors=errors, ref_chars=40)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"utterances": [row]}))
+    b.write_text(json.dumps({"utterances": [dict(row, word_errors=5, char_errors=5)]}))
+    assert compare.main([str(a), str(b), "--mode", "paragraph", "--lambda", "1"]) == 0
+    assert "WER % on 1 clips: A 33.3, B 55.6" in capsys.readouterr().out
