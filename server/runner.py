@@ -472,7 +472,7 @@ class ModelRunner:
         acoustic = logits.acoustic
         if self.first_code_bias is not None:
             acoustic = self._first_code_given_phone(acoustic, r.bias_row[:b])
-        u = counter_uniforms(self.seeds[:b], self.state.step[:b], self.model.cfg.n_codebooks)
+        u = self.uniforms(slice(b), self.state.step[:b])
         tokens, bad = SamplingRows(*(t[:b] for t in r.sampling)).sample(logits.graphemes, acoustic, u, *self._kmax)
         return _step_result(tokens, bad, r.forced[:b], r.force_eos[:b],
                             lambda tokens: self.state.commit_first(b, tokens, r.active[:b]))
@@ -512,8 +512,8 @@ class ModelRunner:
         first = acoustic[:, :1] + bias.unsqueeze(1).to(acoustic.dtype)
         return torch.cat((first, acoustic[:, 1:]), dim=1)
 
-    def uniforms(self, slots: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        """[B, 1 + Q] the draws of `slots` (a tensor on the device) at their decode
+    def uniforms(self, slots: Union[torch.Tensor, slice], steps: torch.Tensor) -> torch.Tensor:
+        """[B, 1 + Q] the draws of `slots` (a tensor on the device, or a slice) at their decode
         `steps`, one a token, grapheme first: a function of each session's seed and step."""
         return counter_uniforms(self.seeds[slots], steps, self.model.cfg.n_codebooks)
 

@@ -115,9 +115,9 @@ class BatchPrefetch:
     """The training batches drawn, read and collated on a thread of their own, up to
     `depth` ahead of the step that takes them: a batch of ~80,000 frames costs 70-450 ms
     of one core (2-core Intel Xeon VM; the least once its codes are cached), which a GPU's
-    step of ~180 ms would otherwise wait for. Batch s is a function of the sampler's state and of s alone (its examples draw
-    from a generator seeded by the step), so a resumed run takes the batches a straight
-    one does; each comes with the sampler's state after it, which a checkpoint saves, and
+    step of ~180 ms would otherwise wait for. Batch s is a function of the sampler's state
+    and of s alone (its examples draw from a generator seeded by the step), so a resumed
+    run takes the batches a straight one does; each comes with the sampler's state after it, which a checkpoint saves, and
     the number of training utterances it was drawn from. While an encoder is still
     filling the codes directory, the data is re-read every `rescan_every` steps."""
 
@@ -735,6 +735,12 @@ def main(argv=None) -> int:
             extra.update(phone_head=phone_head.state_dict(), phone_vocab=phone_head.names)
         save_checkpoint(path, model, opt, step, lw, sampler_state, mask_gen, py_rng, best, vars(a), extra)
 
+    def emit(row: dict) -> None:
+        """A row of the training log, also printed."""
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        print(json.dumps(row), flush=True)
+
     if a.init and step == 0:
         # the starting point's dev figures: a continued decoder must beat them (short runs at
         # the recipe's learning rate have ended above where they started), and best.pt is
@@ -742,9 +748,7 @@ def main(argv=None) -> int:
         ev = evaluate(model, devb, device, phone_head, a.read_heads)
         best = ev["dev_loss"]
         row = {"step": 0, "eval": True, "start": True, **ev}
-        log.write(json.dumps(row) + "\n")
-        log.flush()
-        print(json.dumps(row), flush=True)
+        emit(row)
     t_resume = time.time() - train_s  # training time carried over from earlier runs
     # the batches made on a thread of their own (a re-read of the data while an encoder
     # fills the codes directory, which tokenises the whole manifest, there too)
@@ -807,9 +811,7 @@ def main(argv=None) -> int:
                        "frames_per_s": round(frames_acc / (now - t_log), 1),
                        "epoch": sampler_state["epoch"], "n_train": n_train,
                        **{k: round(float(v) / n_acc, 5) for k, v in accum.items()}}
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                print(json.dumps(row), flush=True)
+                emit(row)
                 accum, n_acc, t_log, frames_acc = {}, 0, now, 0
             done = (sched.finished(step, train_s) or bool(stop_at and step >= stop_at)
                     or (a.max_minutes is not None and time.time() - t0 > a.max_minutes * 60))
@@ -821,9 +823,7 @@ def main(argv=None) -> int:
                 row = {"step": step, "eval": True, "best": is_best,
                        "loss_weights": [round(float(x), 3) for x in lw.weights()],
                        **ev}
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                print(json.dumps(row), flush=True)
+                emit(row)
                 if is_best:
                     ckpt(os.path.join(a.out, "best.pt"))
             if done or time.time() - t_ckpt > a.ckpt_minutes * 60 or (a.ckpt_every and step % a.ckpt_every == 0):
