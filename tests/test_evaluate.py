@@ -305,6 +305,19 @@ def test_compare_pairs_clips_and_bootstraps_the_difference(tmp_path, capsys) -> 
     assert compare.main([both_path, both_path, "--mode", "online", "--lambda", "1", "--lambda-b", "0"]) == 0
     out = capsys.readouterr().out
     assert "online lambda 1, B = " in out and "online lambda 0" in out and "B - A +10.0" in out
+    # runs pooled (one a seed): pairs in order, a clip's counts summed over its pairs
+    a2 = run(tmp_path / "a2.json", [5, 6, 7, 8] * 10)
+    b2 = run(tmp_path / "b2.json", [5, 6, 7, 8] * 10)  # no difference in the second pair
+    ra, rb = compare.pooled([compare.rows(x, "model", "online", 1.0) for x in (a, a2)],
+                            [compare.rows(x, "model", "online", 1.0) for x in (b, b2)])
+    assert len(ra) == 40 and ra["u0"]["word_errors"] == 10 and rb["u0"]["word_errors"] == 8
+    r2 = compare.paired(ra, rb, "word_errors", "ref_words")
+    assert r2["n"] == 40 and math.isclose(r2["diff"], -0.0625) and r2["ci"][1] < 0
+    assert compare.main([f"{a},{a2}", f"{b},{b2}", "--mode", "online", "--lambda", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "WER % on 40 clips x 2 runs a side" in out and "B - A -6.2" in out
+    with pytest.raises(SystemExit):
+        compare.main([f"{a},{a2}", str(b), "--mode", "online", "--lambda", "1"])
 
 
 def test_real_time_pacing_pushes_each_piece_at_its_time():

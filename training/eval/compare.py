@@ -2,6 +2,7 @@
 
     python -m livespeech.training.eval.compare runs/a.json runs/b.json --mode online --lambda 1
     python -m livespeech.training.eval.compare runs/a.json runs/b.json --mode online --lambda 1 --lambda-b 0
+    python -m livespeech.training.eval.compare a-seed0.json,a-seed1.json b-seed0.json,b-seed1.json --mode online --lambda 1
 
 Reads the per-utterance JSON of two `python -m livespeech.training.eval` runs, pairs the
 rows of one system (the model in a mode at a guidance lambda, or `--system "ground
@@ -11,6 +12,10 @@ each and of B minus A, with a 95 % paired bootstrap interval over the clips (the
 rate: errors over reference words or characters, resampled by clip) and how many clips
 got better or worse. A difference
 whose interval holds 0 is not shown to be one.
+
+Several runs a side (comma-separated, e.g. one a sampling seed): A's i-th run is paired
+with B's i-th, and a clip's errors and reference lengths are summed over the pairs, so
+the bootstrap still resamples clips (a clip's runs are not independent draws).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import numpy as np
 def rows(path: Path, system: str, mode: Optional[str], lam: Optional[float]) -> dict[str, dict]:
     """utterance id -> its row of `system` (for the model: in `mode` at `lam`)."""
     out = {}
-    for u in json.loads(path.read_text())["utterances"]:
+    for u in json.loads(Path(path).read_text())["utterances"]:
         if u["system"] != system:
             continue
         if mode is not None and u.get("mode") != mode:
@@ -35,6 +40,23 @@ def rows(path: Path, system: str, mode: Optional[str], lam: Optional[float]) -> 
             continue
         out[u["utt"]] = u
     return out
+
+
+def pooled(runs_a: list[dict[str, dict]], runs_b: list[dict[str, dict]]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Pairs of runs (A's i-th with B's i-th) pooled by clip: a clip's counts summed over
+    the pairs that both hold it, a clip held by no pair left out."""
+    if len(runs_a) != len(runs_b):
+        raise ValueError(f"{len(runs_a)} runs against {len(runs_b)}: pair them one to one")
+    keys = ("word_errors", "ref_words", "char_errors", "ref_chars")
+    out_a: dict[str, dict] = {}
+    out_b: dict[str, dict] = {}
+    for ra, rb in zip(runs_a, runs_b):
+        for utt in set(ra) & set(rb):
+            for src, dst in ((ra, out_a), (rb, out_b)):
+                acc = dst.setdefault(utt, dict.fromkeys(keys, 0.0))
+                for k in keys:
+                    acc[k] += float(src[utt][k])
+    return out_a, out_b
 
 
 def paired(a: dict[str, dict], b: dict[str, dict], errors: str, ref: str, n_boot: int = 10_000,
@@ -56,8 +78,8 @@ def paired(a: dict[str, dict], b: dict[str, dict], errors: str, ref: str, n_boot
 
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m livespeech.training.eval.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("a", type=Path)
-    p.add_argument("b", type=Path)
+    p.add_argument("a", help="A's run (JSON), or its runs comma-separated")
+    p.add_argument("b", help="B's run, or its runs (as many as A's, paired in order)")
     p.add_argument("--system", default="model", help='the rows to compare (default: model; or "ground truth", ...)')
     p.add_argument("--mode", default=None, help="the model's mode (online, offline, 1word)")
     p.add_argument("--lambda", dest="lam", type=float, default=None, help="the guidance lambda")
@@ -68,7 +90,12 @@ def main(argv: Optional[list] = None) -> int:
     mode, lam = (a.mode, a.lam) if model else (None, None)
     mode_b = (a.mode_b or a.mode) if model else None
     lam_b = (a.lam if a.lam_b is None else a.lam_b) if model else None
-    ra, rb = rows(a.a, a.system, mode, lam), rows(a.b, a.system, mode_b, lam_b)
+    files_a, files_b = a.a.split(","), a.b.split(",")
+    if len(files_a) != len(files_b):
+        p.error(f"A has {len(files_a)} runs and B {len(files_b)}: give as many, paired in order")
+    ra, rb = pooled([rows(Path(f), a.system, mode, lam) for f in files_a],
+                    [rows(Path(f), a.system, mode_b, lam_b) for f in files_b])
+    runs = f" x {len(files_a)} runs a side" if len(files_a) > 1 else ""
 
     def setting(m, x):
         return f"{f' {m}' if m else ''}{f' lambda {x:g}' if x is not None else ''}"
@@ -78,7 +105,7 @@ def main(argv: Optional[list] = None) -> int:
     for name, errors, ref in (("WER", "word_errors", "ref_words"), ("CER", "char_errors", "ref_chars")):
         r = paired(ra, rb, errors, ref)
         lo, hi = r["ci"]
-        print(f"{name} % on {r['n']} clips: A {100 * r['a']:.1f}, B {100 * r['b']:.1f}, B - A {100 * r['diff']:+.1f} "
+        print(f"{name} % on {r['n']} clips{runs}: A {100 * r['a']:.1f}, B {100 * r['b']:.1f}, B - A {100 * r['diff']:+.1f} "
               f"(95 % CI {100 * lo:+.1f} to {100 * hi:+.1f}); B better on {r['better']} clips, worse on {r['worse']}")
     return 0
 
