@@ -186,8 +186,9 @@ def render_markdown(result: dict, plots: list[str]) -> str:
     by = levels_by_mode(result)
     L.append("## Streaming\n")
     L.append("| N | pass | sessions | errors | TTFA p50 / p95 ms | lookahead p50 ms | FPL p50 / p95 ms | underruns (sessions) "
-             "| starved ms | min slack p1 / p10 ms | step mean / p95 ms | batch mean | busy | RTF/session | spoken | load1 |")
-    L.append("|" + "---|" * 16)
+             "| starved ms | min slack p1 / p10 ms | step mean / p95 ms | batch mean | busy | RTF/session | spoken | load1 "
+             "| host CPU steal ms (worst second) |")
+    L.append("|" + "---|" * 17)
     for lv in by.get(STREAMING, []):
         c, s = lv["client"], lv.get("server") or {}
         L.append(
@@ -201,7 +202,8 @@ def render_markdown(result: dict, plots: list[str]) -> str:
             f"{_ms2(_get(s, 'step_seconds', 'p95'))} | {_f(_get(s, 'batch_size', 'mean'), '{:.1f}')} "
             f"| {_f(s.get('engine_busy_fraction'))} | {_f(_get(s, 'rtf_per_session', 'mean'), '{:.3f}')} "
             f"| {_f(_get(c, 'spoken_fraction', 'mean'), '{:.0%}')} "
-            f"| {_f((_get(lv, 'loadavg', 'start') or [None])[0], '{:.1f}')} |")
+            f"| {_f((_get(lv, 'loadavg', 'start') or [None])[0], '{:.1f}')} "
+            f"| {_ms(_get(lv, 'host_steal', 'steal_s'))} ({_ms(_get(lv, 'host_steal', 'worst_second_s'))}) |")
     fails = [lv for lv in by.get(STREAMING, []) if lv.get("fail_reasons")]
     if fails:
         L.append("")

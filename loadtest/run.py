@@ -28,6 +28,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -142,6 +143,70 @@ def git_info() -> dict:
         return {}
 
 
+def cpu_steal_seconds() -> Optional[float]:
+    """CPU seconds the hypervisor ran something else while this VM's CPUs were ready to
+    run, summed over the CPUs since boot (Linux /proc/stat: the `cpu` line's steal field);
+    None where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StealSampler:
+    """The host's CPU steal through a level, read every `period_s` on a thread of its own:
+    a VM's stalls that no server change explains show here. `stop()` gives the total,
+    the worst second and the intervals that had any (at the end of each, on the clock
+    of the turns' `t_start`), or None where the host does not count steal."""
+
+    def __init__(self, period_s: float = 0.25, read=cpu_steal_seconds, clock=time.monotonic):
+        self.period_s, self._read, self._clock = period_s, read, clock
+        self._samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loadtest-steal", daemon=True)
+
+    def start(self) -> "StealSampler":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        v = self._read()
+        if v is not None:
+            self._samples.append((self._clock(), v))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def stop(self) -> Optional[dict]:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._sample()
+        return steal_summary(self._samples)
+
+
+def steal_summary(samples: list[tuple[float, float]]) -> Optional[dict]:
+    """(time, cumulative steal seconds) readings -> the steal between the first and last,
+    the most within any one second (intervals ending within a second of one another) and
+    the intervals with any steal as [end time, steal seconds]."""
+    if len(samples) < 2:
+        return None
+    deltas = [(t1, v1 - v0) for (_, v0), (t1, v1) in zip(samples, samples[1:])]
+    worst, lo, window = 0.0, 0, 0.0
+    for hi, (t, d) in enumerate(deltas):
+        window += d
+        while deltas[lo][0] <= t - 1.0:
+            window -= deltas[lo][1]
+            lo += 1
+        worst = max(worst, window)
+    return {"steal_s": samples[-1][1] - samples[0][1], "worst_second_s": worst,
+            "intervals": [[round(t, 3), round(d, 3)] for t, d in deltas if d > 0]}
+
+
 def is_noisy(loadavg_1m: float, nproc: int) -> bool:
     """Background load before the run: more than a few tenths of a CPU busy elsewhere."""
     return loadavg_1m > max(0.5, 0.15 * nproc)
@@ -186,12 +251,41 @@ async def _scrape(url: Optional[str]) -> Optional[prom.Snapshot]:
         return None
 
 
+async def _engine_timeline(url: str, stop: asyncio.Event, period_s: float = 0.5) -> list[list]:
+    """The engine's steps through a level, from its metrics every `period_s` until `stop`:
+    an interval a row, [its end (the clock of the turns' `t_start`), steps, seconds in
+    steps, mean batch, seconds in codec calls]. Stalls where the steps thin out are the
+    engine held up; with as many steps each slower, a slower core."""
+    rows: list[list] = []
+    prev = await _scrape(url)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), period_s)
+        except asyncio.TimeoutError:
+            pass
+        snap, t = await _scrape(url), time.monotonic()
+        if snap is not None and prev is not None:
+            d = prom.delta(prev, snap).histograms
+            step, batch, codec = (d.get(prom.PREFIX + n) for n in ("step_seconds", "batch_size", "codec_decode_seconds"))
+            rows.append([round(t, 3), step.count if step else 0, round(step.sum, 4) if step else 0.0,
+                         round(batch.mean, 2) if batch and batch.mean is not None else None,
+                         round(codec.sum, 4) if codec else 0.0])
+        prev = snap
+    return rows
+
+
 async def measure_level(client, spec: LevelSpec, metrics_url: Optional[str], server_pid: Optional[int],
                         ttfa_bound_s: float) -> dict:
     await _wait_idle(metrics_url)
     before = await _scrape(metrics_url)
     la0, cpu0, self0 = list(os.getloadavg()), proc_cpu_seconds(server_pid), _cpu_self()
+    steal = StealSampler().start()
+    stop = asyncio.Event()
+    timeline = asyncio.create_task(_engine_timeline(metrics_url, stop)) if metrics_url else None
     level = await run_level(client, spec)
+    stop.set()
+    level["host_steal"] = steal.stop()
+    level["engine_timeline"] = await timeline if timeline is not None else None
     await _wait_idle(metrics_url)
     after = await _scrape(metrics_url)
     cpu1 = proc_cpu_seconds(server_pid)
@@ -217,8 +311,15 @@ def _print_level(lv: dict) -> None:
     print(f"  {lv['mode']:9s} N={lv['n']:<3d} sessions {c['sessions']:3d} err {c['errors']} "
           f"TTFA p50/p95 {ms(t['p50'])}/{ms(t['p95'])} ms  underruns {c['underruns']} "
           f"(starved {ms(c['starved_s'])} ms)  step {ms(step) if step is None else f'{1000 * step:.1f}'} ms "
-          f"batch {'-' if batch is None else f'{batch:.1f}'}  load {lv['loadavg']['start'][0]:.1f}{verdict}",
+          f"batch {'-' if batch is None else f'{batch:.1f}'}  load {lv['loadavg']['start'][0]:.1f}"
+          f"{_steal_text(lv.get('host_steal'))}{verdict}",
           flush=True)
+
+
+def _steal_text(steal: Optional[dict]) -> str:
+    if not steal:
+        return ""
+    return f"  steal {1000 * steal['steal_s']:.0f} ms (worst s {1000 * steal['worst_second_s']:.0f})"
 
 
 async def _run(args: argparse.Namespace, result: dict, target: str, metrics_url: Optional[str],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -270,6 +271,26 @@ def test_report_renders_a_synthetic_result(tmp_path):
     assert files and all((tmp_path / f).stat().st_size > 0 for f in files)
 
 
+def test_host_steal_is_summed_with_its_worst_second_and_the_intervals_that_had_any():
+    from livespeech.loadtest.run import StealSampler, steal_summary
+
+    # cumulative steal readings every 0.25 s: 0.1 s stolen in each of three intervals
+    # ending at 1.0-1.5 s, and 0.05 s at 3.0 s
+    readings = [(0.25 * i, 0.0) for i in range(4)] + [(1.0, 0.1), (1.25, 0.2), (1.5, 0.3)]
+    readings += [(0.25 * i, 0.3) for i in range(7, 12)] + [(3.0, 0.35)]
+    r = steal_summary(readings)
+    assert math.isclose(r["steal_s"], 0.35) and math.isclose(r["worst_second_s"], 0.3)
+    assert [t for t, _ in r["intervals"]] == [1.0, 1.25, 1.5, 3.0]
+    assert steal_summary([(0.0, 1.0)]) is None
+    # the sampler reads at its start, on its thread, and at its stop; no reading: None
+    counter = iter(range(1000))
+    sampler = StealSampler(period_s=0.01, read=lambda: float(next(counter))).start()
+    time.sleep(0.05)
+    r = sampler.stop()
+    assert r["steal_s"] >= 2 and r["worst_second_s"] == r["steal_s"]
+    assert StealSampler(read=lambda: None).start().stop() is None
+
+
 # ------------------------------------------------------------------ end to end
 
 
@@ -300,6 +321,12 @@ def test_tiny_end_to_end_run(tmp_path):
             assert key in c
         assert c["ttfa_user_s"]["n"] == 2
         assert len(lv["loadavg"]["start"]) == 3
+        steal = lv["host_steal"]  # Linux counts it: where /proc/stat is, it is read
+        assert steal is None or steal["steal_s"] >= 0 <= steal["worst_second_s"] <= steal["steal_s"]
+        # the engine's steps through the level, from its metrics every 0.5 s
+        rows = lv["engine_timeline"]
+        assert rows and all(len(r) == 5 for r in rows)
+        assert 0 < sum(r[1] for r in rows) <= lv["server"]["step_seconds"]["count"]
         assert lv["server"]["step_seconds"]["count"] > 0 and lv["server"]["batch_size"]["count"] > 0
         for r in lv["records"]:
             assert r["completed"] and r["packets"] > 0 and r["audio_s"] > 0
