@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .driver import SENTENCE, STREAMING
+from .sweep import steps_where_stalls_began
 
 
 def _ms(v: Optional[float]) -> str:
@@ -157,6 +158,16 @@ def make_plots(result: dict, out_dir: Path) -> list[str]:
 # ------------------------------------------------------------------ markdown
 
 
+def _stall_steps_text(st: Optional[dict]) -> str:
+    """The engine's steps where stalls began against the level's (sweep.steps_where_stalls_began)."""
+    if not st or not st.get("where_stalls_began"):
+        return ""
+    hit, lv = st["where_stalls_began"], st["level"]
+    return (f"; stalls began in {st['with_stalls']} of {st['intervals']} intervals of the engine's timeline, "
+            f"at {hit['steps_per_s']:.0f} steps/s, batch {hit['batch']:.1f} (the level: {lv['steps_per_s']:.0f}, "
+            f"{lv['batch']:.1f})")
+
+
 def render_markdown(result: dict, plots: list[str]) -> str:
     L: list[str] = []
     host = result.get("host", {})
@@ -208,7 +219,8 @@ def render_markdown(result: dict, plots: list[str]) -> str:
     if fails:
         L.append("")
         for lv in fails:
-            L.append(f"- N={lv['n']}: " + "; ".join(lv["fail_reasons"]))
+            st = lv.get("stall_steps") or steps_where_stalls_began(lv.get("records") or [], lv.get("engine_timeline"))
+            L.append(f"- N={lv['n']}: " + "; ".join(lv["fail_reasons"]) + _stall_steps_text(st))
     if by.get(SENTENCE):
         L.append("\n## Sentence-level baseline (same model, same texts and upstream timing)\n")
         L.append("Each sentence waits for its last token, then is synthesised offline (n_past_chunks=-1, sent at once); "

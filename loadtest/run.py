@@ -36,7 +36,7 @@ from typing import Any, Optional
 from . import prom
 from .driver import SENTENCE, STREAMING, LevelSpec, ensure_voice, jsonable, run_level, session_overrides
 from .server_proc import NotLoopback, SpawnedServer, check_loopback, proc_cpu_seconds, split_target
-from .sweep import compare_modes, level_verdict, select_rated, should_stop
+from .sweep import compare_modes, level_verdict, select_rated, should_stop, steps_where_stalls_began
 from .workload import Pacing, load_sentences
 
 REPO = Path(__file__).resolve().parent.parent
@@ -295,6 +295,7 @@ async def measure_level(client, spec: LevelSpec, metrics_url: Optional[str], ser
     level["server"] = prom.engine_summary(prom.delta(before, after), level["wall_s"]) if after is not None else None
     if spec.mode == STREAMING:
         level["passed"], level["fail_reasons"] = level_verdict(level["client"], ttfa_bound_s)
+        level["stall_steps"] = steps_where_stalls_began(level["records"], level["engine_timeline"])
     return level
 
 

@@ -36,6 +36,32 @@ def level_verdict(summary: dict, ttfa_bound_s: float) -> tuple[bool, list[str]]:
     return not reasons, reasons
 
 
+def steps_where_stalls_began(records: Iterable[dict], timeline: Optional[list[list]]) -> Optional[dict]:
+    """The engine's step rate and batch in the intervals of its `timeline` (rows [end time,
+    steps, seconds in steps, mean batch, ...], run.py's `engine_timeline`) in which a
+    listener ran dry, against the whole level's. A stall begins when playback reaches its
+    audio position: the turn's first packet (`t_start` + `ttfa_user_s`) plus the position
+    plus the stalls before it. None without a timeline."""
+    rows = [r for r in timeline or [] if r[1] > 0]
+    if len(rows) < 2:
+        return None
+    period = (rows[-1][0] - rows[0][0]) / (len(rows) - 1)
+    starts = []
+    for rec in records:
+        paused = 0.0
+        for at, dur in rec.get("stalls") or []:
+            starts.append(rec["t_start"] + rec["ttfa_user_s"] + at + paused)
+            paused += dur
+
+    def rates(rs: list[list]) -> dict:
+        steps = sum(r[1] for r in rs)
+        return {"steps_per_s": steps / (period * len(rs)),
+                "batch": sum((r[3] or 0.0) * r[1] for r in rs) / steps}
+    hit = [r for r in rows if any(r[0] - period < t <= r[0] for t in starts)]
+    return {"intervals": len(rows), "with_stalls": len(hit), "level": rates(rows),
+            "where_stalls_began": rates(hit) if hit else None}
+
+
 def select_rated(levels: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """levels: dicts with "n" and "passed". Returns rated_n (None if the smallest N
     failed), largest_passing_n, first_failing_n, monotone."""

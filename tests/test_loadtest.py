@@ -291,6 +291,27 @@ def test_host_steal_is_summed_with_its_worst_second_and_the_intervals_that_had_a
     assert StealSampler(read=lambda: None).start().stop() is None
 
 
+def test_the_engines_steps_where_stalls_began_against_the_levels():
+    from livespeech.loadtest.report import _stall_steps_text
+    from livespeech.loadtest.sweep import steps_where_stalls_began
+
+    # half-second intervals ending at 10.5 .. 12.0: 60 steps at batch 4, one thin one
+    timeline = [[10.5, 60, 0.4, 4.0, 0.1], [11.0, 60, 0.4, 4.0, 0.1], [11.5, 40, 0.45, 8.0, 0.1],
+                [12.0, 60, 0.4, 4.0, 0.1]]
+    # first packet at 10.1 s; a stall at audio 0.9 s after a 0.3 s one at 0.2 s: it
+    # begins at 10.1 + 0.9 + 0.3 = 11.3 s (the third interval), the first at 10.3 s
+    records = [{"t_start": 10.0, "ttfa_user_s": 0.1, "stalls": [[0.2, 0.3], [0.9, 0.05]]},
+               {"t_start": 10.0, "ttfa_user_s": 0.1, "stalls": []}]
+    r = steps_where_stalls_began(records, timeline)
+    assert r["intervals"] == 4 and r["with_stalls"] == 2
+    assert math.isclose(r["level"]["steps_per_s"], 220 / 2.0)
+    assert math.isclose(r["where_stalls_began"]["steps_per_s"], 100 / 1.0)
+    assert math.isclose(r["where_stalls_began"]["batch"], (60 * 4 + 40 * 8) / 100)
+    assert "stalls began in 2 of 4 intervals" in _stall_steps_text(r) and "at 100 steps/s, batch 5.6" in _stall_steps_text(r)
+    assert steps_where_stalls_began(records, None) is None
+    assert steps_where_stalls_began([], timeline)["where_stalls_began"] is None and _stall_steps_text(None) == ""
+
+
 # ------------------------------------------------------------------ end to end
 
 
@@ -335,6 +356,8 @@ def test_tiny_end_to_end_run(tmp_path):
                 assert key in r
         if lv["mode"] == "streaming":
             assert isinstance(lv["passed"], bool)
+            stepped = sum(r[1] > 0 for r in rows)  # two intervals with steps at least, or None
+            assert (lv["stall_steps"] or {}).get("intervals") == (stepped if stepped >= 2 else None)
     sw = result["sweep"]
     assert sw["tested_n"] == [2] and "rated_n" in sw
     assert sw["comparison"][0]["n"] == 2 and "ttfa_p95_ratio" in sw["comparison"][0]
