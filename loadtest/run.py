@@ -197,7 +197,7 @@ def steal_summary(samples: list[tuple[float, float]]) -> Optional[dict]:
         return None
     deltas = [(t1, v1 - v0) for (_, v0), (t1, v1) in zip(samples, samples[1:])]
     worst, lo, window = 0.0, 0, 0.0
-    for hi, (t, d) in enumerate(deltas):
+    for t, d in deltas:
         window += d
         while deltas[lo][0] <= t - 1.0:
             window -= deltas[lo][1]

@@ -48,6 +48,8 @@ def steps_where_stalls_began(records: Iterable[dict], timeline: Optional[list[li
     period = (rows[-1][0] - rows[0][0]) / (len(rows) - 1)
     starts = []
     for rec in records:
+        if rec.get("ttfa_user_s") is None:  # no audio came: no playback, no stall
+            continue
         paused = 0.0
         for at, dur in rec.get("stalls") or []:
             starts.append(rec["t_start"] + rec["ttfa_user_s"] + at + paused)

@@ -31,7 +31,7 @@ import numpy as np
 def rows(path: Path, system: str, mode: Optional[str], lam: Optional[float]) -> dict[str, dict]:
     """utterance id -> its row of `system` (for the model: in `mode` at `lam`)."""
     out = {}
-    for u in json.loads(Path(path).read_text())["utterances"]:
+    for u in json.loads(path.read_text())["utterances"]:
         if u["system"] != system:
             continue
         if mode is not None and u.get("mode") != mode:
