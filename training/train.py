@@ -117,8 +117,8 @@ class BatchPrefetch:
     of one core (2-core Intel Xeon VM; the least once its codes are cached), which a GPU's
     step of ~180 ms would otherwise wait for. Batch s is a function of the sampler's state
     and of s alone (its examples draw from a generator seeded by the step), so a resumed
-    run takes the batches a straight one does; each comes with the sampler's state after it, which a checkpoint saves, and
-    the number of training utterances it was drawn from. While an encoder is still
+    run takes the batches a straight one does; each comes with the sampler's state after
+    it, which a checkpoint saves, and the number of training utterances it was drawn from. While an encoder is still
     filling the codes directory, the data is re-read every `rescan_every` steps."""
 
     def __init__(self, load_data, data: DecoderData, sampler: Sampler, model: LiveSpeech2, seed: int,

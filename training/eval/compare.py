@@ -91,10 +91,11 @@ def main(argv: Optional[list] = None) -> int:
     mode_b = (a.mode_b or a.mode) if model else None
     lam_b = (a.lam if a.lam_b is None else a.lam_b) if model else None
     files_a, files_b = a.a.split(","), a.b.split(",")
-    if len(files_a) != len(files_b):
-        p.error(f"A has {len(files_a)} runs and B {len(files_b)}: give as many, paired in order")
-    ra, rb = pooled([rows(Path(f), a.system, mode, lam) for f in files_a],
-                    [rows(Path(f), a.system, mode_b, lam_b) for f in files_b])
+    try:
+        ra, rb = pooled([rows(Path(f), a.system, mode, lam) for f in files_a],
+                        [rows(Path(f), a.system, mode_b, lam_b) for f in files_b])
+    except ValueError as e:  # as many runs a side: `pooled` says so
+        p.error(str(e))
     runs = f" x {len(files_a)} runs a side" if len(files_a) > 1 else ""
 
     def setting(m, x):
