@@ -118,8 +118,9 @@ class BatchPrefetch:
     step of ~180 ms would otherwise wait for. Batch s is a function of the sampler's state
     and of s alone (its examples draw from a generator seeded by the step), so a resumed
     run takes the batches a straight one does; each comes with the sampler's state after
-    it, which a checkpoint saves, and the number of training utterances it was drawn from. While an encoder is still
-    filling the codes directory, the data is re-read every `rescan_every` steps."""
+    it, which a checkpoint saves, and the number of training utterances it was drawn
+    from. While an encoder is still filling the codes directory, the data is re-read
+    every `rescan_every` steps."""
 
     def __init__(self, load_data, data: DecoderData, sampler: Sampler, model: LiveSpeech2, seed: int,
                  first_step: int, rescan_every: int, pin: bool = False, depth: int = 2):
