@@ -25,7 +25,7 @@ behaves the same. Each scope's exclusive time is reported per step:
       words/timeline       EngineSession.track_words, SpeechTimeline.replace (Python)
       text.add/place/evict ModelRunner.add_chunk (projects a chunk's K/V) / place_chunk
                            (re-rotates cached keys) / evict_chunks_before, via the
-                           engine's TextMemory.fill / after_step
+                           engine's TextMemory.fill / evict_past
       codec                ModelRunner.decode (tensor prep) > codec.decode_step (the codec)
       audio.encode         AudioEncoder.push (PCM packets)
     engine.commands/select the loop's command queue and scheduler
@@ -150,7 +150,7 @@ CATEGORIES = {
     "decode-state bookkeeping (gather, mask, commit, tolist)": ("runner.step", "state.view", "state.window_mask",
                                                                 "state.commit", "state.write_back"),
     "text memory (chunk K/V projection, re-rotation, eviction)": ("text.add", "text.place", "text.evict",
-                                                                  "engine.fill_memory", "engine.after_step"),
+                                                                  "engine.fill_memory", "engine.evict_past"),
     "codec": ("codec", "codec.decode_step"),
     "audio encode (PCM packets)": ("audio.encode",),
     "engine Python (sessions, words, timeline, queue, scheduler, loop)": (
@@ -180,7 +180,7 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
     p.wrap(scopes, "text.place", r, "place_chunk")
     p.wrap(scopes, "text.evict", r, "evict_chunks_before")
     p.wrap(scopes, "engine.fill_memory", engine.memory, "fill")
-    p.wrap(scopes, "engine.after_step", engine.memory, "after_step")
+    p.wrap(scopes, "engine.evict_past", engine.memory, "evict_past")
     p.wrap(scopes, "engine.emit_audio", EngineSession, "send_audio")
     p.wrap(scopes, "words.track", EngineSession, "track_words")
     p.wrap(scopes, "timeline.replace", SpeechTimeline, "replace")
@@ -326,7 +326,7 @@ def scope_table(run: dict) -> tuple[list[dict], dict]:
     order = ["engine.step", "runner.step", "model.step", "mamba", "cross-attention", "layernorm", "heads",
              "sampling", "guidance.set", "state.view", "state.window_mask",
              "state.commit", "state.write_back", "guidance.observe", "words.track", "timeline.replace",
-             "engine.after_step", "engine.fill_memory", "text.add", "text.place", "text.evict", "codec",
+             "engine.evict_past", "engine.fill_memory", "text.add", "text.place", "text.evict", "codec",
              "codec.decode_step", "engine.emit_audio", "audio.encode", "engine.commands", "engine.select",
              "engine.loop-other"]
     rank = {n: i for i, n in enumerate(order)}

@@ -10,7 +10,6 @@ runs on a `view` of any subset of slots (a plain slice when the slots are contig
 from __future__ import annotations
 
 import bisect
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence, Union
@@ -406,11 +405,6 @@ def _stack_kv(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
 
 
 TEXT_KV_CAPACITY = 2048  # text tokens whose K/V a decode state keeps (`TextKV`)
-# tokens a projection call takes, padded to it: one shape, so that a token's K/V are the
-# same whichever tokens were projected with it (across call shapes they differed by
-# ~3e-6 on the CPU) and the speech does not depend on how its text was batched; 8
-# tokens cost 1.5 ms, one 0.6 ms (the CPU default model, one thread)
-TEXT_KV_BLOCK = 8
 
 
 class TextKV:
@@ -420,66 +414,38 @@ class TextKV:
     the engine thread ~1.8 ms a word on the CPU default model (docs/loadtest.md); the
     words of running text are mostly a few thousand common tokens. It holds layers x 2 x
     d_model values a token: 20 MB for the default model, ~750 MB (float32) for the paper
-    preset. Safe to call from two threads (a server projects text ahead on one of its
-    own). The model's weights must not change while the cache lives (it belongs to one
+    preset. The model's weights must not change while the cache lives (it belongs to one
     `DecodeState`)."""
 
     def __init__(self, model: LiveSpeech2, capacity: int = TEXT_KV_CAPACITY):
         self.model = model
         self.capacity = capacity
         self._kv: OrderedDict[int, torch.Tensor] = OrderedDict()  # token id -> [layers, 2, H, hd]
-        self._lock = threading.Lock()  # around `_kv` only: a projection runs outside it
 
     def __len__(self) -> int:
         return len(self._kv)
 
-    def missing(self, token_ids: Sequence[int]) -> list[int]:
-        """Those of `token_ids` not kept, each once."""
-        with self._lock:
-            return [t for t in dict.fromkeys(token_ids) if t not in self._kv]
+    @torch.no_grad()
+    def warm(self, token_ids: Sequence[int], batch: int = 256) -> None:
+        """Project and keep `token_ids` now (at most `capacity` of them, in batches): a
+        cold cache makes the first sessions' words cost the engine thread a projection
+        each, where the text comes (docs/loadtest.md)."""
+        ids = list(dict.fromkeys(token_ids))[: self.capacity]
+        for i in range(0, len(ids), batch):
+            self(ids[i: i + batch])
 
     @torch.no_grad()
-    def project(self, token_ids: Sequence[int]) -> dict[int, torch.Tensor]:
-        """Project and keep those of `token_ids` not kept (TEXT_KV_BLOCK a call); returns
-        their K/V by id."""
-        missing, new = self.missing(token_ids), {}
-        device = next(self.model.parameters()).device
-        for i in range(0, len(missing), TEXT_KV_BLOCK):
-            block = missing[i: i + TEXT_KV_BLOCK]
-            padded = block + block[:1] * (TEXT_KV_BLOCK - len(block))
-            kv = _stack_kv(self.model.project_text(torch.tensor([padded], device=device)))
-            new.update((t, kv[:, :, :, j].clone()) for j, t in enumerate(block))
-        if new:
-            with self._lock:
-                self._kv.update(new)
-                self._trim()
-        return new
-
-    def warm(self, token_ids: Sequence[int]) -> None:
-        """Project and keep `token_ids` now (at most `capacity` of them): a cold cache
-        makes the first sessions' words cost a projection each, where the text comes
-        (docs/loadtest.md)."""
-        self.project(list(dict.fromkeys(token_ids))[: self.capacity])
-
     def __call__(self, token_ids: Sequence[int]) -> torch.Tensor:
         """[layers, 2, H, n, hd] for the n tokens, projecting only those not kept."""
-        while True:
-            with self._lock:
-                self._touch(token_ids)  # used last: room for the new ones is not made at their cost
-            new = self.project(token_ids)
-            with self._lock:
-                # another thread's projection may have pushed a kept one out meanwhile
-                if all(t in new or t in self._kv for t in token_ids):
-                    rows = [new[t] if t in new else self._kv[t] for t in token_ids]
-                    self._touch(token_ids)
-                    return torch.stack(rows, dim=3)
-
-    def _touch(self, token_ids: Sequence[int]) -> None:
-        """Mark the kept ones of `token_ids` used last (the caller holds the lock)."""
+        missing = [t for t in dict.fromkeys(token_ids) if t not in self._kv]
+        if missing:
+            device = next(self.model.parameters()).device
+            kv = _stack_kv(self.model.project_text(torch.tensor([missing], device=device)))
+            for j, t in enumerate(missing):
+                self._kv[t] = kv[:, :, :, j].clone()
         for t in token_ids:
-            if t in self._kv:
-                self._kv.move_to_end(t)
-
-    def _trim(self) -> None:
+            self._kv.move_to_end(t)
+        out = torch.stack([self._kv[t] for t in token_ids], dim=3)
         while len(self._kv) > self.capacity:
             self._kv.popitem(last=False)
+        return out

@@ -32,7 +32,7 @@ from .packets import PacketPlan, PacketPolicy, StepClock
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
 from .session import EngineSession, Phase, SessionLimits
-from .text_memory import TextMemory, TextProjector
+from .text_memory import TextMemory
 
 log = logging.getLogger("livespeech.engine")
 
@@ -53,8 +53,7 @@ class Engine:
         self.packets = PacketPolicy(self.clock, config.low_water_steps, self.runner.min_first_frames)
         self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,
                                  threaded=config.codec_thread)
-        self.memory = TextMemory(self.runner, TextProjector(self.runner.state.text_kv), bundle.tokenizer,
-                                 bundle.model.cfg.max_text_tokens, self.metrics)
+        self.memory = TextMemory(self.runner, bundle.tokenizer, bundle.model.cfg.max_text_tokens, self.metrics)
         self.scheduler = Scheduler(config.max_lead_s, config.yield_lead_s)
         self._session_limits = SessionLimits(config.max_text_piece_chars, config.max_session_text_chars,
                                              config.max_session_s, config.max_overrun_s)
@@ -93,7 +92,6 @@ class Engine:
             self._thread.join(timeout=10)
             self._thread = None
         self.codec.shutdown()
-        self.memory.projector.shutdown()
 
     def make_voice(self, voice_id: str, audio, sample_rate: int) -> Voice:
         samples = pcm16_to_float(audio) if isinstance(audio, (bytes, bytearray)) else np.asarray(audio, dtype=np.float32)
@@ -133,7 +131,6 @@ class Engine:
                 for s in list(self._sessions.values()):
                     with self._isolated(s, "releasing text"):
                         self._release_held_text(s, now)
-                self.memory.projector.submit()
                 self.runner.flush_transcripts()
                 batch = self.scheduler.select(list(self._sessions.values()), now)
                 if batch:
@@ -281,7 +278,7 @@ class Engine:
             s.pending_frames.append(r.frame)
         if r.done:
             s.done_decoding = True
-        self.memory.after_step(s)
+        self.memory.evict_past(s)
         if not s.done_decoding and not s.lookahead_ready():
             s.phase = Phase.WAITING  # text ran dry: wait for more
         s.clocked, plan = self.packets.due(s, now)

@@ -1,15 +1,7 @@
 """A session's text in the model's text memory (`ModelRunner`): released chunks tokenized
-a word a chunk, their K/V projected ahead on a thread of their own (`TextProjector`),
-placed on the session's speech timeline, moved in oldest first once projected (or at once
-where the window needs them), re-placed as the timeline moves and evicted once they left
-the np window."""
+a word a chunk, placed on the session's speech timeline, moved in oldest first,
+re-placed as the timeline moves and evicted once they left the np window."""
 from __future__ import annotations
-
-import logging
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Sequence
-
-from livespeech.models.inference import TEXT_KV_BLOCK, TextKV
 
 from .metrics import Metrics
 from .session import EngineSession, Phase
@@ -21,54 +13,11 @@ REPLACE_MIN_FRAMES = 3
 # text memory (~0.3 ms on the 2-core CPU, the same for one word as for many), and the
 # window's mask hides them meanwhile, so the step's results are the same
 EVICT_MIN_TOKENS = 16
-# tokens a projection job takes (`TextProjector`): ~10 ms on the 2-core CPU, so a word
-# the window needs waits at most about that long for the thread before projecting itself
-PROJECT_AHEAD_TOKENS = 8 * TEXT_KV_BLOCK
-
-log = logging.getLogger(__name__)
-
-
-class TextProjector:
-    """Text tokens' K/V (`TextKV`) projected on a thread of their own as text arrives,
-    ahead of the speech, in jobs of up to PROJECT_AHEAD_TOKENS: on the engine thread a
-    fresh server's first sessions paid ~0.6 ms a new token, one call each, and their
-    words stalled its steps (docs/loadtest.md, "A fresh server's first level"). The
-    engine thread asks (`request`) and starts a job once an iteration (`submit`); a word
-    the window needs before its job ran is projected where it is needed (`TextKV`)."""
-
-    def __init__(self, text_kv: TextKV):
-        self._kv = text_kv
-        self._pending: dict[int, None] = {}  # token ids asked for, in order
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="livespeech-text")
-        self._job: Optional[Future] = None
-
-    def request(self, token_ids: Sequence[int]) -> None:
-        self._pending.update(dict.fromkeys(token_ids))
-
-    def ready(self, token_ids: Sequence[int]) -> bool:
-        return not self._kv.missing(token_ids)
-
-    def submit(self) -> None:
-        """The next job of the tokens asked for, unless one runs."""
-        if self._job is not None:
-            if not self._job.done():
-                return
-            if (exc := self._job.exception()) is not None:  # its words get projected where needed
-                log.error("projecting text ahead failed", exc_info=exc)
-            self._job = None
-        ids = self._kv.missing(self._pending)
-        self._pending = dict.fromkeys(ids[PROJECT_AHEAD_TOKENS:])
-        if ids:
-            self._job = self._pool.submit(self._kv.project, ids[:PROJECT_AHEAD_TOKENS])
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
 
 
 class TextMemory:
-    def __init__(self, runner, projector: TextProjector, tokenizer, max_text_tokens: int, metrics: Metrics):
+    def __init__(self, runner, tokenizer, max_text_tokens: int, metrics: Metrics):
         self.runner = runner
-        self.projector = projector
         self._tokenizer = tokenizer
         self._max_text_tokens = max_text_tokens
         self._metrics = metrics
@@ -80,7 +29,6 @@ class TextMemory:
                 first = not s.chunks
                 ids = self._tokenizer.encode_words([word], first_in_text=first)[: self._max_text_tokens - 1]
                 ch = s.register_chunk(word, ids)
-                self.projector.request(ids)
                 self._metrics.text_tokens_total.inc(len(ids))
                 # a client's timestamp is its chunk's first word's; the timeline spaces
                 # the words after it
@@ -98,21 +46,16 @@ class TextMemory:
             self.fill(s)
 
     def fill(self, s: EngineSession) -> None:
-        """Move chunks into the model's text memory, oldest first: each once its K/V are
-        projected (`TextProjector`), or at once where the window needs it
-        (`EngineSession.window_needs`; until then the window's mask hides it, so a step's
-        results are the same). When memory is full, the chunks that left the np window
-        for good make room at once only for a chunk the window needs; otherwise
-        `after_step` frees them EVICT_MIN_TOKENS at a time: text far ahead of the speech
-        kept memory full, and each word the window passed cost an eviction of its own."""
+        """Move chunks into the model's text memory, oldest first. When it is full, the
+        chunks that left the np window for good make room at once only for a chunk the
+        window needs (`EngineSession.window_needs`); otherwise `evict_past` frees them
+        EVICT_MIN_TOKENS at a time: text far ahead of the speech kept memory full, and
+        each word the window passed cost an eviction of its own."""
         while s.n_in_memory < len(s.chunks):
             ch = s.chunks[s.n_in_memory]
-            if not self.projector.ready(ch.token_ids) and not s.window_needs(ch):
-                self.projector.request(ch.token_ids)  # again, should the cache have dropped them
-                return  # `after_step` moves it in once projected
             if self.runner.text_room(s.slot) < len(ch.token_ids):
                 if not s.window_needs(ch):
-                    return  # `after_step` makes room as the speech moves on
+                    return  # `evict_past` makes room as the speech moves on
                 self.runner.evict_chunks_before(s.slot, s.window()[0])
                 if self.runner.text_room(s.slot) < len(ch.token_ids):
                     # keep at least the current chunk: drop older ones beyond np
@@ -136,12 +79,10 @@ class TextMemory:
                 self.runner.place_chunk(s.slot, chunk, tau)
                 ch.placed_tau = tau
 
-    def after_step(self, s: EngineSession) -> None:
-        """Evict the chunks that left the np window (EVICT_MIN_TOKENS at a time) and move
-        in those now projected or needed."""
-        if s.phase is Phase.ENDED:
+    def evict_past(self, s: EngineSession) -> None:
+        if s.phase is Phase.ENDED or s.config.n_past_chunks < 0:
             return
         lo = s.window()[0]
-        if s.config.n_past_chunks >= 0 and lo > 0 and self.runner.tokens_before(s.slot, lo) >= EVICT_MIN_TOKENS:
+        if lo > 0 and self.runner.tokens_before(s.slot, lo) >= EVICT_MIN_TOKENS:
             self.runner.evict_chunks_before(s.slot, lo)
         self.fill(s)

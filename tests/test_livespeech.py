@@ -532,7 +532,7 @@ def test_text_kv_keeps_each_tokens_projection_and_forgets_the_least_recently_use
     calls = []
 
     def counted(ids):
-        calls.append(list(dict.fromkeys(ids.tolist()[0])))  # a call's block, its padding left out
+        calls.append(ids.tolist()[0])
         return project(ids)
 
     model.project_text = counted
@@ -550,30 +550,18 @@ def test_text_kv_keeps_each_tokens_projection_and_forgets_the_least_recently_use
 
 
 def test_a_warmed_text_kv_projects_no_warmed_token_again(model):
-    """`TextKV.warm` keeps the tokens' own projections, a block of TEXT_KV_BLOCK a call,
-    at most its capacity of them; a later call on warmed tokens projects nothing."""
-    from livespeech.models.inference import TEXT_KV_BLOCK, TextKV
+    """`TextKV.warm` keeps the tokens' own projections, in batches, at most its capacity
+    of them; a later call on warmed tokens projects nothing."""
+    from livespeech.models.inference import TextKV
 
     project, calls = model.project_text, []
     model.project_text = lambda ids: calls.append(ids.shape[1]) or project(ids)
     try:
-        cache = TextKV(model, capacity=TEXT_KV_BLOCK + 2)
-        cache.warm(range(30))
-        assert calls == [TEXT_KV_BLOCK, TEXT_KV_BLOCK] and len(cache) == TEXT_KV_BLOCK + 2
-        warmed = cache(list(range(TEXT_KV_BLOCK + 2)))
-        assert len(calls) == 2
+        cache = TextKV(model, capacity=10)
+        cache.warm(range(30), batch=4)
+        assert calls == [4, 4, 2] and len(cache) == 10
+        warmed = cache(list(range(10)))
+        assert calls == [4, 4, 2]
     finally:
         del model.project_text
-    assert torch.allclose(warmed, TextKV(model)(list(range(TEXT_KV_BLOCK + 2))), atol=1e-6)
-
-
-def test_a_tokens_text_kv_is_the_same_whichever_tokens_are_projected_with_it(model):
-    """Each call projects one padded block: a token's K/V do not depend on the tokens that
-    came with it, so the speech does not depend on how the text was batched (across
-    call shapes they differ in the last bits)."""
-    from livespeech.models.inference import TextKV
-
-    alone = {t: TextKV(model)([t]) for t in (11, 500, 4000, 20000)}
-    together = TextKV(model)([20000, 7, 500, 11, 4000, 9, 9, 30000, 12, 13, 14])
-    for j, t in {0: 20000, 2: 500, 3: 11, 4: 4000}.items():
-        assert torch.equal(together[:, :, :, j], alone[t][:, :, :, 0])
+    assert torch.allclose(warmed, TextKV(model)(list(range(10))), atol=1e-6)

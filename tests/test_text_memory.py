@@ -5,7 +5,7 @@ from livespeech.models.tokenizer import get_tokenizer
 from livespeech.server.chunker import TextChunk
 from livespeech.server.metrics import Metrics
 from livespeech.server.session import EngineSession, SessionLimits
-from livespeech.server.text_memory import TextMemory, TextProjector
+from livespeech.server.text_memory import TextMemory
 
 TEXT_CHUNKS = [["Hello", "there", "my"], ["good", "friend,"], ["how", "are", "you"], ["today?"]]
 
@@ -32,25 +32,6 @@ class MemoryRecorder:
         return 0
 
 
-class Projected:
-    """The part of `TextProjector` the text memory calls: every token projected except
-    those in `pending`; records what was asked for."""
-
-    def __init__(self, pending=()):
-        self.pending = set(pending)
-        self.requested: list[int] = []
-
-    def request(self, token_ids):
-        self.requested += token_ids
-
-    def ready(self, token_ids):
-        return not self.pending & set(token_ids)
-
-
-def memory_of(runner, projector=None) -> TextMemory:
-    return TextMemory(runner, projector or Projected(), get_tokenizer(), 64, Metrics())
-
-
 def session(n_past: int, n_future: int, start_future: int = 0) -> EngineSession:
     config = SessionConfig(n_past_chunks=n_past, n_future_chunks=n_future, start_future_chunks=start_future,
                            chunking=ChunkingConfig(min_words=1, max_words=3))
@@ -68,7 +49,7 @@ def release(s: EngineSession, memory: TextMemory, text_chunks) -> None:
 def test_each_word_is_a_chunk_of_the_memory_at_its_own_frame():
     runner, tok = MemoryRecorder(), get_tokenizer()
     s = session(n_past=1, n_future=1)
-    release(s, memory_of(runner), TEXT_CHUNKS)
+    release(s, TextMemory(runner, tok, 64, Metrics()), TEXT_CHUNKS)
     words = [w for chunk in TEXT_CHUNKS for w in chunk]
     assert [chunk for _, _, chunk in runner.added] == list(range(len(words)))
     # the same ids as the whole text tokenized at once: ids do not depend on chunking
@@ -80,7 +61,7 @@ def test_each_word_is_a_chunk_of_the_memory_at_its_own_frame():
 
 def test_the_window_counts_released_text_chunks_not_words():
     s = session(n_past=1, n_future=1)
-    release(s, memory_of(MemoryRecorder()), TEXT_CHUNKS)
+    release(s, TextMemory(MemoryRecorder(), get_tokenizer(), 64, Metrics()), TEXT_CHUNKS)
     tau = [ch.tau for ch in s.timeline.chunks]
     seen = {}
     for word in (0, 4, 5, 8):  # "Hello", "friend,", "how", "today?"
@@ -92,7 +73,7 @@ def test_the_window_counts_released_text_chunks_not_words():
 
 def test_the_start_waits_for_whole_text_chunks_of_lookahead():
     s = session(n_past=4, n_future=1, start_future=1)
-    memory = memory_of(MemoryRecorder())
+    memory = TextMemory(MemoryRecorder(), get_tokenizer(), 64, Metrics())
     release(s, memory, TEXT_CHUNKS[:1])
     # three words in memory, but no text chunk after the first
     assert len(s.chunks) == 3 and not s.lookahead_ready()
@@ -132,13 +113,13 @@ def test_text_far_ahead_of_the_speech_is_evicted_in_batches_and_the_window_alway
     words = [f"word{i}" for i in range(200)]
     runner = RoomRecorder(capacity=4 * EVICT_MIN_TOKENS)
     s = session(n_past=2, n_future=2)
-    memory = memory_of(runner)
+    memory = TextMemory(runner, get_tokenizer(), 64, Metrics())
     release(s, memory, [[w] for w in words])  # the whole text at once, as an LLM far ahead sends it
     assert len(s.chunks) == len(words) and 0 < s.n_in_memory < len(words)
     tau = [ch.tau for ch in s.timeline.chunks]
     for frame in range(tau[-1] + 1):  # the speech moves along every frame of the text
         s.step_count = frame
-        memory.after_step(s)
+        memory.evict_past(s)
         lo, hi = s.window()
         cached = [c for c, _ in runner.cached]
         # every chunk of the np/nf window is in memory, and the next one
@@ -146,74 +127,3 @@ def test_text_far_ahead_of_the_speech_is_evicted_in_batches_and_the_window_alway
     assert [c for _, _, c in runner.added] == list(range(len(words)))
     # a word the window passed did not cost an eviction of its own
     assert runner.evicted and min(runner.evicted) >= EVICT_MIN_TOKENS
-
-
-def test_words_not_yet_projected_wait_beyond_the_window_and_the_window_never_waits():
-    """A chunk moves into memory once its K/V are projected (on the projector's thread),
-    or at once when the window needs it; every word's tokens are asked for as they come,
-    and with no np limit the chunks still move in after the steps."""
-    tok = get_tokenizer()
-    words = [w for chunk in TEXT_CHUNKS for w in chunk]
-    for n_past in (1, -1):
-        for then in ("projected", "needed"):
-            runner, projector = MemoryRecorder(), Projected(pending=tok.encode_words(["today?"], first_in_text=False))
-            s = session(n_past=n_past, n_future=1)
-            memory = memory_of(runner, projector)
-            release(s, memory, TEXT_CHUNKS)
-            assert set(tok.encode_words(words, first_in_text=True)) <= set(projector.requested)
-            # at the first word the window shows text chunks 0-1 and may show 2 next: text
-            # chunk 3 ("today?") waits for its tokens
-            assert [c for _, _, c in runner.added] == list(range(8))
-            memory.after_step(s)
-            assert [c for _, _, c in runner.added] == list(range(8))
-            if then == "projected":
-                projector.pending.clear()  # the projector's job ran
-            else:
-                s.step_count = s.timeline.chunks[3].tau  # at "good": text chunk 3 may show next
-            memory.after_step(s)
-            assert [c for _, _, c in runner.added] == list(range(9)), (n_past, then)
-
-
-def test_the_projector_projects_the_tokens_asked_for_on_its_thread_a_job_at_a_time():
-    """`TextProjector.submit` starts one job of at most PROJECT_AHEAD_TOKENS not yet
-    projected, and none while one runs; its tokens are then ready, with the K/V the
-    engine thread would have projected."""
-    import threading
-
-    import torch
-
-    from livespeech.models.inference import TextKV
-    from livespeech.server.text_memory import PROJECT_AHEAD_TOKENS
-    from test_livespeech import LiveSpeech2, small_cfg
-
-    torch.manual_seed(0)
-    model = LiveSpeech2(small_cfg()).eval()
-    kv = TextKV(model)
-    kv([3])  # kept already: not projected again
-    gate, threads = threading.Event(), []
-    project = model.project_text
-
-    def held(ids):
-        threads.append(threading.current_thread().name)
-        gate.wait(10)
-        return project(ids)
-
-    model.project_text = held
-    projector = TextProjector(kv)
-    try:
-        ids = list(range(3, 3 + PROJECT_AHEAD_TOKENS + 5))
-        projector.request(ids[:10])
-        projector.request(ids)
-        projector.submit()
-        projector.submit()  # the first job still runs: nothing more starts
-        gate.set()
-        projector._job.result(10)
-        assert not projector.ready(ids) and projector.ready(ids[: PROJECT_AHEAD_TOKENS + 1])
-        projector.submit()
-        projector._job.result(10)
-        assert projector.ready(ids)
-        assert set(threads) == {"livespeech-text_0"}
-    finally:
-        projector.shutdown()
-        del model.project_text
-    assert torch.equal(kv(ids), TextKV(model)(ids))
