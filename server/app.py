@@ -229,6 +229,7 @@ def engine_config(config: ServerConfig):
         bf16_matmuls=bf16_matmuls_enabled(config.bf16_matmuls, config.device),
         onnx_codec=onnx_codec_enabled(config.codec_runtime, config.device),
         warm_text_tokens=TEXT_KV_CAPACITY,
+        warm_up=True,
         device_guidance=config.device_guidance,
         text_cfg_scale=config.text_cfg_scale,
         letter_schedule=config.letter_schedule,

@@ -25,6 +25,7 @@ from livespeech.api.session import CapacityError, Failed, Finished, SessionConfi
 from livespeech.models.front_end import LetterSchedule
 from livespeech.models.loading import ModelBundle
 
+from .audio import MODEL_SAMPLE_RATE
 from .codec_worker import CodecWorker, InFlightDecode
 from .config import EngineConfig
 from .metrics import Metrics
@@ -35,6 +36,10 @@ from .session import EngineSession, Phase, SessionLimits
 from .text_memory import TextMemory
 
 log = logging.getLogger("livespeech.engine")
+
+# spoken before a server serves (`Engine.warm_up`), the second starting as the first speaks
+WARM_UP_TEXTS = ("Good morning, this is a short check of the voice.", "A second one starts while the first speaks.")
+WARM_UP_STAGGER_S = 0.15
 
 
 class Engine:
@@ -81,9 +86,41 @@ class Engine:
         return self.bundle.builtin_voices
 
     def start(self) -> None:
+        """Start the engine thread; with `EngineConfig.warm_up`, return once warmed up."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="livespeech-engine", daemon=True)
             self._thread.start()
+            if self.config.warm_up:
+                self._warm_up()
+
+    def _warm_up(self, timeout_s: float = 60.0) -> None:
+        """Speak WARM_UP_TEXTS in overlapping sessions of a built-in voice through the
+        whole engine (steps at batch 1 and 2, the codec on both threads, the packets), the
+        audio dropped and the metrics untouched, until both ended. A fresh server's first
+        sessions otherwise met these paths' first calls: on the 2-core CPU the second
+        session's listener starved 73-92 ms right after its first packet in five of eight
+        fresh servers, in none of four warmed so (docs/loadtest.md, "A fresh server's
+        first level")."""
+        if not self.builtin_voices:
+            log.info("warm-up skipped: the model has no built-in voice")
+            return
+        voice = self.make_voice("warm-up", next(iter(self.builtin_voices.values())), MODEL_SAMPLE_RATE)
+        live, self.metrics = self.metrics, Metrics()  # not the service's traffic
+        self.memory.metrics = self.metrics
+        try:
+            ended = []
+            for i, text in enumerate(WARM_UP_TEXTS[: self.config.max_sessions]):
+                if i:
+                    time.sleep(WARM_UP_STAGGER_S)
+                ended.append(threading.Event())
+                session = self.open_session(SessionConfig(seed=i), voice, _on_end(ended[-1]))
+                session.push_text(text)
+                session.end_input()
+            if not all(e.wait(timeout_s) for e in ended):
+                log.warning("warm-up: a session did not end within %.0f s", timeout_s)
+        finally:
+            self.metrics = self.memory.metrics = live
+        log.info("warmed up: %d sessions spoken", len(ended))
 
     def stop(self) -> None:
         self._stop.set()
@@ -368,6 +405,14 @@ class Engine:
         self.metrics.active_sessions.dec()
         with self._admit_lock:
             self._n_active -= 1
+
+
+def _on_end(ended: threading.Event) -> Sink:
+    """A sink that drops audio and sets `ended` at the session's last event."""
+    def sink(event) -> None:
+        if isinstance(event, (Finished, Failed)):
+            ended.set()
+    return sink
 
 
 class _Isolated:

@@ -20,7 +20,7 @@ class TextMemory:
         self.runner = runner
         self._tokenizer = tokenizer
         self._max_text_tokens = max_text_tokens
-        self._metrics = metrics
+        self.metrics = metrics
 
     def release(self, s: EngineSession, chunks) -> None:
         for tc in chunks:
@@ -29,7 +29,7 @@ class TextMemory:
                 first = not s.chunks
                 ids = self._tokenizer.encode_words([word], first_in_text=first)[: self._max_text_tokens - 1]
                 ch = s.register_chunk(word, ids)
-                self._metrics.text_tokens_total.inc(len(ids))
+                self.metrics.text_tokens_total.inc(len(ids))
                 # a client's timestamp is its chunk's first word's; the timeline spaces
                 # the words after it
                 s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s if i == 0 else None)

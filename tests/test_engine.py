@@ -1189,3 +1189,31 @@ def test_bf16_from_batch_one_runs_a_lone_sessions_step_in_bfloat16(voice):
     assert dtypes == {"default": {None}, "from one": {torch.bfloat16}}
     with pytest.raises(ConfigError, match="bf16_from_batch"):
         EngineConfig(bf16_from_batch=0).validate()
+
+
+def test_the_warm_up_speaks_overlapping_sessions_before_start_returns_and_counts_none_of_them():
+    """With `warm_up`, `start` returns once short sessions of a built-in voice went through
+    the engine, stepping one and two at a time; the metrics count only what comes after."""
+    bundle = load_bundle(random_init=True)
+    bundle.builtin_voices = {"v": (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32)}
+    eng = Engine(bundle, EngineConfig(max_sessions=3, low_water_steps=0, warm_up=True))
+    batches = []
+    step = eng.runner.step
+    eng.runner.step = lambda slots, *a, **kw: batches.append(len(slots)) or step(slots, *a, **kw)
+    eng.start()
+    try:
+        assert eng.active_sessions == 0 and {1, 2} <= set(batches)
+        registry = eng.metrics.registry
+        assert not registry.get_sample_value("livespeech_sessions_total", {"outcome": "completed"})
+        assert not registry.get_sample_value("livespeech_text_tokens_total")
+        voice = eng.make_voice("test", bundle.builtin_voices["v"], 24000)
+        c = say(eng, voice, "Counted from here.")
+        assert c.of(Finished)
+        assert registry.get_sample_value("livespeech_sessions_total", {"outcome": "completed"}) == 1
+        assert registry.get_sample_value("livespeech_text_tokens_total") > 0
+    finally:
+        eng.stop()
+    bundle.builtin_voices = {}  # nothing to warm up with: start returns at once
+    eng = Engine(bundle, EngineConfig(max_sessions=1, warm_up=True))
+    eng.start()
+    eng.stop()
