@@ -306,8 +306,8 @@ class EngineConfig:
     # do not pay a projection a word (models/inference.py, TextKV); the server: 2,048
     warm_text_tokens: int = 0
     # `Engine.start` returns after short sessions of a built-in voice went through the
-    # engine, so that the first clients' do not meet its first calls (server/engine.py); the
-    # server: on
+    # engine, so that the first clients' sessions do not meet its first calls
+    # (server/engine.py); the server: on
     warm_up: bool = False
     # every session's guidance as tensors in the runner (server/runner.py, SlotGuidance)
     device_guidance: bool = ServerConfig.device_guidance

@@ -37,7 +37,7 @@ from .text_memory import TextMemory
 
 log = logging.getLogger("livespeech.engine")
 
-# spoken before a server serves (`Engine.warm_up`), the second starting as the first speaks
+# spoken before a server serves (`Engine._warm_up`), the second starting as the first speaks
 WARM_UP_TEXTS = ("Good morning, this is a short check of the voice.", "A second one starts while the first speaks.")
 WARM_UP_STAGGER_S = 0.15
 
@@ -97,10 +97,9 @@ class Engine:
         """Speak WARM_UP_TEXTS in overlapping sessions of a built-in voice through the
         whole engine (steps at batch 1 and 2, the codec on both threads, the packets), the
         audio dropped and the metrics untouched, until both ended. A fresh server's first
-        sessions otherwise met these paths' first calls: on the 2-core CPU the second
-        session's listener starved 73-92 ms right after its first packet in five of eight
-        fresh servers, in none of four warmed so (docs/loadtest.md, "A fresh server's
-        first level")."""
+        sessions otherwise met these paths' first calls: on the 2-core CPU a listener of
+        the load test's first level starved over 40 ms in 9 of 15 fresh servers, in none
+        of 11 warmed so (docs/loadtest.md, "A fresh server's first level")."""
         if not self.builtin_voices:
             log.info("warm-up skipped: the model has no built-in voice")
             return
