@@ -37,8 +37,11 @@ from .text_memory import TextMemory
 
 log = logging.getLogger("livespeech.engine")
 
-# spoken before a server serves (`Engine._warm_up`), the second starting as the first speaks
-WARM_UP_TEXTS = ("Good morning, this is a short check of the voice.", "A second one starts while the first speaks.")
+# spoken before a server serves (`Engine._warm_up`), each session starting as the ones
+# before it speak (as many as the engine holds)
+WARM_UP_TEXTS = ("Good morning, this is a short check of the voice.", "A second one starts while the first speaks.",
+                 "The third voice joins a moment later.", "Then a fourth one comes along as well.",
+                 "A fifth session begins after that.", "And the sixth completes the set.")
 WARM_UP_STAGGER_S = 0.15
 
 
@@ -95,11 +98,13 @@ class Engine:
 
     def _warm_up(self, timeout_s: float = 60.0) -> None:
         """Speak WARM_UP_TEXTS in overlapping sessions of a built-in voice through the
-        whole engine (steps at batch 1 and 2, the codec on both threads, the packets), the
-        audio dropped and the metrics untouched, until both ended. A fresh server's first
-        sessions otherwise met these paths' first calls: on the 2-core CPU a listener of
-        the load test's first level starved over 40 ms in 9 of 15 fresh servers, in none
-        of 11 warmed so (docs/loadtest.md, "A fresh server's first level")."""
+        whole engine (steps at batch 1 to 6, the codec on both threads, the packet ramps
+        beside each other), the audio dropped and the metrics untouched, until all ended.
+        A fresh server's first sessions otherwise met these paths' first calls: on the
+        2-core CPU the load test's first level (6 sessions) starved a listener over 40 ms
+        in 9 of 15 fresh servers, in none of 11 warmed with two sessions, and failed in
+        4 of 7 warmed with two against none of 7 with six (docs/loadtest.md, "A fresh
+        server's first level")."""
         if not self.builtin_voices:
             log.info("warm-up skipped: the model has no built-in voice")
             return
