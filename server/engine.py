@@ -43,6 +43,7 @@ WARM_UP_TEXTS = ("Good morning, this is a short check of the voice.", "A second 
                  "The third voice joins a moment later.", "Then a fourth one comes along as well.",
                  "A fifth session begins after that.", "And the sixth completes the set.")
 WARM_UP_STAGGER_S = 0.15
+WARM_UP_TIMEOUT_S = 60.0  # a warm-up session still speaking then is cancelled
 
 
 class Engine:
@@ -96,7 +97,7 @@ class Engine:
             if self.config.warm_up:
                 self._warm_up()
 
-    def _warm_up(self, timeout_s: float = 60.0) -> None:
+    def _warm_up(self) -> None:
         """Speak WARM_UP_TEXTS in overlapping sessions of a built-in voice through the
         whole engine (steps at batch 1 to 6, the codec on both threads, the packet ramps
         beside each other), the audio dropped and the metrics untouched, until all ended.
@@ -112,16 +113,23 @@ class Engine:
         live, self.metrics = self.metrics, Metrics()  # not the service's traffic
         self.memory.metrics = self.metrics
         try:
-            ended = []
+            sessions, ended = [], []
             for i, text in enumerate(WARM_UP_TEXTS[: self.config.max_sessions]):
                 if i:
                     time.sleep(WARM_UP_STAGGER_S)
                 ended.append(threading.Event())
-                session = self.open_session(SessionConfig(seed=i), voice, _on_end(ended[-1]))
-                session.push_text(text)
-                session.end_input()
-            if not all(e.wait(timeout_s) for e in ended):
-                log.warning("warm-up: a session did not end within %.0f s", timeout_s)
+                sessions.append(self.open_session(SessionConfig(seed=i), voice, _on_end(ended[-1])))
+                sessions[-1].push_text(text)
+                sessions[-1].end_input()
+            deadline = time.monotonic() + WARM_UP_TIMEOUT_S
+            if not all(e.wait(max(0.0, deadline - time.monotonic())) for e in ended):
+                # cancelled, so that none holds a slot or is counted as the service's traffic
+                log.warning("warm-up: cancelling the sessions still speaking after %.0f s", WARM_UP_TIMEOUT_S)
+                for s, e in zip(sessions, ended):
+                    if not e.is_set():
+                        s.cancel()
+                if not all(e.wait(10.0) for e in ended):  # a cancel ends a session at its next step
+                    log.error("warm-up: a cancelled session did not end")
         finally:
             self.metrics = self.memory.metrics = live
         log.info("warmed up: %d sessions spoken", len(ended))

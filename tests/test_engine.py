@@ -1191,35 +1191,58 @@ def test_bf16_from_batch_one_runs_a_lone_sessions_step_in_bfloat16(voice):
         EngineConfig(bf16_from_batch=0).validate()
 
 
-def test_the_warm_up_speaks_overlapping_sessions_before_start_returns_and_counts_none_of_them(monkeypatch):
-    """With `warm_up`, `start` returns once short sessions of a built-in voice went through
-    the engine, stepping up to as many at a time as it holds; the metrics count only what
-    comes after."""
+def _warmed_up_engine(monkeypatch, max_sessions: int, **patches):
+    """An engine of a random model with one built-in voice, started with `warm_up` (its
+    sessions opened at once, so they step together however fast this machine ends an
+    untrained model's session; `patches` set other WARM_UP_* constants), and the batch
+    size of every step it took."""
     import livespeech.server.engine as engine_module
 
-    # opened at once, they step together however fast this machine ends an untrained
-    # model's session
     monkeypatch.setattr(engine_module, "WARM_UP_STAGGER_S", 0.0)
+    for name, value in patches.items():
+        monkeypatch.setattr(engine_module, name, value)
     bundle = load_bundle(random_init=True)
     bundle.builtin_voices = {"v": (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32)}
-    eng = Engine(bundle, EngineConfig(max_sessions=3, low_water_steps=0, warm_up=True))
+    eng = Engine(bundle, EngineConfig(max_sessions=max_sessions, low_water_steps=0, warm_up=True))
     batches = []
     step = eng.runner.step
     eng.runner.step = lambda slots, *a, **kw: batches.append(len(slots)) or step(slots, *a, **kw)
     eng.start()
+    return eng, batches
+
+
+def test_the_warm_up_speaks_overlapping_sessions_before_start_returns_and_counts_none_of_them(monkeypatch):
+    """With `warm_up`, `start` returns once short sessions of a built-in voice went through
+    the engine, stepping up to as many at a time as it holds; the metrics count only what
+    comes after."""
+    eng, batches = _warmed_up_engine(monkeypatch, 3)
     try:
         assert eng.active_sessions == 0 and {1, 2, 3} <= set(batches)
         registry = eng.metrics.registry
         assert not registry.get_sample_value("livespeech_sessions_total", {"outcome": "completed"})
         assert not registry.get_sample_value("livespeech_text_tokens_total")
-        voice = eng.make_voice("test", bundle.builtin_voices["v"], 24000)
+        voice = eng.make_voice("test", eng.builtin_voices["v"], 24000)
         c = say(eng, voice, "Counted from here.")
         assert c.of(Finished)
         assert registry.get_sample_value("livespeech_sessions_total", {"outcome": "completed"}) == 1
         assert registry.get_sample_value("livespeech_text_tokens_total") > 0
     finally:
         eng.stop()
-    bundle.builtin_voices = {}  # nothing to warm up with: start returns at once
-    eng = Engine(bundle, EngineConfig(max_sessions=1, warm_up=True))
+    eng.bundle.builtin_voices = {}  # nothing to warm up with: start returns at once
+    eng = Engine(eng.bundle, EngineConfig(max_sessions=1, warm_up=True))
     eng.start()
     eng.stop()
+
+
+def test_a_warm_up_session_still_speaking_at_the_timeout_is_cancelled_and_not_counted(monkeypatch):
+    """A warm-up that outlives WARM_UP_TIMEOUT_S holds no slot after `start` returns and
+    counts nothing in the service's metrics."""
+    eng, batches = _warmed_up_engine(monkeypatch, 2, WARM_UP_TIMEOUT_S=0.05,
+                                     WARM_UP_TEXTS=(" ".join(["a long warm-up text"] * 100),) * 2)
+    try:
+        assert eng.active_sessions == 0 and batches  # they spoke, and were cut short
+        registry = eng.metrics.registry
+        for outcome in ("completed", "cancelled"):
+            assert not registry.get_sample_value("livespeech_sessions_total", {"outcome": outcome})
+    finally:
+        eng.stop()
