@@ -65,6 +65,24 @@ def test_probe_codec_runs_on_a_corpus(tmp_path):
     assert 0 <= out["cb1_given_phone"] <= out["cb1_entropy"] + 1e-9
 
 
+def test_a_phone_table_fitted_on_a_given_inventory_names_its_frames_with_it(tmp_path):
+    """A table fitted with another corpus's (a front end's) phones indexes them as that
+    inventory does, whatever phones this corpus has."""
+    from livespeech.training.phones import PhoneTable
+
+    corpus, _ = make_smoke_corpus(str(tmp_path), n_utts=4, with_codes=False)
+    records = read_manifest(corpus)
+    own = PhoneVocab.from_records(records, 1)
+    wider = PhoneVocab((own.names[0], "espeak:zz-not-here", *own.names[1:]))
+    torch.manual_seed(0)
+    codec = CodecModel(preset("small", kmeans_init=False)).eval()
+    table = PhoneTable.fit(codec, corpus, records, n=0, vocab=wider)
+    assert table.vocab == wider and table.pairs
+    assert {p for p, _ in table.pairs} <= set(range(len(wider))) - {1}  # no frame is the absent phone
+    assert {own.names[p] for p, _ in PhoneTable.fit(codec, corpus, records, n=0, min_count=1).pairs} == \
+        {wider.names[p] for p, _ in table.pairs}
+
+
 def test_phone_table_counts_frames_whose_code_names_the_timeline_phone():
     from livespeech.training.phones import PhoneTable
 

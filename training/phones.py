@@ -143,12 +143,14 @@ class PhoneTable:
 
     @classmethod
     def fit(cls, codec, corpus: str, records: Sequence[dict], n: int = 300, device="cpu", seed: int = 0,
-            min_count: int = 20, codes_dir: Optional[str] = None) -> "PhoneTable":
+            min_count: int = 20, codes_dir: Optional[str] = None,
+            vocab: Optional[PhoneVocab] = None) -> "PhoneTable":
         """Over `n` train utterances (seeded choice; 0: all) with a phone timeline, encoded
         with `codec`, or read from `codes_dir` (livespeech.training.encode_corpus's output
-        with that codec; utterances it lacks are left out)."""
+        with that codec; utterances it lacks are left out). The phones are `vocab`'s, else
+        those of the records (`PhoneVocab.from_records`)."""
         labelled = [r for r in records if r.get("phones")]
-        vocab = PhoneVocab.from_records(labelled, min_count)
+        vocab = vocab or PhoneVocab.from_records(labelled, min_count)
         fit = [r for r in labelled if r["split"] == "train"]
         random.Random(seed).shuffle(fit)
         if codes_dir is not None:

@@ -68,7 +68,7 @@ from livespeech.models.guidance import GuidanceState, sample_top_k
 from livespeech.api.session import SessionConfig
 from livespeech.training.dataset import DecoderData, Example, codes_path, collate, read_manifest, read_wav_segment
 from livespeech.training.encode_corpus import encode_batch, save_codes
-from livespeech.training.phones import PhoneTable
+from livespeech.training.phones import PhoneTable, PhoneVocab
 from livespeech.training.eval import report
 from livespeech.training.eval.backends import make_backends
 from livespeech.training.eval.text import edit_distance, error_counts, get_normalizer
@@ -567,19 +567,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         preps = prepare(bundle, rows, utts, tmp, a.letters)
     by_id = {r["id"]: r for r in rows}
-    phones = (PhoneTable.fit(bundle.codec, str(corpus), rows, device=bundle.device)
-              if any(r.get("phones") for r in rows) else None)
-    if phones is None and any("phone" in m for m in modes):
-        log("the phone modes need a corpus with phone timelines (manifest 'phones')")
-        return 2
     front_end = None
     if any("letter-phone" in m or m == "timed" for m in modes):
         from livespeech.models.front_end import FrontEnd
 
         front_end = FrontEnd.load(a.front_end)
-        if front_end.phone_names != phones.vocab.names:
-            log("--front-end: its phones differ from this corpus's")
-            return 2
+    # with a front end, the corpus's frames are named with its phones, so that both read
+    # one inventory however few voices the corpus has
+    phones = (PhoneTable.fit(bundle.codec, str(corpus), rows, device=bundle.device,
+                             vocab=PhoneVocab(front_end.phone_names) if front_end is not None else None)
+              if any(r.get("phones") for r in rows) else None)
+    if phones is None and any("phone" in m for m in modes):
+        log("the phone modes need a corpus with phone timelines (manifest 'phones')")
+        return 2
     log(f"diagnose: {len(preps)} of {len(utts)} utterances, modes {modes}")
     records: list[dict] = []
     utt_out: list[dict] = []
