@@ -150,7 +150,7 @@ class PhoneTable:
         with that codec; utterances it lacks are left out). The phones are `vocab`'s, else
         those of the records (`PhoneVocab.from_records`)."""
         labelled = [r for r in records if r.get("phones")]
-        vocab = vocab or PhoneVocab.from_records(labelled, min_count)
+        vocab = vocab if vocab is not None else PhoneVocab.from_records(labelled, min_count)
         fit = [r for r in labelled if r["split"] == "train"]
         random.Random(seed).shuffle(fit)
         if codes_dir is not None:
