@@ -244,7 +244,7 @@ def probe_codec(codec, corpus: str, records: Sequence[dict], vocab: PhoneVocab |
     rng.shuffle(fit)
     rng.shuffle(score)
     fit, score = fit[:n], score[:n]
-    vocab = vocab or PhoneVocab.from_records(labelled)
+    vocab = vocab if vocab is not None else PhoneVocab.from_records(labelled)
     hop, sr = codec.hop_length, codec.sample_rate
     sets = {}
     for name, recs in (("fit", fit), ("score", score)):
