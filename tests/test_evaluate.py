@@ -184,7 +184,7 @@ def test_end_to_end_random_model_without_backends(tmp_path, monkeypatch):
     rc = evaluate.main([
         "--corpus", str(tmp_path / "corpus"), "--model", "random:tiny", "--out", str(out), "--limit", "2",
         "--modes", "online", "--lambdas", "1", "--skip", "all", "--threads", "1", "--max-overrun-s", "0.5",
-        "--sampling", "top_k=3,first_codebook_temperature=0.5", "--quiet",
+        "--sampling", "top_k=3,first_codebook_temperature=0.5", "--codec-latent", "--quiet",
     ])
     assert rc == 0
     assert made[:2] == [(3, 0.5), (3, 0.5)]
@@ -192,14 +192,17 @@ def test_end_to_end_random_model_without_backends(tmp_path, monkeypatch):
     assert "python -m livespeech.training.eval --corpus" in md and "random:tiny" in md
     assert "sampling: top_k 3, grapheme_top_k 3, grapheme_temperature 1, first_codebook_temperature 0.5" in md
     assert "load average" in md
-    for label in ("| ground truth |", "| codec resynthesis |", "| online (λ=1) |"):
+    for label in ("| ground truth |", "| codec resynthesis |", "| codec, unquantised latent |", "| online (λ=1) |"):
         assert label in md
     assert "## Semantic guidance ablation" in md
     assert "n/a (skipped)" in md
     data = json.loads(out.with_suffix(".json").read_text())
     recs = data["utterances"]
     assert {(r["system"], r["mode"]) for r in recs} == {
-        ("ground truth", None), ("codec resynthesis", None), ("model", "online")}
+        ("ground truth", None), ("codec resynthesis", None), ("codec, unquantised latent", None), ("model", "online")}
+    latent = [r for r in recs if r["system"] == "codec, unquantised latent"]
+    codec = [r for r in recs if r["system"] == "codec resynthesis"]
+    assert [r["audio_s"] for r in latent] == [r["audio_s"] for r in codec]
     model = [r for r in recs if r["system"] == "model"]
     assert len(model) == 2 and not any(r.get("error") for r in model)
     assert all(r["audio_s"] > 0 and r["compute_s"] > 0 and r["ttfa_s"] is not None for r in model)

@@ -9,7 +9,9 @@ streaming path.
 
 - ground truth: the corpus audio;
 - codec resynthesis: the ground truth encoded and decoded with the bundle's codec
-  (the paper's "ground truth (compressed)");
+  (the paper's "ground truth (compressed)"); with `--codec-latent` also the codec's
+  encoder output decoded without quantisation (what the codebooks lose beside what the
+  encoder and decoder lose);
 - the model, through `livespeech.server.engine.Engine` exactly as the gRPC service drives it, in
   each mode: `online` (np=4, nf=2, the manifest's 2-4-word chunks), `offline`
   (np=-1 unbounded, nf=2, same chunks), `1word` (np=4, nf=2, one word per chunk), at
@@ -215,14 +217,18 @@ def read_audio(path: Path) -> np.ndarray:
     return resample(audio, sr, SR)
 
 
-def codec_resynthesis(bundle, audio: np.ndarray) -> tuple[np.ndarray, float]:
+def codec_resynthesis(bundle, audio: np.ndarray, quantised: bool = True) -> tuple[np.ndarray, float]:
     import torch
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        codes = bundle.encode_audio(audio, SR)  # [Q, T]
-        wav = bundle.codec.decode(codes.unsqueeze(0))[0, 0].float().cpu().numpy()
-    return wav[: len(audio)], time.perf_counter() - t0
+        if quantised:
+            codes = bundle.encode_audio(audio, SR)  # [Q, T]
+            wav = bundle.codec.decode(codes.unsqueeze(0))
+        else:
+            x = torch.from_numpy(np.asarray(audio, dtype=np.float32)).to(bundle.device).view(1, 1, -1)
+            wav = bundle.codec.decoder(bundle.codec.encoder(x))
+    return wav[0, 0].float().cpu().numpy()[: len(audio)], time.perf_counter() - t0
 
 
 @dataclass
@@ -449,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "speech-time: chunks carry their ground-truth speech times (the paper's simulation); "
                         "real-time: each chunk pushed at its ground-truth speech time on the wall clock")
     p.add_argument("--no-codec", action="store_true", help="skip the codec-resynthesis row")
+    p.add_argument("--codec-latent", action="store_true",
+                   help="add a row for the codec's encoder output decoded without quantisation")
     p.add_argument("--asr", choices=("auto", "tiny.en", "base"), default="auto",
                    help="Whisper model for WER (auto: base when its packages are installed, else tiny.en)")
     p.add_argument("--skip", default="", help="comma list of backends to skip: asr,sim,mos (or 'all')")
@@ -566,6 +574,9 @@ def main(argv=None) -> int:
             if bundle is not None and not a.no_codec:
                 wav, dt = codec_resynthesis(bundle, gt)
                 systems.append((report.CODEC, None, None, wav, dict(audio_s=len(wav) / SR, compute_s=dt)))
+            if bundle is not None and a.codec_latent:
+                wav, dt = codec_resynthesis(bundle, gt, quantised=False)
+                systems.append((report.CODEC_LATENT, None, None, wav, dict(audio_s=len(wav) / SR, compute_s=dt)))
             for sys_name, mode, lam, audio, extra in systems:
                 rec = {**base, "system": sys_name, "mode": mode, "lambda": lam, **extra, **scorer.score(audio, u)}
                 records.append(rec)
@@ -595,8 +606,9 @@ def main(argv=None) -> int:
 
     na = {k: b.reason for k, b in backends.items() if not b.available()}
     main_rows = [report.aggregate(report.GT, [r for r in records if r["system"] == report.GT])]
-    if any(r["system"] == report.CODEC for r in records):
-        main_rows.append(report.aggregate(report.CODEC, [r for r in records if r["system"] == report.CODEC]))
+    for system in (report.CODEC, report.CODEC_LATENT):
+        if any(r["system"] == system for r in records):
+            main_rows.append(report.aggregate(system, [r for r in records if r["system"] == system]))
     for m in modes:
         recs = [r for r in records if r["system"] == report.MODEL and r["mode"] == m
                 and r["lambda"] == _json_lambda(lambdas[0])]

@@ -8,6 +8,8 @@ from typing import Iterable, Optional, Sequence
 
 # a row of the report: one system (ground truth, codec, or the model in one mode at one lambda)
 GT, CODEC, MODEL = "ground truth", "codec resynthesis", "model"
+# the codec's encoder output decoded without quantisation: what the codebooks cost
+CODEC_LATENT = "codec, unquantised latent"
 
 
 def row_label(system: str, mode: Optional[str] = None, lam: Optional[float] = None) -> str:
