@@ -60,8 +60,8 @@ Phones = list[tuple[str, int, int]]
 def speak(voice: Voice, text: str, tokens, engine=None) -> tuple[np.ndarray, int, Spans, Phones]:
     """(int16 audio, its sample rate, one (start, end) sample span per token, the spoken
     phones (name, start, end) without pauses) from the voice's synthesiser. Timings come
-    from the very call that produced the audio (eSpeak's output differs by a few samples
-    from run to run). Raises AlignError."""
+    from the very call that produced the audio (eSpeak NG's samples depend on what its
+    process synthesised before: docs/corpus.md). Raises AlignError."""
     if voice.engine == "flite":
         from . import flite
 
