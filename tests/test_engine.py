@@ -763,8 +763,10 @@ def test_a_session_waiting_for_lookahead_has_sent_the_audio_before_that_chunk(en
 
     c = Collector()
     chunking = ChunkingConfig(min_words=2, max_words=2, timer_ms=10_000)
+    # no buffer delay: after it the speech would go on into chunk 1 without its lookahead,
+    # before a slow machine's loop below has seen the wait
     h = engine.open_session(SessionConfig(**HARD, n_future_chunks=2, start_future_chunks=1, chunking=chunking,
-                                          min_packet_ms=10), voice, c)
+                                          min_packet_ms=10, max_buffer_delay_ms=0), voice, c)
     h.push_text("Hello there my friend ")  # chunk 1 ("my friend") waits for two chunks after it
     deadline, s, sent = time.monotonic() + 20, None, -1
     while time.monotonic() < deadline:  # until it waits for text with its audio all out
