@@ -164,14 +164,20 @@ class Chaos:
             await asyncio.gather(*(self.worker(random.Random(SEED * 1000 + i)) for i in range(WORKERS)))
 
     async def worker(self, rng: random.Random) -> None:
+        """Sessions of kinds drawn by weight; a refused one is asked for again after the
+        wait it is told (on a slow machine the slots are nearly always taken, and drawing
+        a new kind after each refusal left every idle session of a minute unadmitted)."""
         kinds, weights = zip(*KINDS.items())
+        kind = None
         while time.monotonic() < self.deadline:
-            kind = rng.choices(kinds, weights)[0]
+            kind = kind or rng.choices(kinds, weights)[0]
             results = await getattr(self, kind)(rng)
             self.results.extend(results)
             told = [int(r.retry_after) for r in results if r.retry_after]
-            if kind != "flood" and told:  # wait as a refused client is told to
+            if kind != "flood" and told:
                 await asyncio.sleep(max(told) / 1000)
+            else:
+                kind = None
 
     # ------------------------------------------------------------ well-behaved
 
