@@ -94,17 +94,18 @@ def test_stop_cancels_mid_sentence_in_the_picked_voice(srv) -> None:
             await page.wait_for(f"{STATS}.highlighted >= 1", timeout=20)
             await page.evaluate("ctx.suspend()")
             await page.wait_for(f"{STATS}.words >= {STATS}.highlighted + 3", timeout=20)
-            await page.evaluate("document.getElementById('stop').click()")
+            scheduled = await page.evaluate(f"(() => {{ document.getElementById('stop').click(); return {STATS}.samplesScheduled; }})()")
             stats = await finished(page)
             words = await page.evaluate("""[...document.querySelectorAll('#transcript .word')].map(
                 s => ({start_s: Number(s.dataset.start), spoken: s.classList.contains('spoken')}))""")
-            return stats, words, browser.console
+            return stats, words, scheduled, browser.console
 
-    stats, words, console = asyncio.run(go())
+    stats, words, scheduled, console = asyncio.run(go())
     assert stats["state"] == "done" and stats["error"] is None, (stats, console)
     assert stats["config"]["voice_id"] == "alice"
     summary = stats["summary"]
     assert summary["cancelled"] and "word199" not in summary["spoken_text"]
+    assert stats["samplesScheduled"] == scheduled  # no audio after Stop
     # the words up to the point the audio stopped are highlighted, none after it
     assert len(words) == stats["words"] < 200 and stats["stoppedAt"] is not None
     assert [w["spoken"] for w in words] == [w["start_s"] <= stats["stoppedAt"] for w in words]
