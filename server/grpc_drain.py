@@ -23,10 +23,13 @@ REFUSE_MAX_S = 2.0
 # grpc's asyncio server ends the request iterator the same way for a half-close and for a
 # client's cancel (or a closed connection), and a cancel drops the messages not read yet:
 # taken at its word, a cancel right after "config, text" reads as "config, end of input"
-# and the session completes with nothing said. The cancel itself is delivered to the
-# handler in the same batch of completions, so a stream end is acted on only after this
-# pause; a cancel ends the stream first (`confirm_half_close`).
-HALF_CLOSE_S = 0.005
+# and the session completes with nothing said. So a stream end is acted on only after
+# this pause, and a cancel ends the stream first (`confirm_half_close`). The cancel
+# usually follows within a millisecond, but it is delivered by grpc's poller thread, so a
+# CPU-bound process (the engine thread, other sessions) delays it by GIL switch intervals:
+# 4 of 88 later than 5 ms, and up to 21 ms, with two cores shared by four CPU burners
+# (docs/reliability.md).
+HALF_CLOSE_S = 0.05
 
 
 async def confirm_half_close() -> None:
