@@ -357,6 +357,13 @@ def spoken_words(r: Result) -> list[str]:
     return r.summary.spoken_text.split()
 
 
+def core_internal(r: Result) -> bool:
+    """A refusal that grpc's asyncio client turned into INTERNAL: the server's status came
+    while the client still had a write in flight (grpc/grpc#36066, client side; the
+    server's drain makes it rare, not impossible: docs/reliability.md, known issues)."""
+    return r.code == C.INTERNAL and r.details == "Internal error from Core" and "started" not in r.responses
+
+
 def problem(r: Result) -> Optional[str]:
     """What is wrong with one stream's ending, or None."""
     code, responses = r.code, r.responses
@@ -365,6 +372,8 @@ def problem(r: Result) -> Optional[str]:
     if r.hung_up and code == C.CANCELLED:
         return None
     started = "started" in responses
+    if core_internal(r):
+        return None  # bounded in test_chaos
     if code == C.RESOURCE_EXHAUSTED and not started:
         # refused for capacity (slots, streams): the client is told when to come back
         return None if r.retry_after and int(r.retry_after) == RETRY_AFTER_MS else f"refused without retry-after-ms: {r.details}"
@@ -453,6 +462,9 @@ def test_chaos(server_factory, client, caplog) -> None:
     logged = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info or "Traceback" in r.getMessage()]
     assert not logged, [r.getMessage() for r in logged[:5]]
     assert not problems, problems[:10]
+    # the server's drain keeps grpc#36066 rare: a few of the refusals at most
+    refused = [r for r in results if r.code == C.RESOURCE_EXHAUSTED and "started" not in r.responses]
+    assert sum(map(core_internal, results)) <= max(1, len(refused) // 20), counts
     # the mix reached every way of ending (a seed that did not would test less)
     assert completed and cancelled, counts
     assert any(r.code == C.RESOURCE_EXHAUSTED and r.retry_after for r in results), counts
