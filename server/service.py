@@ -553,6 +553,9 @@ class LiveSpeechService:
             ) from None
         except ConfigError as e:
             raise RpcError(Code.INVALID_ARGUMENT, str(e)) from None
+        # the client's idle time starts now: a slow opening (the voice, a starved event loop)
+        # is the server's, and the client's messages sent meanwhile are still unread
+        stream.last_activity = time.monotonic()
         return effective
 
     # ------------------------------------------------------------ Synthesize

@@ -1,6 +1,7 @@
 """Every bad input ends the stream with its documented status, and frees the slot."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -159,6 +160,25 @@ def test_idle_session_times_out(srv) -> None:
     r = synth(srv, [config_msg(), text_msg("one")], half_close=False)
     expect(r, C.DEADLINE_EXCEEDED, "idle")
     assert 0.9 < time.monotonic() - t0 < 10
+
+
+def test_a_slow_opening_is_not_idle_time_of_the_client(srv, monkeypatch) -> None:
+    # the server takes longer than the idle timeout to open the session (here its voice;
+    # under load a starved event loop): the text the client sent meanwhile is read and
+    # spoken, not timed out as idle
+    service = srv.app.service
+    resolve = service.resolve_voice
+
+    async def slow_resolve(*args, **kwargs):
+        await asyncio.sleep(1.5 * srv.app.config.idle_timeout_s)
+        return await resolve(*args, **kwargs)
+
+    monkeypatch.setattr(service, "resolve_voice", slow_resolve)
+    r = synth(srv, [config_msg(), text_msg("one two three"), END])
+    expect(r, C.OK)
+    summaries = [m.summary for m in r.responses if m.WhichOneof("response") == "summary"]
+    assert len(summaries) == 1 and summaries[0].spoken_text == "one two three"
+    assert srv.wait_idle()
 
 
 def test_all_slots_free_and_errors_counted(srv) -> None:
