@@ -156,6 +156,9 @@ class RawResult:
     def kinds(self) -> list[str]:
         return [r.WhichOneof("response") for r in self.responses]
 
+    def summaries(self) -> list:
+        return [r.summary for r in self.responses if r.WhichOneof("response") == "summary"]
+
 
 def config_msg(**kw: Any) -> "pb.SynthesizeRequest":
     return pb.SynthesizeRequest(config=pb.SynthesizeConfig(**{**HARD, **kw}))

@@ -176,7 +176,7 @@ def test_a_slow_opening_is_not_idle_time_of_the_client(srv, monkeypatch) -> None
     monkeypatch.setattr(service, "resolve_voice", slow_resolve)
     r = synth(srv, [config_msg(), text_msg("one two three"), END])
     expect(r, C.OK)
-    summaries = [m.summary for m in r.responses if m.WhichOneof("response") == "summary"]
+    summaries = r.summaries()
     assert len(summaries) == 1 and summaries[0].spoken_text == "one two three"
     assert srv.wait_idle()
 

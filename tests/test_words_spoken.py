@@ -41,10 +41,6 @@ def run(h, requests: list, **kw):
     return r, {o: after[o] - before[o] for o in OUTCOMES if after[o] != before[o]}
 
 
-def summaries(r) -> list:
-    return [m.summary for m in r.responses if m.WhichOneof("response") == "summary"]
-
-
 def test_a_completed_session_spoke_every_word(srv) -> None:
     r, counted = run(srv, [config_msg(), *(text_msg(TEXT[i:i + 5]) for i in range(0, len(TEXT), 5)), END])
     assert r.code == C.OK and r.kinds()[-1] == "summary"
@@ -94,8 +90,8 @@ def test_the_runaway_guard_is_not_a_completed_session(srv, monkeypatch) -> None:
     monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_overrun_s=0.2))
     model_that_wants_to_stop(engine, OnlySession(), TEXT, monkeypatch, stall_at=len(text_graphemes(words[0])))
     r, counted = run(srv, [config_msg(guidance_lambda=1.0), text_msg(TEXT), END])
-    assert r.code == C.OK and len(summaries(r)) == 1
-    s = summaries(r)[0]
+    assert r.code == C.OK and len(r.summaries()) == 1
+    s = r.summaries()[0]
     assert not s.cancelled and s.HasField("all_words_spoken") and not s.all_words_spoken
     assert list(s.unspoken_words) == words[1:] and s.spoken_text == words[0]
     assert counted == {"incomplete": 1}
@@ -142,8 +138,8 @@ def test_early_endings_say_what_was_spoken_then_why(srv, monkeypatch, case) -> N
         requests += [text_msg(*FOLLOW[case]), END]
     r, counted = run(srv, requests, half_close=case in FOLLOW)
     assert (r.code, says in r.details) == (code, True), (r.code, r.details)
-    assert len(summaries(r)) == 1 and r.kinds()[-1] == "summary", r.kinds()  # the status follows the summary
-    s = summaries(r)[0]
+    assert len(r.summaries()) == 1 and r.kinds()[-1] == "summary", r.kinds()  # the status follows the summary
+    s = r.summaries()[0]
     assert s.HasField("all_words_spoken")
     check_summary(dict(cancelled=s.cancelled, all_words_spoken=s.all_words_spoken,
                        unspoken_words=list(s.unspoken_words), spoken_text=s.spoken_text), text)
