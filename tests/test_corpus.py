@@ -470,6 +470,22 @@ def test_build_tiny_corpus(tmp_path):
     assert sum(v["heldout"] for v in vj["voices"]) == 1 and len(vj["voices"]) == 3
 
 
+def test_a_synthesis_error_in_a_one_worker_build_is_the_error_raised(tmp_path, monkeypatch):
+    # a fresh interpreter has not imported concurrent.futures.process: the build's own
+    # error handling must not need it, or its AttributeError hides the synthesiser's error
+    import concurrent.futures
+    from livespeech.training.corpus import build as build_module
+
+    def no_synthesiser(job):
+        raise OSError("libespeak-ng not found")
+
+    monkeypatch.delattr(concurrent.futures, "process", raising=False)
+    monkeypatch.setattr(build_module, "_work", no_synthesiser)
+    with pytest.raises(OSError, match="libespeak-ng not found"):
+        build(str(tmp_path / "corpus"), hours=1.0, config=_config(tmp_path), max_utterances=2, workers=1,
+              progress=False, log=lambda *a: None)
+
+
 @needs_espeak
 def test_resume_after_interruption(tmp_path):
     cfg = _config(tmp_path)

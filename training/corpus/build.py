@@ -19,6 +19,7 @@ therefore loses only the utterances being synthesised at that moment.
 from __future__ import annotations
 
 import concurrent.futures as cf
+from concurrent.futures.process import BrokenProcessPool
 import gzip
 import json
 import multiprocessing as mp
@@ -450,9 +451,9 @@ def build(out: str, hours: float, config: CorpusConfig | None = None, workers: i
                     for fut in pending:
                         try:
                             record(*fut.result(timeout=120))
-                        except (cf.CancelledError, cf.TimeoutError, cf.process.BrokenProcessPool):
+                        except (cf.CancelledError, cf.TimeoutError, BrokenProcessPool):
                             pass
-    except (KeyboardInterrupt, cf.process.BrokenProcessPool):
+    except (KeyboardInterrupt, BrokenProcessPool):
         interrupted = True
     finally:
         if old_term is not None:
