@@ -94,6 +94,33 @@ def test_adversarial_decoder_only_fine_tune_keeps_the_codes(pipeline, tmp_path):
         assert torch.equal(before.encode(wav.view(1, 1, -1)), after.encode(wav.view(1, 1, -1)))
 
 
+def test_a_small_batch_fine_tune_keeps_the_codebooks_in_use(pipeline, tmp_path):
+    # every code in use at ~1,000 vectors a step (EMA count 1, under the config's threshold
+    # of 2, which holds for 4,800 vectors a step): at 76 vectors a step (batch 2 of 0.5 s) the
+    # threshold scales down with the batch, so no code counts as dead and none is re-seeded
+    from livespeech.models.codec import preset
+
+    _, corpus, _, _ = pipeline
+    torch.manual_seed(0)
+    init = CodecModel(preset("small", kmeans_init=False))
+    for layer in init.quantizer.vq.layers:
+        cb = layer._codebook
+        cb.embed.normal_()
+        cb.embed_avg.copy_(cb.embed)
+        cb.cluster_size.fill_(1.0)
+    init_path = str(tmp_path / "init.pt")
+    init.save(init_path)
+    out = str(tmp_path / "ft")
+    assert codec_train.main(["--corpus", corpus, "--out", out, "--init", init_path, "--batch", "2", "--crop-s", "0.5",
+                             "--steps", "2", "--eval-every", "100", "--dev-n", "2", "--dev-seconds", "0.5",
+                             "--probe-n", "0", "--log-every", "1"]) == 0
+    after = CodecModel.from_checkpoint(os.path.join(out, "last.pt"))
+    seen = 2 * 2 * 38  # the vectors of two steps: an EMA step moves only the codes they reach
+    for b, a in zip(init.quantizer.vq.layers, after.quantizer.vq.layers):
+        moved = (a._codebook.embed - b._codebook.embed).norm(dim=1) / b._codebook.embed.norm(dim=1)
+        assert int((moved > 0.05).sum()) <= seen  # re-seeding would replace all 1,024
+
+
 def test_codec_discriminator_scores_every_scale():
     from livespeech.models.codec.discriminator import MultiScaleSTFTDiscriminator, discriminator_loss, generator_losses
 

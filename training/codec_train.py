@@ -49,6 +49,18 @@ def _save_codec(model: CodecModel, path: str) -> None:
     os.replace(tmp, path)
 
 
+# The config's dead-code threshold (EnCodec's EMA count of 2) holds for batches of 64
+# one-second crops: 4,800 vectors a step, ~4.7 a code when all are in use. A code's EMA count
+# scales with the vectors a step, so at batch 8 most counts sat below 2 and the codebooks were
+# re-seeded from the batch (of the shipped codec's 1,024 first-level codes, 562 within 120
+# steps), undoing what they had learnt: the threshold scales with the vectors a step.
+DEAD_CODE_REFERENCE_VECTORS = 64 * 75
+
+
+def dead_code_threshold(config_threshold: float, vectors_per_step: int) -> float:
+    return config_threshold * vectors_per_step / DEAD_CODE_REFERENCE_VECTORS
+
+
 def dev_set(corpus: str, records: list[dict], n: int, seconds: float, seed: int = 1234) -> torch.Tensor:
     """Fixed dev crops (deterministic), [n, 1, seconds * sr]."""
     dev = [r for r in records if r["split"] == "dev"] or [r for r in records if r["split"] != "train"]
@@ -177,6 +189,8 @@ def main(argv=None) -> int:
     step, best, train_s = 0, float("inf"), 0.0
     sched = Schedule(a.lr, a.warmup, a.steps, a.minutes)
     crops = AudioCrops(a.corpus, train, int(a.crop_s * SAMPLE_RATE), seed=a.seed)
+    vectors_per_step = a.batch * -(-int(a.crop_s * SAMPLE_RATE) // model.hop_length)
+    model.quantizer.set_dead_code_threshold(dead_code_threshold(cfg.threshold_ema_dead_code, vectors_per_step))
     if a.resume and os.path.exists(state_path):
         st = torch.load(state_path, map_location="cpu", weights_only=False)
         model.load_state_dict(st["model"])

@@ -43,7 +43,7 @@ def kmeans(samples: Tensor, num_clusters: int, num_iters: int) -> tuple[Tensor, 
 
 class EuclideanCodebook(nn.Module):
     def __init__(self, dim: int, codebook_size: int, *, kmeans_init: bool, kmeans_iters: int,
-                 decay: float, threshold_ema_dead_code: int, epsilon: float = 1e-5):
+                 decay: float, threshold_ema_dead_code: float, epsilon: float = 1e-5):
         super().__init__()
         self.codebook_size = codebook_size
         self.kmeans_iters = kmeans_iters
@@ -153,6 +153,12 @@ class ResidualVectorQuantizer(nn.Module):
         super().__init__()
         self.n_q = cfg.n_q
         self.vq = ResidualVectorQuantization(cfg)
+
+    def set_dead_code_threshold(self, threshold: float) -> None:
+        """The EMA count below which a training step re-seeds a code from the batch, in
+        every codebook (the config's `threshold_ema_dead_code` until set)."""
+        for layer in self.vq.layers:
+            layer._codebook.threshold_ema_dead_code = threshold
 
     def _layers(self, n_q: int | None) -> nn.ModuleList:
         n_q = self.n_q if n_q is None else n_q
