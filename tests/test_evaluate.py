@@ -351,6 +351,44 @@ def test_real_time_pacing_pushes_each_piece_at_its_time():
     assert [p for p, _ in eng.handle.pushed] == ["a ", "b ", "c "]
 
 
+def test_the_server_mode_pushes_words_and_lets_the_sessions_chunker_cut_them():
+    from pathlib import Path
+
+    from livespeech.api.session import ChunkingConfig, Finished
+
+    class Handle:
+        def __init__(self, sink):
+            self.sink, self.pushed = sink, []
+
+        def push_text(self, text, client_time_s=None, flush=False):
+            self.pushed.append((text, flush))
+
+        def end_input(self):
+            self.sink(Finished(summary=None))
+
+    class FakeEngine:
+        def open_session(self, cfg, voice, sink):
+            self.cfg, self.handle = cfg, Handle(sink)
+            return self.handle
+
+    utt = evaluate.Utterance("u", "v", False, "One two three, four five.", ["One", "two", "three,", "four", "five."],
+                             [0.0, 0.3, 0.6, 1.0, 1.3], [(0, 3, 0), (3, 2, 75)], Path("u.wav"), 1.6)
+    eng = FakeEngine()
+    for chunking, expected in (({}, ChunkingConfig()),
+                               ({"min_words": 2, "max_words": 4}, ChunkingConfig(min_words=2, max_words=4))):
+        evaluate.synthesize(eng, None, utt, evaluate.MODES["server"], 1.0, 0, "burst", 10, chunking=chunking)
+        assert eng.cfg.chunking == expected
+        assert eng.handle.pushed == [(w + " ", False) for w in utt.words]  # no flush: the chunker cuts
+    evaluate.synthesize(eng, None, utt, evaluate.MODES["online"], 1.0, 0, "burst", 10)
+    assert eng.handle.pushed == [("One two three, ", True), ("four five. ", True)]  # the manifest's chunks
+    assert eng.cfg.chunking.max_words == 16
+    assert evaluate.parse_chunking("min_words=2,max_words=4,release_when_waiting=false") == {
+        "min_words": 2, "max_words": 4, "release_when_waiting": False}
+    for bad in ("min_words=3,max_words=2", "words=2", "min_words=x", "release_when_waiting=maybe"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            evaluate.parse_chunking(bad)
+
+
 def test_paragraphs_speak_consecutive_test_sentences_in_one_session_each_and_compare_pairs_them(tmp_path, capsys):
     """`eval.paragraphs` on the shipped default (Whisper skipped): the test sentences joined
     a paragraph a session, all the text pushed at once, every word spoken; its rows pair in

@@ -14,8 +14,10 @@ streaming path.
   encoder and decoder lose);
 - the model, through `livespeech.server.engine.Engine` exactly as the gRPC service drives it, in
   each mode: `online` (np=4, nf=2, the manifest's 2-4-word chunks), `offline`
-  (np=-1 unbounded, nf=2, same chunks), `1word` (np=4, nf=2, one word per chunk), at
-  each semantic-guidance lambda (first = the main table, all = the ablation table).
+  (np=-1 unbounded, nf=2, same chunks), `1word` (np=4, nf=2, one word per chunk),
+  `server` (np=4, nf=2, the text pushed word by word and cut into chunks by the session's
+  own chunker: the server's default `ChunkingConfig`, or `--chunking`), at each
+  semantic-guidance lambda (first = the main table, all = the ablation table).
 
 The enrollment of an utterance is a different utterance of the same voice: for a
 training voice one of its training utterances, for a held-out voice one of its other
@@ -34,6 +36,7 @@ default voice").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -52,7 +55,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from livespeech.api.session import TEMPERATURES, ConfigError, SessionConfig
+from livespeech.api.session import TEMPERATURES, ChunkingConfig, ConfigError, SessionConfig
 from livespeech.server.config import ServerConfig
 from livespeech.training.eval import report
 from livespeech.training.eval.backends import Backend, cosine, make_backends
@@ -70,12 +73,16 @@ class Mode:
     n_future: int
     one_word: bool
     description: str
+    # the text pushed word by word, chunked by the session's ChunkingConfig
+    chunker: bool = False
 
 
 MODES = {
     "online": Mode("online", 4, 2, False, "np=4, nf=2, manifest chunks (2-4 words)"),
     "offline": Mode("offline", -1, 2, False, "np=unbounded, nf=2, manifest chunks (2-4 words)"),
     "1word": Mode("1word", 4, 2, True, "np=4, nf=2, 1-word chunks"),
+    "server": Mode("server", 4, 2, False, "np=4, nf=2, the text pushed word by word, chunked by the session's "
+                   "chunker (the server's default ChunkingConfig or --chunking)", chunker=True),
 }
 
 
@@ -282,23 +289,44 @@ def session_audio(events: list) -> np.ndarray:
 SAMPLING_FIELDS = ("top_k", "grapheme_top_k", *TEMPERATURES)
 
 
-def parse_sampling(s: str) -> dict:
-    """'first_codebook_temperature=0.7,top_k=10' -> the sessions' sampling settings
-    (SessionConfig's fields, validated there; --sampling)."""
+def _parse_settings(s: str, fields: dict, validate) -> dict:
+    """'a=1,b=2' -> {a: fields[a]('1'), ...}, checked by validate(settings)."""
     out: dict = {}
     for part in filter(None, (x.strip() for x in s.split(","))):
         k, sep, v = part.partition("=")
-        if not sep or k not in SAMPLING_FIELDS:
-            raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of {', '.join(SAMPLING_FIELDS)}; got {part!r}")
+        if not sep or k not in fields:
+            raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of {', '.join(fields)}; got {part!r}")
         try:
-            out[k] = int(v) if k.endswith("top_k") else float(v)
+            out[k] = fields[k](v)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r}: not a number") from None
+            raise argparse.ArgumentTypeError(f"{part!r}: not a {fields[k].__name__}") from None
     try:
-        SessionConfig(**out).validate()
+        validate(out)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return out
+
+
+def _flag(v: str) -> bool:
+    if v.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(v)
+    return v.lower() in ("true", "1")
+
+
+def parse_sampling(s: str) -> dict:
+    """'first_codebook_temperature=0.7,top_k=10' -> the sessions' sampling settings
+    (SessionConfig's fields, validated there; --sampling)."""
+    return _parse_settings(s, {k: int if k.endswith("top_k") else float for k in SAMPLING_FIELDS},
+                           lambda out: SessionConfig(**out).validate())
+
+
+CHUNKING_FIELDS = {"min_words": int, "max_words": int, "first_max_words": int, "timer_ms": int,
+                   "flush_on_punctuation": _flag, "release_when_waiting": _flag}
+
+
+def parse_chunking(s: str) -> dict:
+    """'min_words=2,max_words=4' -> the `server` mode's ChunkingConfig fields (--chunking)."""
+    return _parse_settings(s, CHUNKING_FIELDS, lambda out: ChunkingConfig(**out).validate())
 
 
 def _sampling_meta(sampling: dict) -> dict:
@@ -314,25 +342,28 @@ def _sampling_text(meta: dict) -> str:
 
 
 def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int, pacing: str,
-               timeout_s: float, sampling: Optional[dict] = None) -> SynthResult:
+               timeout_s: float, sampling: Optional[dict] = None, chunking: Optional[dict] = None) -> SynthResult:
     """Stream the utterance's text into an engine session chunk by chunk (the whole text
     at once, as a fast upstream LLM would; with pacing='speech-time' each chunk carries the
     time it is spoken in the ground truth, as in the paper's simulated streams; with
     'real-time' each chunk is pushed at that time on the wall clock, text arriving as fast
     as it is spoken, so the speech keeps catching up with it).
-    ``sampling``: SessionConfig's sampling fields (parse_sampling); the server's defaults otherwise."""
-    from livespeech.api.session import ChunkingConfig, Failed, Finished, WordTiming
+    ``sampling``: SessionConfig's sampling fields (parse_sampling); the server's defaults otherwise.
+    ``chunking``: ChunkingConfig's fields for a `chunker` mode (parse_chunking)."""
+    from livespeech.api.session import Failed, Finished, WordTiming
 
     speech_time = pacing == "speech-time"
     cfg = SessionConfig(
         n_past_chunks=mode.n_past, n_future_chunks=mode.n_future, guidance_lambda=lam, seed=seed, **(sampling or {}),
         sample_rate=SR, timestamps_are_speech_time=speech_time,
         # chunks are cut here and flushed explicitly, so the chunker passes them through
-        chunking=ChunkingConfig(min_words=1, max_words=1 if mode.one_word else 16, timer_ms=10_000,
-                                flush_on_punctuation=False),
+        chunking=ChunkingConfig(**(chunking or {})) if mode.chunker else ChunkingConfig(
+            min_words=1, max_words=1 if mode.one_word else 16, timer_ms=10_000, flush_on_punctuation=False),
     )
     pieces: list[tuple[str, float]] = []
-    if mode.one_word or not utt.chunks:
+    if mode.chunker:
+        chunks = [(i, 1, None) for i in range(len(utt.words))]
+    elif mode.one_word or not utt.chunks:
         chunks = [(i, 1, None) for i in range(len(utt.words))] if mode.one_word else _random_chunks(utt, seed)
     else:
         chunks = utt.chunks
@@ -342,7 +373,7 @@ def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int,
     sends, times, last_t = [], [], 0.0
     for text, t in pieces:
         last_t = max(last_t, t)
-        sends.append((text + " ", last_t if speech_time else None, True))
+        sends.append((text + " ", last_t if speech_time else None, not mode.chunker))
         times.append(last_t)
     t0 = time.perf_counter()
     events, handle = run_session(engine, cfg, voice, sends, timeout_s,
@@ -467,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling", type=parse_sampling, default={}, metavar="NAME=VALUE[,...]",
                    help=f"the sessions' sampling settings where they differ from the server's defaults "
                         f"(SessionConfig: {', '.join(SAMPLING_FIELDS)}), e.g. first_codebook_temperature=0.7")
+    p.add_argument("--chunking", type=parse_chunking, default={}, metavar="NAME=VALUE[,...]",
+                   help=f"the `server` mode's chunking where it differs from the server's default "
+                        f"(ChunkingConfig: {', '.join(CHUNKING_FIELDS)}), e.g. min_words=2,max_words=4")
     p.add_argument("--text-cfg-scale", type=float, default=ServerConfig.text_cfg_scale,
                    help="classifier-free guidance on the text (the server's --text-cfg-scale); 0: off")
     p.add_argument("--no-letter-schedule", dest="letter_schedule", action="store_false",
@@ -589,7 +623,8 @@ def main(argv=None) -> int:
                 for m in modes:
                     for lam in lambdas:
                         r = synthesize(engine, voice, u, MODES[m], lam, seed, a.pacing,
-                                       timeout_s=max(120.0, 30.0 * u.duration_s), sampling=a.sampling)
+                                       timeout_s=max(120.0, 30.0 * u.duration_s), sampling=a.sampling,
+                                       chunking=a.chunking)
                         rec = {**base, "system": report.MODEL, "mode": m, "lambda": _json_lambda(lam),
                                "audio_s": len(r.audio) / SR, "compute_s": r.compute_s, "wall_s": round(r.wall_s, 4),
                                "ttfa_s": r.ttfa_s, "model_words": r.words, "seed": seed}
@@ -627,7 +662,8 @@ def main(argv=None) -> int:
         n_heldout=sum(u.heldout for u in utts), n_voices=len({u.voice for u in utts}),
         n_heldout_refs=len(scorer.heldout_refs), voice=a.voice,
         modes={m: MODES[m].description for m in modes}, lambdas=[_json_lambda(x) for x in lambdas],
-        pacing=a.pacing, sampling={**_sampling_meta(a.sampling), "text_cfg_scale": a.text_cfg_scale,
+        pacing=a.pacing, chunking=dataclasses.asdict(ChunkingConfig(**a.chunking)) if any(MODES[m].chunker for m in modes) else None,
+        sampling={**_sampling_meta(a.sampling), "text_cfg_scale": a.text_cfg_scale,
                                             "letter_schedule": a.letter_schedule and getattr(bundle, "front_end", None) is not None},
         normalizer=normalizer.name, normalizer_note=normalizer.note,
         backends={k: (b.description if b.available() else b.reason) for k, b in backends.items()},
@@ -701,7 +737,9 @@ def render(meta: dict, main_rows, ablation, na: dict, json_path: Path) -> str:
         + (f"`{meta['voice']}` for every clip." if meta.get("voice") else "another utterance of the same voice."),
         f"- Text stream: pacing `{meta['pacing']}`; modes: "
         + ("; ".join(f"`{k}` = {v}" for k, v in meta["modes"].items()) or "none")
-        + f"; sampling: {_sampling_text(meta)}.",
+        + f"; sampling: {_sampling_text(meta)}"
+        + (f"; the `server` mode's chunking: {', '.join(f'{k} {v}' for k, v in meta['chunking'].items())}"
+           if meta.get("chunking") else "") + ".",
         f"- WER/CER: {meta['backends']['asr']}; normaliser: {meta['normalizer']}"
         + (f" ({meta['normalizer_note']})" if meta["normalizer_note"] else "") + "; corpus-level (errors / reference words).",
         f"- SIM: {meta['backends']['sim']}; held-out ID = share of held-out-voice clips closer to their own "
