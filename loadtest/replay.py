@@ -42,7 +42,8 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
            sentences_per_turn: int = 2, text_file: Optional[str] = None, frozen_step: bool = True,
            seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None,
            release_when_waiting: Optional[bool] = None, bf16_matmuls: bool = False, onnx_codec: bool = False,
-           chunk_words: Optional[tuple[int, int]] = None, cuda_graphs: bool = False) -> dict[str, Any]:
+           chunk_words: Optional[tuple[int, int]] = None, cuda_graphs: bool = False,
+           first_chunk_words: Optional[int] = None) -> dict[str, Any]:
     from livespeech.server.engine import Engine, EngineConfig
     from livespeech.server.session import EngineSession, Phase
     from livespeech.api.session import AudioPacket, ChunkingConfig, Failed, Finished, SessionConfig
@@ -52,6 +53,8 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
     chunking: dict[str, Any] = {} if chunk_words is None else {"min_words": chunk_words[0], "max_words": chunk_words[1]}
     if release_when_waiting is not None:
         chunking["release_when_waiting"] = release_when_waiting
+    if first_chunk_words is not None:
+        chunking["first_max_words"] = first_chunk_words
     if chunking:
         options["chunking"] = ChunkingConfig(**chunking)
     engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step, bf16_matmuls=bf16_matmuls,
@@ -170,6 +173,8 @@ def main(argv=None) -> int:
                     help="chunking: release min_words at once while the speech waits for text (default: the server's)")
     ap.add_argument("--chunk-words", default=None, metavar="MIN,MAX",
                     help="chunking: words a chunk, e.g. 2,4 (default: the server's)")
+    ap.add_argument("--first-chunk-words", type=int, default=None, metavar="N",
+                    help="chunking: the first chunk's most words (default: the server's)")
     ap.add_argument("--max-delay", type=int, default=None,
                     help="cap the decoder's codebook delays (latency what-if; the speech is not meaningful)")
     ap.add_argument("--seed", type=int, default=0)
@@ -197,7 +202,7 @@ def main(argv=None) -> int:
                  bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, args.device),
                  onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device),
                  chunk_words=None if args.chunk_words is None else tuple(int(x) for x in args.chunk_words.split(",")),
-                 cuda_graphs=args.cuda_graphs)
+                 cuda_graphs=args.cuda_graphs, first_chunk_words=args.first_chunk_words)
     res["delays"] = list(bundle.model.cfg.delays)
     print(f"codebook delays {res['delays']}")
     print(f"{res['sessions']} sessions x {res['turns']} turns: {res['underruns']} underruns, "

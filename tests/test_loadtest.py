@@ -466,6 +466,27 @@ def test_replay_max_delay_caps_the_decoders_codebook_delays(tmp_path):
         replay.main(["--model-path", "random:tiny", "--max-delay", "-1"])
 
 
+def test_replay_chunking_options_reach_the_sessions(tmp_path, monkeypatch):
+    from livespeech.loadtest import replay
+    from livespeech.server.engine import Engine
+
+    opened = []
+    real_open = Engine.open_session
+
+    def recording_open(self, cfg, *a, **kw):
+        opened.append(cfg.chunking)
+        return real_open(self, cfg, *a, **kw)
+
+    monkeypatch.setattr(Engine, "open_session", recording_open)
+    text = tmp_path / "t.txt"
+    text.write_text("Hello there, this is a test.\n")
+    assert replay.main(["--model-path", "random:tiny", "--sessions", "1", "--turns", "1", "--llm-rate", "200",
+                        "--sentences-per-turn", "1", "--text-file", str(text), "--chunk-words", "2,4",
+                        "--first-chunk-words", "1", "--release-when-waiting", "off"]) == 0
+    assert [(c.min_words, c.max_words, c.first_max_words, c.release_when_waiting) for c in opened] == [
+        (2, 4, 1, False)]
+
+
 def test_bench_step_times_each_batch_sizes_first_step(tmp_path):
     from livespeech.loadtest import bench_step
 
