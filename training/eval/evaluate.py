@@ -356,17 +356,15 @@ def synthesize(engine, voice, utt: Utterance, mode: Mode, lam: float, seed: int,
     cfg = SessionConfig(
         n_past_chunks=mode.n_past, n_future_chunks=mode.n_future, guidance_lambda=lam, seed=seed, **(sampling or {}),
         sample_rate=SR, timestamps_are_speech_time=speech_time,
-        # chunks are cut here and flushed explicitly, so the chunker passes them through
+        # the other modes cut the chunks here and flush each, so the chunker passes them through
         chunking=ChunkingConfig(**(chunking or {})) if mode.chunker else ChunkingConfig(
             min_words=1, max_words=1 if mode.one_word else 16, timer_ms=10_000, flush_on_punctuation=False),
     )
     pieces: list[tuple[str, float]] = []
-    if mode.chunker:
+    if mode.one_word or mode.chunker:
         chunks = [(i, 1, None) for i in range(len(utt.words))]
-    elif mode.one_word or not utt.chunks:
-        chunks = [(i, 1, None) for i in range(len(utt.words))] if mode.one_word else _random_chunks(utt, seed)
     else:
-        chunks = utt.chunks
+        chunks = utt.chunks or _random_chunks(utt, seed)
     for first, n, tau in chunks:
         t = (tau / 75.0) if tau is not None else (utt.word_starts[first] if first < len(utt.word_starts) else 0.0)
         pieces.append((" ".join(utt.words[first:first + n]), t))
@@ -662,7 +660,8 @@ def main(argv=None) -> int:
         n_heldout=sum(u.heldout for u in utts), n_voices=len({u.voice for u in utts}),
         n_heldout_refs=len(scorer.heldout_refs), voice=a.voice,
         modes={m: MODES[m].description for m in modes}, lambdas=[_json_lambda(x) for x in lambdas],
-        pacing=a.pacing, chunking=dataclasses.asdict(ChunkingConfig(**a.chunking)) if any(MODES[m].chunker for m in modes) else None,
+        pacing=a.pacing,
+        chunking=dataclasses.asdict(ChunkingConfig(**a.chunking)) if any(MODES[m].chunker for m in modes) else None,
         sampling={**_sampling_meta(a.sampling), "text_cfg_scale": a.text_cfg_scale,
                                             "letter_schedule": a.letter_schedule and getattr(bundle, "front_end", None) is not None},
         normalizer=normalizer.name, normalizer_note=normalizer.note,
