@@ -307,7 +307,7 @@ def test_compare_pairs_clips_and_bootstraps_the_difference(tmp_path, capsys) -> 
     both_path = str(tmp_path / "both.json")
     assert compare.main([both_path, both_path, "--mode", "online", "--lambda", "1", "--lambda-b", "0"]) == 0
     out = capsys.readouterr().out
-    assert "online lambda 1, B = " in out and "online lambda 0" in out and "B - A +10.0" in out
+    assert "online lambda 1 of" in out and "online lambda 0 of" in out and "B - A +10.0" in out
     # runs pooled (one a seed): pairs in order, a clip's counts summed over its pairs
     a2 = run(tmp_path / "a2.json", [5, 6, 7, 8] * 10)
     b2 = run(tmp_path / "b2.json", [5, 6, 7, 8] * 10)  # no difference in the second pair
@@ -321,6 +321,31 @@ def test_compare_pairs_clips_and_bootstraps_the_difference(tmp_path, capsys) -> 
     assert "WER % on 40 clips x 2 runs a side" in out and "B - A -6.2" in out
     with pytest.raises(SystemExit):
         compare.main([f"{a},{a2}", str(b), "--mode", "online", "--lambda", "1"])
+
+
+def test_compare_sets_one_system_against_another_in_one_synthesisers_voices(tmp_path, capsys) -> None:
+    from livespeech.training.eval import compare
+
+    utts = []
+    for i in range(40):
+        voice = "flite-kal" if i % 4 == 0 else "espeak-en-m1"
+        truth = 2 if voice.startswith("flite") else 4
+        codec = 3 * truth if voice.startswith("flite") else truth + 1
+        for system, e in (("ground truth", truth), ("codec resynthesis", codec)):
+            utts.append({"utt": f"u{i}", "voice": voice, "system": system, "mode": None, "lambda": None,
+                         "word_errors": e, "ref_words": 10, "char_errors": e, "ref_chars": 40})
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"utterances": utts}))
+    r = compare.paired(compare.rows(path, "ground truth", None, None, "flite-"),
+                       compare.rows(path, "codec resynthesis", None, None, "flite-"), "word_errors", "ref_words")
+    assert r["n"] == 10 and math.isclose(r["ratio"], 3.0) and r["ratio_ci"] == (3.0, 3.0)
+    args = [str(path), str(path), "--system", "ground truth", "--system-b", "codec resynthesis"]
+    assert compare.main(args) == 0
+    out = capsys.readouterr().out  # (10 x 6 + 30 x 5) / (10 x 2 + 30 x 4) = 210 / 140
+    assert "B = codec resynthesis of" in out and "WER % on 40 clips" in out and "B / A 1.50x" in out
+    assert compare.main(args + ["--voices", "espeak-"]) == 0
+    out = capsys.readouterr().out
+    assert "(voices espeak-*)" in out and "WER % on 30 clips" in out and "B / A 1.25x" in out
 
 
 def test_real_time_pacing_pushes_each_piece_at_its_time():

@@ -16,8 +16,8 @@ from livespeech.models.codec import CodecModel
 from livespeech.models.tokenizer import get_tokenizer
 from livespeech.training import codec_train, encode_corpus, train
 from livespeech.training.schedule import Schedule, setup_device
-from livespeech.training.dataset import (DecoderData, codes_path, collate, jittered_end, read_manifest, read_wav_segment,
-                              text_tokens)
+from livespeech.training.dataset import (AudioCrops, DecoderData, codes_path, collate, jittered_end, read_manifest,
+                                         read_wav_segment, text_tokens)
 from livespeech.training.smoke import make_smoke_corpus
 
 SMALL = "d_model=64,n_shared_layers=1,n_group_layers=1,n_heads=2,enc_d_model=64,enc_layers=1,enc_heads=2,n_enroll=8"
@@ -119,6 +119,28 @@ def test_a_small_batch_fine_tune_keeps_the_codebooks_in_use(pipeline, tmp_path):
     for b, a in zip(init.quantizer.vq.layers, after.quantizer.vq.layers):
         moved = (a._codebook.embed - b._codebook.embed).norm(dim=1) / b._codebook.embed.norm(dim=1)
         assert int((moved > 0.05).sum()) <= seen  # re-seeding would replace all 1,024
+
+
+def test_engine_weights_set_how_often_each_engine_is_cropped(pipeline):
+    _, corpus, _, _ = pipeline
+    recs = [dict(r, engine="flite" if i % 3 == 0 else "espeak") for i, r in enumerate(read_manifest(corpus))]
+    n_flite = sum(r["engine"] == "flite" for r in recs)
+    assert 0 < n_flite < len(recs)
+
+    def flite_share(weights) -> float:
+        crops = AudioCrops(corpus, recs, 2400, seed=0, engine_weights=weights)
+        drawn = [r["engine"] for _ in range(50) for r, _ in crops.sample(8)[1]]
+        return drawn.count("flite") / len(drawn)
+
+    even = n_flite / len(recs)
+    weighted = 4 * n_flite / (4 * n_flite + len(recs) - n_flite)
+    assert abs(flite_share(None) - even) < 0.07
+    assert abs(flite_share({"flite": 4}) - weighted) < 0.07
+    assert flite_share({"espeak": 0}) == 1.0
+    with pytest.raises(ValueError, match="piper"):
+        AudioCrops(corpus, recs, 2400, engine_weights={"piper": 2})
+    with pytest.raises(SystemExit):  # the command line refuses a weight it cannot use
+        codec_train.main(["--corpus", corpus, "--out", "unused", "--engine-weight", "flite=-1"])
 
 
 def test_codec_discriminator_scores_every_scale():

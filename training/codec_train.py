@@ -105,6 +105,21 @@ def evaluate(model: CodecModel, wav: torch.Tensor, batch: int = 8) -> dict[str, 
     return out
 
 
+def _engine_weights(s: str) -> dict[str, float]:
+    """'flite=4,espeak=1' -> {'flite': 4.0, 'espeak': 1.0}."""
+    out = {}
+    for item in filter(None, (x.strip() for x in s.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            w = float(value)
+        except ValueError:
+            w = -1.0
+        if not sep or not name or not w >= 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected ENGINE=W with W >= 0")
+        out[name.strip()] = w
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m livespeech.training.codec_train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,6 +144,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-minutes", type=float, default=None, help="stop (with a checkpoint) after this long")
     p.add_argument("--minutes", type=float, default=None,
                    help="run length in training minutes instead of --steps (the LR decays over it)")
+    p.add_argument("--engine-weight", type=_engine_weights, default={}, metavar="ENGINE=W[,...]",
+                   help="draw an utterance of this synthesis engine W times as often as one of weight 1 "
+                        "(every engine's default), e.g. flite=4")
     p.add_argument("--device", default="cpu")
     p.add_argument("--init", default=None, help="start from this codec checkpoint (its config, not --preset)")
     p.add_argument("--decoder-only", action="store_true",
@@ -188,7 +206,11 @@ def main(argv=None) -> int:
     state_path = os.path.join(a.out, "last_state.pt")
     step, best, train_s = 0, float("inf"), 0.0
     sched = Schedule(a.lr, a.warmup, a.steps, a.minutes)
-    crops = AudioCrops(a.corpus, train, int(a.crop_s * SAMPLE_RATE), seed=a.seed)
+    try:
+        crops = AudioCrops(a.corpus, train, int(a.crop_s * SAMPLE_RATE), seed=a.seed, engine_weights=a.engine_weight)
+    except ValueError as e:
+        print(f"--engine-weight: {e}", file=sys.stderr)
+        return 2
     vectors_per_step = a.batch * -(-int(a.crop_s * SAMPLE_RATE) // model.hop_length)
     model.quantizer.set_dead_code_threshold(dead_code_threshold(cfg.threshold_ema_dead_code, vectors_per_step))
     if a.resume and os.path.exists(state_path):

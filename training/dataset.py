@@ -15,6 +15,7 @@ Decoder example (one utterance, T = len(graphemes) frames):
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -79,14 +80,28 @@ def read_wav_segment(path: str, start: int = 0, length: Optional[int] = None) ->
 class AudioCrops:
     """Random fixed-length crops of the corpus audio (codec training)."""
 
-    def __init__(self, corpus: str, records: Sequence[dict], crop: int, seed: int = 0, min_rms: float = 3e-3):
+    def __init__(self, corpus: str, records: Sequence[dict], crop: int, seed: int = 0, min_rms: float = 3e-3,
+                 engine_weights: Optional[dict[str, float]] = None):
+        """``engine_weights``: how often an utterance of each synthesis engine (the manifest's
+        ``engine``) is drawn relative to one of weight 1, the default for every engine."""
         self.corpus = corpus
         self.min_rms = min_rms
         self.recs = [r for r in records if r.get("duration_s", 1.0) * SAMPLE_RATE >= crop // 2]
         if not self.recs:
             raise ValueError("no utterances long enough for the crop")
+        self.weights = None
+        if engine_weights:
+            unknown = set(engine_weights) - {r.get("engine") for r in self.recs}
+            if unknown:
+                raise ValueError(f"no training utterances of engine(s) {', '.join(sorted(unknown))}")
+            self.weights = list(itertools.accumulate(engine_weights.get(r.get("engine"), 1.0) for r in self.recs))
         self.crop = crop
         self.rng = random.Random(seed)
+
+    def _draw(self) -> dict:
+        if self.weights is None:
+            return self.rng.choice(self.recs)
+        return self.rng.choices(self.recs, cum_weights=self.weights)[0]
 
     def batch(self, n: int) -> torch.Tensor:
         return self.sample(n)[0]
@@ -97,7 +112,7 @@ class AudioCrops:
         sources = []
         for i in range(n):
             for _attempt in range(50):
-                r = self.rng.choice(self.recs)
+                r = self._draw()
                 path = os.path.join(self.corpus, r["audio"])
                 total = int(round(r["duration_s"] * SAMPLE_RATE))
                 start = self.rng.randint(0, max(0, total - self.crop))

@@ -3,15 +3,17 @@
     python -m livespeech.training.eval.compare runs/a.json runs/b.json --mode online --lambda 1
     python -m livespeech.training.eval.compare runs/a.json runs/b.json --mode online --lambda 1 --lambda-b 0
     python -m livespeech.training.eval.compare a-seed0.json,a-seed1.json b-seed0.json,b-seed1.json --mode online --lambda 1
+    python -m livespeech.training.eval.compare run.json run.json --system "ground truth" --system-b "codec resynthesis" --voices flite-
 
 Reads the per-utterance JSON of two `python -m livespeech.training.eval` runs, pairs the
 rows of one system (the model in a mode at a guidance lambda, or `--system "ground
 truth"`) by utterance (B's rows in another mode or at another lambda with `--mode-b`,
-`--lambda-b`: one setting against another on the same clips), and prints WER and CER of
-each and of B minus A, with a 95 % paired bootstrap interval over the clips (the corpus
-rate: errors over reference words or characters, resampled by clip) and how many clips
-got better or worse. A difference
-whose interval holds 0 is not shown to be one.
+`--lambda-b`, or another system with `--system-b`: the codec's resynthesis against the
+ground truth), and prints WER and CER of each, B minus A and B over A, with 95 % paired
+bootstrap intervals over the clips (the corpus rate: errors over reference words or
+characters, resampled by clip) and how many clips got better or worse. A difference
+whose interval holds 0 is not shown to be one. `--voices PREFIX` keeps the clips of the
+voices whose names start with it (`espeak-`, `flite-`: one synthesiser's voices).
 
 Several runs a side (comma-separated, e.g. one a sampling seed): A's i-th run is paired
 with B's i-th, and a clip's errors and reference lengths are summed over the pairs, so
@@ -28,11 +30,12 @@ from typing import Optional
 import numpy as np
 
 
-def rows(path: Path, system: str, mode: Optional[str], lam: Optional[float]) -> dict[str, dict]:
-    """utterance id -> its row of `system` (for the model: in `mode` at `lam`)."""
+def rows(path: Path, system: str, mode: Optional[str], lam: Optional[float], voices: str = "") -> dict[str, dict]:
+    """utterance id -> its row of `system` (for the model: in `mode` at `lam`), of the
+    voices whose names start with `voices`."""
     out = {}
     for u in json.loads(path.read_text())["utterances"]:
-        if u["system"] != system:
+        if u["system"] != system or not u.get("voice", "").startswith(voices):
             continue
         if mode is not None and u.get("mode") != mode:
             continue
@@ -61,7 +64,7 @@ def pooled(runs_a: list[dict[str, dict]], runs_b: list[dict[str, dict]]) -> tupl
 
 def paired(a: dict[str, dict], b: dict[str, dict], errors: str, ref: str, n_boot: int = 10_000,
            seed: int = 0) -> dict:
-    """Corpus rates of A and B on their common clips, B - A and its 95 % bootstrap interval."""
+    """Corpus rates of A and B on their common clips, B - A and B / A with 95 % bootstrap intervals."""
     ids = sorted(set(a) & set(b))
     if not ids:
         raise ValueError("no utterance in common")
@@ -69,10 +72,13 @@ def paired(a: dict[str, dict], b: dict[str, dict], errors: str, ref: str, n_boot
     n = np.array([float(a[i][ref]) for i in ids])
     rate_a, rate_b = ea.sum() / n.sum(), eb.sum() / n.sum()
     pick = np.random.default_rng(seed).integers(0, len(ids), (n_boot, len(ids)))
-    diff = (eb[pick].sum(1) - ea[pick].sum(1)) / n[pick].sum(1)
-    lo, hi = np.percentile(diff, [2.5, 97.5])
+    sa, sb = ea[pick].sum(1), eb[pick].sum(1)
+    lo, hi = np.percentile((sb - sa) / n[pick].sum(1), [2.5, 97.5])
+    ratio = eb.sum() / ea.sum() if ea.sum() else math.inf
+    r_lo, r_hi = np.percentile(sb / np.maximum(sa, 1e-9), [2.5, 97.5]) if ea.sum() else (math.inf, math.inf)
     per_a, per_b = ea / np.maximum(n, 1), eb / np.maximum(n, 1)
     return {"n": len(ids), "a": rate_a, "b": rate_b, "diff": rate_b - rate_a, "ci": (float(lo), float(hi)),
+            "ratio": float(ratio), "ratio_ci": (float(r_lo), float(r_hi)),
             "better": int((per_b < per_a).sum()), "worse": int((per_b > per_a).sum())}
 
 
@@ -81,33 +87,38 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("a", help="A's run (JSON), or its runs comma-separated")
     p.add_argument("b", help="B's run, or its runs (as many as A's, paired in order)")
     p.add_argument("--system", default="model", help='the rows to compare (default: model; or "ground truth", ...)')
+    p.add_argument("--system-b", default=None, help="B's rows where they differ from --system (e.g. \"codec resynthesis\")")
+    p.add_argument("--voices", default="", metavar="PREFIX", help="only the voices whose names start with this")
     p.add_argument("--mode", default=None, help="the model's mode (online, offline, 1word)")
     p.add_argument("--lambda", dest="lam", type=float, default=None, help="the guidance lambda")
     p.add_argument("--mode-b", default=None, help="B's mode where it differs from --mode")
     p.add_argument("--lambda-b", dest="lam_b", type=float, default=None, help="B's lambda where it differs from --lambda")
     a = p.parse_args(argv)
-    model = a.system == "model"
-    mode, lam = (a.mode, a.lam) if model else (None, None)
-    mode_b = (a.mode_b or a.mode) if model else None
-    lam_b = (a.lam if a.lam_b is None else a.lam_b) if model else None
+    system_b = a.system_b or a.system
+    mode, lam = (a.mode, a.lam) if a.system == "model" else (None, None)
+    mode_b = (a.mode_b or a.mode) if system_b == "model" else None
+    lam_b = (a.lam if a.lam_b is None else a.lam_b) if system_b == "model" else None
     files_a, files_b = a.a.split(","), a.b.split(",")
     try:
-        ra, rb = pooled([rows(Path(f), a.system, mode, lam) for f in files_a],
-                        [rows(Path(f), a.system, mode_b, lam_b) for f in files_b])
+        ra, rb = pooled([rows(Path(f), a.system, mode, lam, a.voices) for f in files_a],
+                        [rows(Path(f), system_b, mode_b, lam_b, a.voices) for f in files_b])
     except ValueError as e:  # as many runs a side: `pooled` says so
         p.error(str(e))
     runs = f" x {len(files_a)} runs a side" if len(files_a) > 1 else ""
 
     def setting(m, x):
         return f"{f' {m}' if m else ''}{f' lambda {x:g}' if x is not None else ''}"
-    same = (mode, lam) == (mode_b, lam_b)
-    print(f"{a.system}{setting(mode, lam)}: A = {a.a}, B = {a.b}" if same else
-          f"{a.system}: A = {a.a}{setting(mode, lam)}, B = {a.b}{setting(mode_b, lam_b)}")
+    voices = f" (voices {a.voices}*)" if a.voices else ""
+    if (a.system, mode, lam) == (system_b, mode_b, lam_b):
+        print(f"{a.system}{setting(mode, lam)}{voices}: A = {a.a}, B = {a.b}")
+    else:
+        print(f"A = {a.system}{setting(mode, lam)} of {a.a}, B = {system_b}{setting(mode_b, lam_b)} of {a.b}{voices}")
     for name, errors, ref in (("WER", "word_errors", "ref_words"), ("CER", "char_errors", "ref_chars")):
         r = paired(ra, rb, errors, ref)
         lo, hi = r["ci"]
         print(f"{name} % on {r['n']} clips{runs}: A {100 * r['a']:.1f}, B {100 * r['b']:.1f}, B - A {100 * r['diff']:+.1f} "
-              f"(95 % CI {100 * lo:+.1f} to {100 * hi:+.1f}); B better on {r['better']} clips, worse on {r['worse']}")
+              f"(95 % CI {100 * lo:+.1f} to {100 * hi:+.1f}), B / A {r['ratio']:.2f}x ({r['ratio_ci'][0]:.2f} to "
+              f"{r['ratio_ci'][1]:.2f}); B better on {r['better']} clips, worse on {r['worse']}")
     return 0
 
 
