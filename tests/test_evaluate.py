@@ -321,6 +321,8 @@ def test_compare_pairs_clips_and_bootstraps_the_difference(tmp_path, capsys) -> 
     assert "WER % on 40 clips x 2 runs a side" in out and "B - A -6.2" in out
     with pytest.raises(SystemExit):
         compare.main([f"{a},{a2}", str(b), "--mode", "online", "--lambda", "1"])
+    with pytest.raises(SystemExit):  # a usage error, not a traceback
+        compare.main([str(a), str(tmp_path / "missing.json"), "--mode", "online", "--lambda", "1"])
 
 
 def test_compare_sets_one_system_against_another_in_one_synthesisers_voices(tmp_path, capsys) -> None:

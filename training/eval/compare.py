@@ -102,7 +102,7 @@ def main(argv: Optional[list] = None) -> int:
     try:
         ra, rb = pooled([rows(Path(f), a.system, mode, lam, a.voices) for f in files_a],
                         [rows(Path(f), system_b, mode_b, lam_b, a.voices) for f in files_b])
-    except ValueError as e:  # as many runs a side: `pooled` says so
+    except (ValueError, OSError) as e:  # runs unpaired (`pooled` says so), or a run not there
         p.error(str(e))
     runs = f" x {len(files_a)} runs a side" if len(files_a) > 1 else ""
 
