@@ -32,6 +32,7 @@ from livespeech.models.codec.discriminator import MultiScaleSTFTDiscriminator, d
 from livespeech.models.codec.losses import reconstruction_losses, weighted_reconstruction_losses
 from livespeech.models.config import SAMPLE_RATE
 
+from .corpus.cli import parse_weights
 from .dataset import AudioCrops, read_manifest, read_wav_segment
 from .phones import IGNORE, PhoneVocab, probe_codec
 from .schedule import Schedule, setup_device
@@ -106,17 +107,13 @@ def evaluate(model: CodecModel, wav: torch.Tensor, batch: int = 8) -> dict[str, 
 
 
 def _engine_weights(s: str) -> dict[str, float]:
-    """'flite=4,espeak=1' -> {'flite': 4.0, 'espeak': 1.0}."""
-    out = {}
-    for item in filter(None, (x.strip() for x in s.split(","))):
-        name, sep, value = item.partition("=")
-        try:
-            w = float(value)
-        except ValueError:
-            w = -1.0
-        if not sep or not name or not w >= 0:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected ENGINE=W with W >= 0")
-        out[name.strip()] = w
+    """--engine-weight: the corpus build's NAME=W list (its --engines), every W >= 0."""
+    try:
+        out = parse_weights(s) or {}
+    except ValueError:
+        out = None
+    if out is None or not all(w >= 0 for w in out.values()):
+        raise argparse.ArgumentTypeError(f"{s!r}: expected ENGINE=W[,...] with every W >= 0")
     return out
 
 

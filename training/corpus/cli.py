@@ -25,7 +25,8 @@ def _sources(s: str | None) -> list[str] | None:
     return _csv(s) or []
 
 
-def _weights(s: str | None) -> dict[str, float] | None:
+def parse_weights(s: str | None) -> dict[str, float] | None:
+    """'espeak=0.8,flite=0.2' -> {'espeak': 0.8, 'flite': 0.2}; None when not given."""
     if not s:
         return None
     out = {}
@@ -40,9 +41,9 @@ _DEFINITION = {
     "seed": ("seed", None), "dev_frac": ("dev_frac", None), "test_frac": ("test_frac", None),
     "heldout_frac": ("heldout_frac", None), "voices_per_combo": ("voices_per_combo", None),
     "accents": ("accents", _csv), "variants": ("variants", _csv), "sources": ("sources", _sources),
-    "sentences": ("sentence_file", None), "weights": ("weights", _weights),
+    "sentences": ("sentence_file", None), "weights": ("weights", parse_weights),
     "heldout_eval_share": ("heldout_eval_share", None), "max_seconds": ("max_seconds", None),
-    "engines": ("engines", _weights),
+    "engines": ("engines", parse_weights),
 }
 
 
