@@ -205,8 +205,8 @@ def main(argv=None) -> int:
     sched = Schedule(a.lr, a.warmup, a.steps, a.minutes)
     try:
         crops = AudioCrops(a.corpus, train, int(a.crop_s * SAMPLE_RATE), seed=a.seed, engine_weights=a.engine_weight)
-    except ValueError as e:
-        print(f"--engine-weight: {e}", file=sys.stderr)
+    except ValueError as e:  # no utterance long enough, or a weighted engine with none
+        print(f"codec_train: {e}", file=sys.stderr)
         return 2
     vectors_per_step = a.batch * -(-int(a.crop_s * SAMPLE_RATE) // model.hop_length)
     model.quantizer.set_dead_code_threshold(dead_code_threshold(cfg.threshold_ema_dead_code, vectors_per_step))

@@ -89,19 +89,20 @@ class AudioCrops:
         self.recs = [r for r in records if r.get("duration_s", 1.0) * SAMPLE_RATE >= crop // 2]
         if not self.recs:
             raise ValueError("no utterances long enough for the crop")
-        self.weights = None
+        self.cum_weights = None
         if engine_weights:
             unknown = set(engine_weights) - {r.get("engine") for r in self.recs}
             if unknown:
-                raise ValueError(f"no training utterances of engine(s) {', '.join(sorted(unknown))}")
-            self.weights = list(itertools.accumulate(engine_weights.get(r.get("engine"), 1.0) for r in self.recs))
+                raise ValueError(f"engine weights name engine(s) with no utterance to crop: "
+                                 f"{', '.join(sorted(unknown))}")
+            self.cum_weights = list(itertools.accumulate(engine_weights.get(r.get("engine"), 1.0) for r in self.recs))
         self.crop = crop
         self.rng = random.Random(seed)
 
     def _draw(self) -> dict:
-        if self.weights is None:
+        if self.cum_weights is None:
             return self.rng.choice(self.recs)
-        return self.rng.choices(self.recs, cum_weights=self.weights)[0]
+        return self.rng.choices(self.recs, cum_weights=self.cum_weights)[0]
 
     def batch(self, n: int) -> torch.Tensor:
         return self.sample(n)[0]
