@@ -107,16 +107,16 @@ def main(argv=None) -> int:
         for b in args.batch:
             print(json.dumps(guidance_cost(b, args.steps, args.device)))
         return 0
-    from livespeech.server.runner import bf16_matmuls_enabled, onnx_codec_enabled
+    from livespeech.server.runner import matmul_weights, onnx_codec_enabled
 
     bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
     out = {"preset": args.preset, "threads": args.threads, "device": args.device,
            "cuda_graphs": args.cuda_graphs, "compile_step": args.compile_step, "device_guidance": args.device_guidance,
            "frozen_step": None, "rows": [],
-           "bf16_matmuls": bf16_matmuls_enabled(args.bf16_matmuls, args.device),
+           "matmul_weights": matmul_weights(args.matmul_weights, args.device),
            "onnx_codec": onnx_codec_enabled(args.codec_runtime, args.device)}
     if args.roofline:
-        out["machine"] = measure_machine(bundle.device, bf16=out["bf16_matmuls"])
+        out["machine"] = measure_machine(bundle.device, weights=out["matmul_weights"])
         out["analytic"] = analytic_cost(bundle.model, cuda=bundle.device.type == "cuda")
         print(json.dumps({"machine": out["machine"]}))
     rows = first_call_rows(bundle, args, out) if args.first_calls else step_cost_rows(bundle, args, out)
@@ -138,6 +138,7 @@ def step_cost_rows(bundle, args, out: dict):
         setup_s = time.perf_counter() - t0
         slots = list(range(b))
         st = runner.state
+        low = b >= runner.low_precision_from_batch  # the step runs the lower-precision weights
         with torch.inference_mode():
             def model_only():
                 view = st.view(slots)
@@ -145,7 +146,7 @@ def step_cost_rows(bundle, args, out: dict):
                 if runner.captured is not None:
                     runner.captured(slots, view.inputs, view.step, mask)
                 else:
-                    runner.model_step(view.inputs, view.step, view, mask)
+                    runner.model_step(view.inputs, view.step, view, mask, runner.low_precision if low else None)
             t_model = bench(model_only, args.steps)
             def full_step():
                 runner.step(slots, [(0, 0)] * b, guides, [1.0] * b, [20] * b, [False] * b)
@@ -160,8 +161,8 @@ def step_cost_rows(bundle, args, out: dict):
             "realtime_sessions_bound": b * (1000 / FRAME_RATE) / ((t_full + t_codec / pf) * 1e3),
         }
         if "machine" in out:  # --roofline: the model step's bound on this machine, and the steps against it
-            m = model_step_cost(out["analytic"], b, runner.low_precision is not None and b >= runner.bf16_from_batch)
-            bound = roofline(m["flops"], m["bytes"], t_model, out["machine"], m["bf16_flops"])
+            m = model_step_cost(out["analytic"], b, out["matmul_weights"] if low else "float32")
+            bound = roofline(m["flops"], m["bytes"], t_model, out["machine"], m["low_flops"])
             row.update(step_bound_ms=max(bound["t_flops_ms"], bound["t_bytes_ms"]), step_bytes_mb=bound["mbytes"],
                        step_gflop=bound["gflop"], model_step_over_bound=1 / bound["roofline_fraction"],
                        full_step_over_bound=t_full * 1e3 / max(bound["t_flops_ms"], bound["t_bytes_ms"]))
@@ -177,7 +178,7 @@ def runner_with_sessions(bundle, args, out: dict, capacity: int):
 
     runner = ModelRunner(bundle, capacity, cuda_graphs=args.cuda_graphs, compile_step=args.compile_step,
                          frozen_step=not args.eager_step,
-                         bf16_matmuls=out["bf16_matmuls"], onnx_codec=out["onnx_codec"],
+                         matmul_weights=out["matmul_weights"], onnx_codec=out["onnx_codec"],
                          device_guidance=args.device_guidance)
     out["frozen_step"] = runner.frozen
     # torch.compile's step in use (the runner falls back to the uncompiled one where it fails)

@@ -1,26 +1,28 @@
-"""How far a bf16 step moves the model's sampling distributions from the float32 step's.
+"""How far a lower-precision step moves the model's sampling distributions from the float32 step's.
 
-    python -m livespeech.loadtest.precision --sessions 8 --turns 2 [--arm decoder] --json precision.json
+    python -m livespeech.loadtest.precision --sessions 8 --turns 2 [--arm int8] --json precision.json
 
-`bf16_matmuls` (server/runner.py) runs the decode step's widest matmuls with bfloat16
-weights: on the CPU from two sessions (`--arm matmuls`), on a GPU at every step with the
-cross-attention's projections and the text memory in bfloat16 too (`--arm gpu`, run
-here on the CPU); `--arm decoder` measures the whole decoder converted to bfloat16
-instead (not a server setting; docs/loadtest.md). This measures what that costs in the
-model's output, teacher-forced along real decodes: the real engine (no gRPC) speaks
-`--sessions` x `--turns` turns of built-in sentences in the bundle's voices, stepping in
-float32; at every step where the server would use bf16 the same step also runs in bf16
-from a copy of the recurrent state, and the two steps' logits are compared row by row
-(each row one session's grapheme or one acoustic codebook):
+`matmul_weights` (server/runner.py) runs the decode step's widest matmuls with bfloat16
+or int8 weights: bfloat16 on the CPU from two sessions (`--arm bfloat16`), on a GPU at
+every step with the cross-attention's projections and the text memory in bfloat16 too
+(`--arm gpu`, run here on the CPU); int8 on the CPU from one session (`--arm int8`, each
+call's activations quantised to int8 too; fbgemm); `--arm decoder` measures the whole
+decoder converted to bfloat16 instead (not a server setting; docs/loadtest.md). This
+measures what that costs in the model's output, teacher-forced along real decodes: the
+real engine (no gRPC) speaks `--sessions` x `--turns` turns of built-in sentences in the
+bundle's voices, stepping in float32; at every step where the server would use the lower
+precision the same step also runs in it from a copy of the recurrent state, and the two
+steps' logits are compared row by row (each row one session's grapheme or one acoustic
+codebook):
 
 - argmax agreement: the share of rows whose most likely token is the same;
-- KL(float32 || bf16) of the full softmax, in nats;
+- KL(float32 || lower precision) of the full softmax, in nats;
 - total variation between the top-k distributions the sampler draws from (`--top-k`,
   the server's default 20): the least possible share of draws that differ;
 - same-draw disagreement: the share of tokens the sampler (`sample_top_k`) picks
   differently from the same uniforms (`--draws` per row). It is far above the total
-  variation: the sampler walks the candidates in logit order, and bf16 reorders
-  near-equal ones, so a seeded session's speech is not the same with bf16 on and off
+  variation: the sampler walks the candidates in logit order, and a lower precision reorders
+  near-equal ones, so a seeded session's speech is not the same with it on and off
   (nor alone and in a batch), though it comes from nearly the same distributions;
 - for scale, the total variation that a sampling temperature of 1.01, 1.02 and 1.05
   (against 1) makes in the float32 step's top-k distributions.
@@ -45,7 +47,8 @@ from .profile_step import noise_reference
 from .workload import load_sentences
 
 TEMPERATURES = (1.01, 1.02, 1.05)
-ARMS = ("matmuls", "gpu", "decoder")  # what runs in bfloat16 (`measure`)
+ARMS = ("bfloat16", "int8", "gpu", "decoder")  # what runs in a lower precision (`measure`)
+CPU_ARMS = ("bfloat16", "int8")  # the CPU server's `matmul_weights`
 
 
 def _row_stats(p32: torch.Tensor, p16: torch.Tensor, top_k: int, draws: int, gen: torch.Generator) -> dict:
@@ -71,26 +74,26 @@ def _row_stats(p32: torch.Tensor, p16: torch.Tensor, top_k: int, draws: int, gen
 
 
 def measure(bundle, sessions: int, turns: int, top_k: int = 20, draws: int = 32, seed: int = 0,
-            timeout_s: float = 600.0, arm: str = "matmuls") -> dict[str, Any]:
-    """arm "matmuls": the CPU's bf16 matmuls (`bf16_matmuls`: the widest matmuls with
-    bf16 weights), at steps of two or more sessions, where the CPU server uses them;
-    "gpu": a GPU's (the same plus the cross-attention's projections, the text memory in
-    bfloat16: server/runner.py), at every step; "decoder": the whole decoder converted
-    to bfloat16 (weights, activations, the conv window and the memory; not a server
-    setting), at every step. Each from the float32 state (rounded to bfloat16 where the
-    arm keeps it so; the SSM state stays float32)."""
+            timeout_s: float = 600.0, arm: str = "bfloat16") -> dict[str, Any]:
+    """arm "bfloat16" / "int8": the CPU's `matmul_weights` (the widest matmuls with those
+    weights), at the steps where the CPU server uses them (bfloat16 from two sessions,
+    int8 from one); "gpu": a GPU's bf16 path (the same plus the cross-attention's
+    projections, the text memory in bfloat16: server/runner.py), at every step;
+    "decoder": the whole decoder converted to bfloat16 (weights, activations, the conv
+    window and the memory; not a server setting), at every step. Each from the float32
+    state (rounded to bfloat16 where the arm keeps it so; the SSM state stays float32)."""
     from livespeech.server.engine import Engine, EngineConfig
     from livespeech.api.session import Failed, Finished, SessionConfig
 
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {arm!r}")
-    engine = Engine(bundle, EngineConfig(max_sessions=sessions, bf16_matmuls=arm == "matmuls"))
+    engine = Engine(bundle, EngineConfig(max_sessions=sessions, matmul_weights=arm if arm in CPU_ARMS else "float32"))
     runner = engine.runner
     step = runner.model_step
     bf16 = torch.bfloat16
     low_model = copy.deepcopy(bundle.model).to(bf16) if arm == "decoder" else bundle.model
-    min_batch = runner.bf16_from_batch if arm == "matmuls" else 1
-    rounded = {"matmuls": (), "gpu": ("mem_k", "mem_v"), "decoder": ("conv", "mem_k", "mem_v")}[arm]
+    min_batch = runner.low_precision_from_batch if arm in CPU_ARMS else 1
+    rounded = {"gpu": ("mem_k", "mem_v"), "decoder": ("conv", "mem_k", "mem_v")}.get(arm, ())
     gen = torch.Generator().manual_seed(seed)
     rows: dict[str, list[dict]] = {"graphemes": [], "acoustic": []}
     batches: list[int] = []
@@ -99,8 +102,8 @@ def measure(bundle, sessions: int, turns: int, top_k: int = 20, draws: int = 32,
         state = {name: getattr(view, name).clone() for name in ("conv", "ssm")}  # the step writes them
         state.update({name: getattr(view, name).to(bf16) for name in rounded})
         low_view = dataclasses.replace(view, **state)
-        if arm == "matmuls":
-            return step(inputs, frame, low_view, mask, bf16, phones=phones)
+        if arm in CPU_ARMS:
+            return step(inputs, frame, low_view, mask, runner.low_precision, phones=phones)
         return low_model.step(inputs, frame, low_view, mask, None if arm == "decoder" else bf16, phones=phones)
 
     def both(inputs, frame, view, mask, dtype=None, phones=None):
@@ -172,9 +175,10 @@ def main(argv=None) -> int:
     ap.add_argument("--draws", type=int, default=32, help="uniform draws per row for the same-draw disagreement")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arm", choices=ARMS, default="matmuls",
-                    help="matmuls: the CPU's --bf16-matmuls; gpu: a GPU's (the attention's projections and the text "
-                         "memory in bfloat16 too); decoder: the whole decoder converted to bfloat16")
+    ap.add_argument("--arm", choices=ARMS, default="bfloat16",
+                    help="bfloat16, int8: the CPU's --matmul-weights; gpu: a GPU's bfloat16 (the attention's "
+                         "projections and the text memory in bfloat16 too); decoder: the whole decoder converted to "
+                         "bfloat16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

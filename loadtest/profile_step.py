@@ -38,8 +38,9 @@ Cost model: FLOPs and bytes of one step are counted from the model's parameter s
 cross-checked with torch's FlopCounterMode, and compared with this machine's sgemm
 throughput and memcpy bandwidth, both measured in the same run with the same thread
 count: `roofline_fraction` = max(FLOPs / peak FLOP/s, bytes / peak B/s) / measured time.
-A step with bf16 matmuls (batch >= 2 with `--bf16-matmuls`) counts the matmuls it runs in
-bfloat16 at the measured bf16 gemm throughput and their weights at 2 bytes.
+A step with bfloat16 or int8 matmul weights (`--matmul-weights`; bfloat16 from batch 2 on
+the CPU) counts the matmuls it runs in that precision at the measured bf16 gemm (or int8
+dynamically quantised linear) throughput and their weights at 2 (or 1) bytes.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from livespeech.server.config import BF16_SETTINGS, CODEC_RUNTIMES
-from livespeech.server.runner import bf16_matmuls_enabled, onnx_codec_enabled
+from livespeech.server.config import CODEC_RUNTIMES, MATMUL_WEIGHTS
+from livespeech.server.runner import matmul_weights, onnx_codec_enabled
 
 # ------------------------------------------------------------------ scopes
 
@@ -213,7 +214,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs back into
 
 def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_function: bool = False,
                 trace_dir: Optional[Path] = None, text_chars: int = 160, timeout_s: float = 600.0,
-                cuda_graphs: bool = False, frozen_step: bool = True, bf16_matmuls: bool = False,
+                cuda_graphs: bool = False, frozen_step: bool = True, weights: str = "float32",
                 onnx_codec: bool = False) -> dict:
     """Run the engine on `batch` sessions of `text_chars` characters each (all sent at
     once, like an LLM far ahead of the speech; a finished session is replaced at once)
@@ -225,7 +226,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     # it with the next steps on a codec thread, where these scopes do not see it)
     engine = Engine(bundle, EngineConfig(max_sessions=batch, max_lead_s=1e6, max_session_s=3600.0,
                                          cuda_graphs=cuda_graphs, frozen_step=frozen_step, codec_thread=False,
-                                         bf16_matmuls=bf16_matmuls, onnx_codec=onnx_codec))
+                                         matmul_weights=weights, onnx_codec=onnx_codec))
     voice = engine.make_voice("profile", noise_reference(), 24000)
     text_chars = text_chars or 160
     text = (TEXT * (text_chars // len(TEXT) + 1))[:text_chars]
@@ -234,7 +235,6 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     if bundle.device.type == "cuda":
         scopes.sync = torch.cuda.synchronize
     frozen = engine.runner.frozen  # before the wrappers replace its step
-    low_precision = engine.runner.low_precision is not None
     patches = install(scopes, engine, fine)
     n_steps = [0]
     batch_sizes: list[int] = []
@@ -303,7 +303,8 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     window = step_starts[-1] - step_starts[0]
     out = {"steps": steps, "window_s": window, "iteration_ms": 1000 * window / steps,
            "mean_batch": statistics.fmean(batch_sizes), "sessions_opened": opened, "sessions_finished": finished[0],
-           "frozen_step": frozen, "bf16_matmuls": low_precision, "bf16_from_batch": engine.runner.bf16_from_batch,
+           "frozen_step": frozen, "matmul_weights": weights,
+           "low_precision_from_batch": engine.runner.low_precision_from_batch,
            "incl": dict(scopes.incl), "excl": dict(scopes.excl), "calls": dict(scopes.calls),
            "parent": dict(scopes.parent)}
     if prof is not None and trace_dir is not None:
@@ -371,7 +372,7 @@ def analytic_cost(model, cuda: bool = False) -> dict:
     M = cfg.n_enroll + cfg.max_text_tokens
     mb = model.layers[0].mamba
     di, n, r, kc = mb.d_inner, mb.d_state, mb.dt_rank, mb.d_conv
-    macs_in_out = d * 2 * di + di * d  # the in and out projections (bf16 in a bf16 step)
+    macs_in_out = d * 2 * di + di * d  # the in and out projections (bf16 or int8 in such a step)
     macs_mamba = macs_in_out + di * (r + 2 * n) + r * di + di * kc + 3 * di * n
     macs_xattn = 2 * d * d + H * M * (2 * hd) + H * M * hd
     macs_heads = sum(model.vocab_sizes) * d
@@ -382,21 +383,22 @@ def analytic_cost(model, cuda: bool = False) -> dict:
         if name.startswith(skip) or ".xattn.kv_proj." in name:
             continue  # not read by a decode step (enrollment / text projection happen once)
         weights += _bytes(p)
-    # what a bf16 step (bf16 matmuls, from BF16_FROM_BATCH sessions on the CPU) reads in
-    # bfloat16: the heads and each Mamba block's in/out projections (LiveSpeech2.step's
-    # matmul_dtype), on a GPU (the memory in bfloat16) the cross-attention's q and out too
-    bf16_names = (".mamba.in_proj.weight", ".mamba.out_proj.weight")
-    bf16_names += (".xattn.q_proj.weight", ".xattn.out_proj.weight") if cuda else ()
-    bf16_weights = sum(_bytes(p) for name, p in model.named_parameters()
-                       if name.startswith("heads.") or name.endswith(bf16_names))
-    macs_bf16 = L * (macs_in_out + (2 * d * d if cuda else 0)) + macs_heads
+    # what a step with bfloat16 or int8 matmul weights (from LOW_PRECISION_FROM_BATCH
+    # sessions on the CPU) reads in that precision: the heads and each Mamba block's in/out
+    # projections (LiveSpeech2.step's matmul_dtype), on a GPU (the memory in bfloat16) the
+    # cross-attention's q and out too
+    low_names = (".mamba.in_proj.weight", ".mamba.out_proj.weight")
+    low_names += (".xattn.q_proj.weight", ".xattn.out_proj.weight") if cuda else ()
+    low_weights = sum(_bytes(p) for name, p in model.named_parameters()
+                      if name.startswith("heads.") or name.endswith(low_names))
+    macs_low = L * (macs_in_out + (2 * d * d if cuda else 0)) + macs_heads
     es = 4
     state_rw = 2 * L * di * (kc + n) * es  # conv + SSM state, read and written
     mem_read = L * H * M * 3 * hd * es  # cached K (2*hd wide) and V
     emb_rows = cfg.n_codebooks * d * es
     return {"macs_per_session": macs, "macs_mamba_per_layer": macs_mamba, "macs_xattn_per_layer": macs_xattn,
             "macs_heads": macs_heads, "weight_bytes": weights,
-            "macs_bf16_per_session": macs_bf16, "bf16_weight_bytes_fp32": bf16_weights,
+            "macs_low_precision_per_session": macs_low, "low_precision_weight_bytes_fp32": low_weights,
             "state_bytes_per_session": state_rw + mem_read + emb_rows,
             # a GPU's bf16 step keeps the memory K/V in bfloat16: half of mem_read saved
             "bf16_memory_saving_per_session": mem_read / 2 if cuda else 0,
@@ -404,14 +406,20 @@ def analytic_cost(model, cuda: bool = False) -> dict:
                      "vocab_sizes": list(model.vocab_sizes)}}
 
 
-def model_step_cost(cost: dict, batch: int, bf16_step: bool) -> dict:
-    """FLOPs (and how many of them in bfloat16) and bytes of one model step of `batch`
-    sessions, from `analytic_cost`'s `cost`; `bf16_step`: the step runs the bf16 path."""
-    state = (cost["state_bytes_per_session"] - (cost["bf16_memory_saving_per_session"] if bf16_step else 0)) * batch
-    weights = cost["weight_bytes"] - (cost["bf16_weight_bytes_fp32"] / 2 if bf16_step else 0)
+# bytes a weight of the step's widest matmuls by `matmul_weights`
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+
+
+def model_step_cost(cost: dict, batch: int, weights: str = "float32") -> dict:
+    """FLOPs (and how many of them in a lower precision, `low_flops`) and bytes of one
+    model step of `batch` sessions, from `analytic_cost`'s `cost`; `weights`: the
+    precision the step's widest matmuls run in (float32, bfloat16, int8)."""
+    low = weights != "float32"
+    saving = cost["bf16_memory_saving_per_session"] if weights == "bfloat16" else 0
+    w = cost["weight_bytes"] - cost["low_precision_weight_bytes_fp32"] * (1 - WEIGHT_BYTES[weights] / 4)
     return {"flops": 2 * cost["macs_per_session"] * batch,
-            "bf16_flops": 2 * cost["macs_bf16_per_session"] * batch if bf16_step else 0.0,
-            "weight_bytes": weights, "bytes": weights + state}
+            "low_flops": 2 * cost["macs_low_precision_per_session"] * batch if low else 0.0,
+            "weight_bytes": w, "bytes": w + (cost["state_bytes_per_session"] - saving) * batch}
 
 
 def codec_cost(codec) -> dict:
@@ -499,12 +507,28 @@ def _best_mm_gflops(n: int, dtype: torch.dtype, device: torch.device, reps: int,
     return 2 * n**3 / best / 1e9
 
 
+def _best_int8_gops(n: int, reps: int) -> float:
+    """fbgemm's dynamically quantised linear (models/derived.py), n x n by n x n, in GOP/s."""
+    from livespeech.models.derived import matmul_t, packed_int8
+
+    x, w = torch.randn(n, n), packed_int8(torch.randn(n, n))
+    matmul_t(x, w)
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        matmul_t(x, w)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
 def measure_machine(device: torch.device, sgemm_n: int = 1024, copy_mib: int = 256, reps: int = 5,
-                    bf16: bool = False) -> dict:
-    """sgemm GFLOP/s, memcpy GB/s and, with `bf16`, bf16 gemm GFLOP/s."""
+                    weights: str = "float32") -> dict:
+    """sgemm GFLOP/s, memcpy GB/s and, for `weights` bfloat16, bf16 gemm GFLOP/s, for int8
+    the int8 linear's GOP/s."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gflops = _best_mm_gflops(sgemm_n, torch.float32, device, reps, sync)
-    bf16_gflops = _best_mm_gflops(sgemm_n, torch.bfloat16, device, reps, sync) if bf16 else None
+    bf16_gflops = _best_mm_gflops(sgemm_n, torch.bfloat16, device, reps, sync) if weights == "bfloat16" else None
+    int8_gops = _best_int8_gops(sgemm_n, reps) if weights == "int8" else None
     n = copy_mib * (1 << 20) // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
@@ -518,16 +542,18 @@ def measure_machine(device: torch.device, sgemm_n: int = 1024, copy_mib: int = 2
         best_c = min(best_c, time.perf_counter() - t)
     gbs = 2 * n * 4 / best_c / 1e9  # read + write
     del src, dst
-    return {"sgemm_n": sgemm_n, "sgemm_gflops": gflops, "bf16_gemm_gflops": bf16_gflops,
+    return {"sgemm_n": sgemm_n, "sgemm_gflops": gflops, "bf16_gemm_gflops": bf16_gflops, "int8_gemm_gops": int8_gops,
             "memcpy_mib": copy_mib, "memcpy_gbs": gbs,
             "note": "best of %d; memcpy counts bytes read + written" % reps}
 
 
-def roofline(flops: float, nbytes: float, t_s: float, machine: dict, bf16_flops: float = 0.0) -> dict:
-    """`bf16_flops` of `flops` run in bfloat16, at the machine's bf16 gemm throughput."""
-    t_f = (flops - bf16_flops) / (machine["sgemm_gflops"] * 1e9)
-    if bf16_flops:
-        t_f += bf16_flops / (machine["bf16_gemm_gflops"] * 1e9)
+def roofline(flops: float, nbytes: float, t_s: float, machine: dict, low_flops: float = 0.0) -> dict:
+    """`low_flops` of `flops` run in bfloat16 or int8, at the machine's bf16 gemm or int8
+    linear throughput (the one `measure_machine` measured)."""
+    t_f = (flops - low_flops) / (machine["sgemm_gflops"] * 1e9)
+    if low_flops:
+        rate = machine.get("bf16_gemm_gflops") or machine["int8_gemm_gops"]
+        t_f += low_flops / (rate * 1e9)
     t_b = nbytes / (machine["memcpy_gbs"] * 1e9)
     return {"gflop": flops / 1e9, "mbytes": nbytes / 1e6, "t_flops_ms": 1000 * t_f, "t_bytes_ms": 1000 * t_b,
             "measured_ms": 1000 * t_s, "roofline_fraction": max(t_f, t_b) / t_s if t_s > 0 else None,
@@ -540,10 +566,10 @@ def roofline(flops: float, nbytes: float, t_s: float, machine: dict, bf16_flops:
 
 def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, trace_dir: Optional[Path] = None,
             plain: bool = True, packet_ms: int = 80, text_chars: int = 160, cuda_graphs: bool = False,
-            frozen_step: bool = True, bf16_matmuls: bool = False, onnx_codec: bool = False) -> dict:
+            frozen_step: bool = True, weights: str = "float32", onnx_codec: bool = False) -> dict:
     from livespeech.models.config import FRAME_RATE
 
-    machine = measure_machine(bundle.device, bf16=bf16_matmuls)
+    machine = measure_machine(bundle.device, weights=weights)
     cost = analytic_cost(bundle.model, cuda=bundle.device.type == "cuda")
     ccost = codec_cost(bundle.codec)
     pf = max(1, math.ceil(packet_ms * FRAME_RATE / 1000))
@@ -556,29 +582,29 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         la = list(os.getloadavg())
         run = _engine_run(bundle, b, steps, warmup, fine=True, record_function=trace_dir is not None,
                           trace_dir=trace_dir, text_chars=text_chars, cuda_graphs=cuda_graphs, frozen_step=frozen_step,
-                          bf16_matmuls=bf16_matmuls, onnx_codec=onnx_codec)
+                          weights=weights, onnx_codec=onnx_codec)
         rows, cats = scope_table(run)
         # what the runner made of the request
-        out["frozen_step"], out["bf16_matmuls"] = run["frozen_step"], run["bf16_matmuls"]
-        out["bf16_from_batch"] = run["bf16_from_batch"]
+        out["frozen_step"], out["matmul_weights"] = run["frozen_step"], run["matmul_weights"]
+        out["low_precision_from_batch"] = run["low_precision_from_batch"]
         plain_ms = None
         if plain:
             pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, cuda_graphs=cuda_graphs,
-                             frozen_step=frozen_step, bf16_matmuls=bf16_matmuls, onnx_codec=onnx_codec)
+                             frozen_step=frozen_step, weights=weights, onnx_codec=onnx_codec)
             plain_ms = pr["iteration_ms"]
         counted = counted_cost(bundle, b, pf)
         step_s = run["window_s"] / steps
         model_s = run["incl"].get("model.step", 0.0) / steps
-        m = model_step_cost(cost, b, bool(run["bf16_matmuls"]) and b >= run["bf16_from_batch"])
-        model_flops, model_bytes, bf16_flops, weights = m["flops"], m["bytes"], m["bf16_flops"], m["weight_bytes"]
+        m = model_step_cost(cost, b, weights if b >= run["low_precision_from_batch"] else "float32")
+        model_flops, model_bytes, low_flops, weight_bytes = m["flops"], m["bytes"], m["low_flops"], m["weight_bytes"]
         codec_flops = counted["codec_packet_flops"] / counted["codec_packet_frames"]  # per frame, all b sessions
         step_flops = model_flops + codec_flops
         step_bytes = model_bytes + ccost["weight_bytes"] / pf
-        c = roofline(step_flops, step_bytes, step_s, machine, bf16_flops)
-        c.update(gflop_counted=(counted["model_step_flops"] + codec_flops) / 1e9, bf16_gflop=bf16_flops / 1e9,
-                 weight_mbytes=(weights + ccost["weight_bytes"] / pf) / 1e6,
+        c = roofline(step_flops, step_bytes, step_s, machine, low_flops)
+        c.update(gflop_counted=(counted["model_step_flops"] + codec_flops) / 1e9, low_gflop=low_flops / 1e9,
+                 weight_mbytes=(weight_bytes + ccost["weight_bytes"] / pf) / 1e6,
                  state_mbytes_per_session=cost["state_bytes_per_session"] / 1e6,
-                 model_only=roofline(model_flops, model_bytes, model_s, machine, bf16_flops))
+                 model_only=roofline(model_flops, model_bytes, model_s, machine, low_flops))
         ops = counted["aten_ops_runner_step"]
         runner_s = run["incl"].get("runner.step", 0.0) / steps
         out["batches"].append({
@@ -600,11 +626,12 @@ def noise_reference(seed: int = 0) -> np.ndarray:
 
 
 def add_path_arguments(ap: argparse.ArgumentParser) -> None:
-    """`--bf16-matmuls` and `--codec-runtime`, as the server's settings (server/runner.py;
+    """`--matmul-weights` and `--codec-runtime`, as the server's settings (server/runner.py;
     default auto, as there)."""
-    ap.add_argument("--bf16-matmuls", choices=BF16_SETTINGS, default="auto",
-                    help="the step's widest matmuls with bfloat16 weights (the CPU from batch 2, a GPU from 1), as "
-                         "the server's setting (auto: where the CPU has bf16 dot products or the GPU bfloat16)")
+    ap.add_argument("--matmul-weights", choices=MATMUL_WEIGHTS, default="auto",
+                    help="the weights of the step's widest matmuls, as the server's setting (auto: int8 on an x86 "
+                         "CPU with AVX2, else bfloat16 where the CPU has bf16 dot products or the GPU bfloat16, else "
+                         "float32)")
     ap.add_argument("--codec-runtime", choices=CODEC_RUNTIMES, default="auto",
                     help="what runs the streaming codec on the CPU, as the server's setting "
                          "(auto: ONNX Runtime where it imports)")
@@ -642,7 +669,7 @@ def main(argv=None) -> int:
     res = profile(bundle, args.batch, args.steps, args.warmup, torch.get_num_threads(),
                   Path(args.trace) if args.trace else None, plain=not args.no_plain, text_chars=args.text_chars,
                   cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
-                  bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, args.device),
+                  weights=matmul_weights(args.matmul_weights, args.device),
                   onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device))
     res["loadavg"] = list(os.getloadavg())
     from .report import render_profile_markdown

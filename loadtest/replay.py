@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from livespeech.server.runner import bf16_matmuls_enabled, onnx_codec_enabled
+from livespeech.server.runner import matmul_weights, onnx_codec_enabled
 
 from .playback import Packet, describe, simulate_playback
 from .profile_step import Patches, add_path_arguments, noise_reference
@@ -41,7 +41,7 @@ from .workload import Pacing, load_sentences, make_turn
 def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pacing = Pacing(),
            sentences_per_turn: int = 2, text_file: Optional[str] = None, frozen_step: bool = True,
            seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None,
-           release_when_waiting: Optional[bool] = None, bf16_matmuls: bool = False, onnx_codec: bool = False,
+           release_when_waiting: Optional[bool] = None, weights: str = "float32", onnx_codec: bool = False,
            chunk_words: Optional[tuple[int, int]] = None, cuda_graphs: bool = False,
            first_chunk_words: Optional[int] = None) -> dict[str, Any]:
     from livespeech.server.engine import Engine, EngineConfig
@@ -57,7 +57,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
         chunking["first_max_words"] = first_chunk_words
     if chunking:
         options["chunking"] = ChunkingConfig(**chunking)
-    engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step, bf16_matmuls=bf16_matmuls,
+    engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step, matmul_weights=weights,
                                          onnx_codec=onnx_codec, cuda_graphs=cuda_graphs))
     voice = engine.make_voice("replay", noise_reference(seed), 24000)
     waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
@@ -143,7 +143,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
         patches.undo()
     results.sort(key=lambda r: (r["worker"], r["turn"]))
     return {"sessions": sessions, "turns": turns, "stagger_s": stagger_s, "llm_rate": pacing.llm_rate,
-            "frozen_step": frozen_step, "bf16_matmuls": engine.runner.low_precision is not None,
+            "frozen_step": frozen_step, "matmul_weights": weights,
             "underruns": sum(r["underruns"] for r in results),
             # (ms, batch, frames (codec calls), seconds into the run): the five slowest of each
             **{f"slowest_{kind}": sorted(calls, reverse=True)[:5] for kind, calls in timed.items()},
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
                  args.sentences_per_turn, args.text_file, frozen_step=not args.eager_step, seed=args.seed,
                  start_future_chunks=args.start_future_chunks,
                  release_when_waiting=None if args.release_when_waiting is None else args.release_when_waiting == "on",
-                 bf16_matmuls=bf16_matmuls_enabled(args.bf16_matmuls, args.device),
+                 weights=matmul_weights(args.matmul_weights, args.device),
                  onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device),
                  chunk_words=None if args.chunk_words is None else tuple(int(x) for x in args.chunk_words.split(",")),
                  cuda_graphs=args.cuda_graphs, first_chunk_words=args.first_chunk_words)

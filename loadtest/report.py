@@ -262,14 +262,15 @@ def render_profile_markdown(prof: dict) -> str:
     m = prof.get("machine", {})
     L.append(f"Machine, measured in the same run ({prof.get('threads')} torch thread(s)): sgemm "
              f"{_f(m.get('sgemm_gflops'), '{:.1f}')} GFLOP/s"
-             f"{', bf16 gemm ' + _f(m['bf16_gemm_gflops'], '{:.1f}') + ' GFLOP/s' if m.get('bf16_gemm_gflops') else ''}, memcpy {_f(m.get('memcpy_gbs'), '{:.1f}')} GB/s "
+             f"{', bf16 gemm ' + _f(m['bf16_gemm_gflops'], '{:.1f}') + ' GFLOP/s' if m.get('bf16_gemm_gflops') else ''}"
+             f"{', int8 linear ' + _f(m['int8_gemm_gops'], '{:.1f}') + ' GOP/s' if m.get('int8_gemm_gops') else ''}, memcpy {_f(m.get('memcpy_gbs'), '{:.1f}')} GB/s "
              f"(read + write); load average {' / '.join(f'{v:.2f}' for v in prof.get('loadavg') or [])}; "
              f"{prof.get('text_chars', '?')} characters of text per session.\n")
     for row in prof.get("batches", []):
         graphs = (", the model step replayed from a CUDA graph" if prof.get("cuda_graphs") else
                   ", the model step as a frozen TorchScript graph (one scope)" if prof.get("frozen_step") else "")
-        if prof.get("bf16_matmuls"):
-            graphs += f", bf16 matmuls from batch {prof.get('bf16_from_batch', 2)}"
+        if prof.get("matmul_weights", "float32") != "float32":
+            graphs += f", {prof['matmul_weights']} matmul weights from batch {prof.get('low_precision_from_batch')}"
         L.append(f"### batch {row['batch']}  (model `{prof.get('model')}`{graphs})\n")
         L.append(f"- engine step (instrumented): {_f(row['step_ms'], '{:.2f}')} ms per step, "
                  f"uninstrumented {_f(row.get('step_ms_plain'), '{:.2f}')} ms; mean batch {_f(row.get('mean_batch'), '{:.1f}')}"
@@ -277,7 +278,7 @@ def render_profile_markdown(prof: dict) -> str:
                  f"({_f(row.get('us_per_aten_op'), '{:.1f}')} us each)")
         c = row.get("cost", {})
         L.append(f"- cost per step: {_f(c.get('gflop'), '{:.4f}')} GFLOP (analytic; FlopCounter "
-                 f"{_f(c.get('gflop_counted'), '{:.4f}')}{'; ' + _f(c['bf16_gflop'], '{:.4f}') + ' of it in bf16' if c.get('bf16_gflop') else ''}), "
+                 f"{_f(c.get('gflop_counted'), '{:.4f}')}{'; ' + _f(c['low_gflop'], '{:.4f}') + ' of it in ' + prof['matmul_weights'] if c.get('low_gflop') else ''}), "
                  f"{_f(c.get('mbytes'), '{:.2f}')} MB moved "
                  f"(weights {_f(c.get('weight_mbytes'), '{:.2f}')} MB once + state {_f(c.get('state_mbytes_per_session'), '{:.3f}')} MB per session)")
         L.append(f"- physical limit: {_f(c.get('t_flops_ms'), '{:.3f}')} ms (compute) / {_f(c.get('t_bytes_ms'), '{:.3f}')} ms "

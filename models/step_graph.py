@@ -381,6 +381,7 @@ def _frozen(module: nn.Module, args: tuple, warmup: int):
         # (docs/loadtest.md); the tracer's warnings are about constants, which is what
         # freezing makes of the weights
         warnings.simplefilter("ignore")
+        module(*args)  # builds the derived step tensors: the tracer takes packed int8 weights only as attributes
         graph = torch.jit.freeze(torch.jit.trace(module.eval(), args, check_trace=False))
         for _ in range(warmup):
             graph(*args)

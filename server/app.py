@@ -216,7 +216,7 @@ async def build_server(
 def engine_config(config: ServerConfig):
     """The engine's settings that come from the server's."""
     from livespeech.models.inference import TEXT_KV_CAPACITY
-    from livespeech.server.runner import bf16_matmuls_enabled, onnx_codec_enabled
+    from livespeech.server.runner import matmul_weights, onnx_codec_enabled
 
     return EngineConfig(
         max_sessions=config.max_sessions,
@@ -226,7 +226,7 @@ def engine_config(config: ServerConfig):
         compile_step=config.compile_step,
         frozen_step=config.frozen_step,
         codec_thread=config.codec_thread,
-        bf16_matmuls=bf16_matmuls_enabled(config.bf16_matmuls, config.device),
+        matmul_weights=matmul_weights(config.matmul_weights, config.device),
         onnx_codec=onnx_codec_enabled(config.codec_runtime, config.device),
         warm_text_tokens=TEXT_KV_CAPACITY,
         warm_up=True,
@@ -292,7 +292,7 @@ def make_engine(config: ServerConfig, metrics: Metrics) -> EngineAPI:
     except FileNotFoundError as e:
         raise SystemExit(f"livespeech: cannot load the model: {e}") from None
     settings = engine_config(config)
-    log.info("bf16 matmuls: %s (%s)", "on" if settings.bf16_matmuls else "off", config.bf16_matmuls)
+    log.info("matmul weights: %s (%s)", settings.matmul_weights, config.matmul_weights)
     log.info("codec runtime: %s (%s)", "onnx" if settings.onnx_codec else "torch", config.codec_runtime)
     return Engine(bundle, settings, metrics)
 

@@ -20,8 +20,9 @@ ENV_PREFIX = "LIVESPEECH_"
 _ALIASES = {"model_path": ("--model",)}
 # settings that hold secrets: env (or a file) only, never a flag, never in repr()
 ENV_ONLY = frozenset({"auth_tokens"})
-# CPU-only choices, each in the order (auto, on, off) that server/runner.py reads
-BF16_SETTINGS = ("auto", "on", "off")  # ServerConfig.bf16_matmuls
+# ServerConfig.matmul_weights (server/runner.py resolves auto); EngineConfig's is one of the rest
+MATMUL_WEIGHTS = ("auto", "int8", "bfloat16", "float32")
+# a CPU-only choice, in the order (auto, on, off) that server/runner.py reads
 CODEC_RUNTIMES = ("auto", "onnx", "torch")  # ServerConfig.codec_runtime
 
 
@@ -56,12 +57,13 @@ class ServerConfig:
     frozen_step: bool = True
     # on the CPU, decode steady-state packets on a second thread, beside the next model step
     codec_thread: bool = True
-    # the decode step's widest matmuls (output heads, Mamba in/out projections) with
-    # bfloat16 weights, on the CPU from 2 sessions a step; on a GPU at every step, the
-    # cross-attention's projections and the text memory in bfloat16 too: auto = where the
-    # CPU has bf16 dot products (AVX512-BF16, AMX) or the GPU bfloat16, on, off
-    # (server/runner.py; docs/loadtest.md)
-    bf16_matmuls: str = "auto"
+    # the weights of the decode step's widest matmuls (output heads, Mamba in/out
+    # projections): int8 (x86 CPUs, fbgemm; each call's activations quantised to int8),
+    # bfloat16 (on the CPU from 2 sessions a step; on a GPU at every step, the
+    # cross-attention's projections and the text memory in bfloat16 too) or float32;
+    # auto = int8 on an x86 CPU with AVX2, else bfloat16 where the CPU has bf16 dot
+    # products or the GPU bfloat16, else float32 (server/runner.py; docs/loadtest.md)
+    matmul_weights: str = "auto"
     # on the CPU, what runs the streaming codec: onnx = ONNX Runtime (its kernels run the
     # codec's small ops ~1.3-2.2x faster than TorchScript), torch = the frozen graph above,
     # auto = onnx where onnxruntime and onnx import (server/runner.py; docs/loadtest.md)
@@ -149,8 +151,9 @@ class ServerConfig:
         )
         need(not self.cuda_graphs or self.device.startswith("cuda"), "cuda_graphs needs a cuda device")
         need(not self.compile_step or self.cuda_graphs, "compile_step needs cuda_graphs")
-        need(self.bf16_matmuls in BF16_SETTINGS,
-             f"bf16_matmuls must be one of {', '.join(BF16_SETTINGS)}, got {self.bf16_matmuls!r}")
+        need(self.matmul_weights in MATMUL_WEIGHTS,
+             f"matmul_weights must be one of {', '.join(MATMUL_WEIGHTS)}, got {self.matmul_weights!r}")
+        need(self.matmul_weights != "int8" or self.device == "cpu", "matmul_weights int8 applies to the cpu device")
         need(self.codec_runtime in CODEC_RUNTIMES,
              f"codec_runtime must be one of {', '.join(CODEC_RUNTIMES)}, got {self.codec_runtime!r}")
         need(self.codec_runtime != "onnx" or self.device == "cpu", "codec_runtime onnx applies to the cpu device")
@@ -295,10 +298,11 @@ class EngineConfig:
     compile_step: bool = ServerConfig.compile_step
     # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
     frozen_step: bool = ServerConfig.frozen_step
-    # the step's widest matmuls with bfloat16 weights (server/runner.py)
-    bf16_matmuls: bool = False
-    # the batch size they start at (None: server/runner.py's BF16_FROM_BATCH on the CPU, 1 on a GPU)
-    bf16_from_batch: Optional[int] = None
+    # the weights of the step's widest matmuls: float32, bfloat16 or int8 (server/runner.py)
+    matmul_weights: str = "float32"
+    # the batch size bfloat16 or int8 weights start at (None: server/runner.py's
+    # LOW_PRECISION_FROM_BATCH on the CPU, 1 on a GPU)
+    low_precision_from_batch: Optional[int] = None
     # on the CPU, the streaming codec run by ONNX Runtime (server/runner.py)
     onnx_codec: bool = False
     # the text tokens with the lowest ids (the BPE's first merges, its most frequent)
@@ -336,6 +340,9 @@ class EngineConfig:
             raise ConfigError("low_water_steps must be in [0, 100]")
         if self.warm_text_tokens < 0:
             raise ConfigError("warm_text_tokens must be >= 0")
-        if self.bf16_from_batch is not None and self.bf16_from_batch < 1:
-            raise ConfigError("bf16_from_batch must be >= 1")
+        if self.matmul_weights not in MATMUL_WEIGHTS[1:]:
+            raise ConfigError(f"matmul_weights must be one of {', '.join(MATMUL_WEIGHTS[1:])}, "
+                              f"got {self.matmul_weights!r}")
+        if self.low_precision_from_batch is not None and self.low_precision_from_batch < 1:
+            raise ConfigError("low_precision_from_batch must be >= 1")
         return self

@@ -53,11 +53,12 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs,
                                   compile_step=config.compile_step,
-                                  frozen_step=config.frozen_step, bf16_matmuls=config.bf16_matmuls,
+                                  frozen_step=config.frozen_step, matmul_weights=config.matmul_weights,
                                   onnx_codec=config.onnx_codec, warm_text_tokens=config.warm_text_tokens,
                                   device_guidance=config.device_guidance,
                                   max_text_chars=config.max_session_text_chars,
-                                  text_cfg_scale=config.text_cfg_scale, bf16_from_batch=config.bf16_from_batch)
+                                  text_cfg_scale=config.text_cfg_scale,
+                                  low_precision_from_batch=config.low_precision_from_batch)
         self.clock = StepClock()
         self.packets = PacketPolicy(self.clock, config.low_water_steps, self.runner.min_first_frames)
         self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,

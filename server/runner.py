@@ -20,7 +20,7 @@ import torch
 
 from livespeech.api.session import SessionConfig
 from livespeech.models import graphemes
-from livespeech.models.derived import cpu_has_bf16_dot
+from livespeech.models.derived import INT8, cpu_has_bf16_dot, cpu_has_int8_matmuls
 from livespeech.models.guidance import (GuidanceState, SamplingPlan, SamplingRows, Temperatures, counter_uniforms,
                                         sample_step)
 from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
@@ -32,36 +32,41 @@ from livespeech.models.step_graph import (CapturedCodecStep, CapturedStep, Froze
                                           frozen_or_eager)
 from livespeech.models.upload import Upload
 from livespeech.server.packets import frames_for_ms
-from livespeech.server.config import BF16_SETTINGS, CODEC_RUNTIMES
+from livespeech.server.config import CODEC_RUNTIMES
 
 log = logging.getLogger(__name__)
 
 
-# On the CPU, the bf16 step graph (models/derived.py) runs from this batch size: against
-# float32 the default model's step measured 0.77x at batch 1, 1.11x at 2, 1.58x at 4 and
-# 1.39x at 16 (AMD EPYC with AVX512-BF16, one thread; docs/loadtest.md, "Measured choices").
-# On a GPU from one session: a lone session's step reads every weight too.
-BF16_FROM_BATCH = 2
+# The step's widest matmuls' weights by `EngineConfig.matmul_weights` (models/derived.py)
+MATMUL_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "int8": INT8}
+
+# On the CPU, the batch size from which the step graph with these weights runs: bf16's
+# against float32 measured 0.77x at batch 1, 1.11x at 2, 1.58x at 4 and 1.39x at 16 (AMD
+# EPYC with AVX512-BF16, one thread); int8's ran faster than float32 from one session
+# (docs/loadtest.md, "Measured choices"). On a GPU from one session: a lone session's
+# step reads every weight too.
+LOW_PRECISION_FROM_BATCH = {"bfloat16": 2, "int8": 1}
 
 # The top-k sizes (grapheme, acoustic) the CUDA graphs record a step's sampling with: the
 # sessions' defaults. A step with a session asking for more runs eagerly.
 RECORDED_TOP_K = (SessionConfig().grapheme_top_k, SessionConfig().top_k)
 
 
-def bf16_matmuls_enabled(setting: str, device: str) -> bool:
-    """Whether the step's widest matmuls run with bfloat16 weights (`ServerConfig.bf16_matmuls`;
-    activations and the state stay float32): "auto" where the CPU has bf16 dot products
-    (`cpu_has_bf16_dot`) or on a CUDA device that has bfloat16, "on" anywhere, "off" never.
-    On a GPU they halve the bytes of the weights a step reads and run on tensor cores: in
-    float32 the paper preset's compute bound at 256 sessions alone is 12.2 ms of the 13.3
-    a frame allows (docs/loadtest.md)."""
+def matmul_weights(setting: str, device: str) -> str:
+    """The weights of the step's widest matmuls (`ServerConfig.matmul_weights`): the
+    setting, or for "auto" int8 on an x86 CPU where fbgemm runs (`cpu_has_int8_matmuls`),
+    else bfloat16 where the CPU has bf16 dot products (`cpu_has_bf16_dot`) or the CUDA
+    device bfloat16, else float32. On a GPU bfloat16 halves the bytes of the weights a
+    step reads and runs on tensor cores: in float32 the paper preset's compute bound at
+    256 sessions alone is 12.2 ms of the 13.3 a frame allows (docs/loadtest.md)."""
+    if setting != "auto":
+        return setting
     kind = torch.device(device).type
-
-    def auto() -> bool:
-        if kind == "cuda":
-            return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        return kind == "cpu" and cpu_has_bf16_dot()
-    return _choice("bf16_matmuls", setting, BF16_SETTINGS, auto)
+    if kind == "cuda":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    if kind == "cpu" and cpu_has_int8_matmuls():
+        return "int8"
+    return "bfloat16" if kind == "cpu" and cpu_has_bf16_dot() else "float32"
 
 
 def onnx_codec_enabled(setting: str, device: str) -> bool:
@@ -175,9 +180,9 @@ class _StepRows:
 
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
-                 bf16_matmuls: bool = False, onnx_codec: bool = False, device_guidance: bool = False,
+                 matmul_weights: str = "float32", onnx_codec: bool = False, device_guidance: bool = False,
                  max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0,
-                 bf16_from_batch: Optional[int] = None, compile_step: bool = False):
+                 low_precision_from_batch: Optional[int] = None, compile_step: bool = False):
         if bundle.model.cfg.n_phones and (cuda_graphs or text_cfg_scale > 0):
             raise ValueError("a decoder with a phone input runs without CUDA graphs and text CFG")
         self.bundle = bundle
@@ -185,13 +190,19 @@ class ModelRunner:
         self.codec = bundle.codec
         self.device = bundle.device
         self.capacity = capacity
-        # the widest matmuls with bfloat16 weights: on the CPU from BF16_FROM_BATCH sessions
-        # (the evaluation asks for them from one, to hear what a busy server's sessions
-        # sound like), on a GPU from one, with the text memory in bfloat16 too (on the CPU
-        # its float32 reads fit the cache at the lengths a server reaches, and ran faster)
-        self.low_precision = torch.bfloat16 if bf16_matmuls else None
-        self.bf16_from_batch = (bf16_from_batch if bf16_from_batch is not None
-                                else BF16_FROM_BATCH if self.device.type == "cpu" else 1)
+        # the widest matmuls with bfloat16 or int8 weights: on the CPU from
+        # LOW_PRECISION_FROM_BATCH sessions (the evaluation asks for them from one, to hear
+        # what a busy server's sessions sound like), on a GPU from one, with the text memory
+        # in bfloat16 too (on the CPU its float32 reads fit the cache at the lengths a server
+        # reaches, and ran faster); int8 on the CPU only (fbgemm)
+        if matmul_weights not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_weights must be one of {', '.join(MATMUL_DTYPES)}, got {matmul_weights!r}")
+        if matmul_weights == "int8" and self.device.type != "cpu":
+            raise ValueError("int8 matmul weights run on the CPU only")
+        self.low_precision = MATMUL_DTYPES[matmul_weights]
+        self.low_precision_from_batch = (
+            low_precision_from_batch if low_precision_from_batch is not None
+            else LOW_PRECISION_FROM_BATCH.get(matmul_weights, 1) if self.device.type == "cpu" else 1)
         memory_dtype = self._memory_dtype()
         self.state = DecodeState.allocate(self.model, capacity, device=self.device, memory_dtype=memory_dtype)
         if self.device.type == "cuda":
@@ -276,7 +287,7 @@ class ModelRunner:
         return make(*tries[-1])
 
     def _memory_dtype(self) -> Optional[torch.dtype]:
-        """The text memory's dtype: bfloat16 on a GPU with bf16 matmuls, else float32 (None)."""
+        """The text memory's dtype: bfloat16 on a GPU with bf16 matmul weights, else float32 (None)."""
         return self.low_precision if self.device.type == "cuda" else None
 
     @torch.inference_mode()
@@ -438,7 +449,7 @@ class ModelRunner:
         """`step`'s model step, sampling and commit call by call (the CPU's, and a GPU's
         with text CFG); `_sample_and_commit`'s result for the batch. forced, eos,
         bias_rows: the rows' tensors on the device, or None where no row has one."""
-        dtype = self.low_precision if len(slots) >= self.bf16_from_batch else None
+        dtype = self.low_precision if len(slots) >= self.low_precision_from_batch else None
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
         else:

@@ -188,28 +188,34 @@ def test_sync_client_with_a_blocking_text_source(srv) -> None:
         assert result.summary is not None and len(result.pcm16()) == 2 * round(result.summary.audio_s * 24000)
 
 
-def test_bf16_matmuls_auto_follows_the_device_and_reaches_the_engine(monkeypatch) -> None:
-    """auto: on where the CPU has bf16 dot products (AVX512-BF16 or AMX) or the GPU has
-    bfloat16, off elsewhere; on / off as set on either device; anything else refused at
-    the edge."""
+def test_matmul_weights_auto_follows_the_cpus_features_and_reaches_the_engine(monkeypatch) -> None:
+    """auto: int8 on a CPU where fbgemm runs (x86 with AVX2), else bfloat16 where the CPU
+    has bf16 dot products (AVX512-BF16 or AMX), else float32; on a GPU bfloat16 where it
+    has bfloat16, else float32; a value set is taken as set; int8 on a GPU and anything
+    else refused at the edge."""
     import torch
 
     from livespeech.server.app import engine_config
     cuda = ["--device", "cuda"]
-    for avx512_bf16, amx, want in ((True, False, True), (False, True, True), (False, False, False)):
+    for avx2, avx512_bf16, amx, want in ((True, True, False, "int8"), (False, True, False, "bfloat16"),
+                                        (False, False, True, "bfloat16"), (False, False, False, "float32")):
+        monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda v=avx2: v)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
-        assert engine_config(ServerConfig()).bf16_matmuls is want
-        assert engine_config(ServerConfig.from_args(["--bf16-matmuls", "on"], env={})).bf16_matmuls
-        assert not engine_config(ServerConfig.from_args([], env={"LIVESPEECH_BF16_MATMULS": "off"})).bf16_matmuls
-    for available, bf16, want in ((True, True, True), (True, False, False), (False, True, False)):
+        assert engine_config(ServerConfig()).matmul_weights == want
+        assert engine_config(ServerConfig.from_args(["--matmul-weights", "bfloat16"], env={})).matmul_weights == "bfloat16"
+        env = {"LIVESPEECH_MATMUL_WEIGHTS": "float32"}
+        assert engine_config(ServerConfig.from_args([], env=env)).matmul_weights == "float32"
+    for available, bf16, want in ((True, True, "bfloat16"), (True, False, "float32"), (False, True, "float32")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda v=available: v)
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, v=bf16: v)
-        assert engine_config(ServerConfig.from_args(cuda, env={})).bf16_matmuls is want
-        assert engine_config(ServerConfig.from_args(cuda + ["--bf16-matmuls", "on"], env={})).bf16_matmuls
-        assert not engine_config(ServerConfig.from_args(cuda + ["--bf16-matmuls", "off"], env={})).bf16_matmuls
-    with pytest.raises(ConfigError, match="bf16_matmuls must be one of auto, on, off"):
-        ServerConfig.from_args(["--bf16-matmuls", "yes"], env={})
+        assert engine_config(ServerConfig.from_args(cuda, env={})).matmul_weights == want
+        assert engine_config(ServerConfig.from_args(cuda + ["--matmul-weights", "float32"], env={})).matmul_weights \
+            == "float32"
+    with pytest.raises(ConfigError, match="matmul_weights int8 applies to the cpu device"):
+        ServerConfig.from_args(cuda + ["--matmul-weights", "int8"], env={})
+    with pytest.raises(ConfigError, match="matmul_weights must be one of auto, int8, bfloat16, float32"):
+        ServerConfig.from_args(["--matmul-weights", "on"], env={})
 
 
 def test_codec_runtime_auto_follows_onnx_runtime_and_reaches_the_engine(monkeypatch) -> None:

@@ -1166,20 +1166,22 @@ def test_a_gpus_bf16_path_speaks_through_the_engine(voice, monkeypatch):
     monkeypatch.setattr(ModelRunner, "_memory_dtype", lambda self: self.low_precision)
     text = "one two three four five six seven eight nine ten"
     for bf16 in (True, False):
-        eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=2, bf16_matmuls=bf16, cuda_graphs=True,
-                                                                 low_water_steps=0))
+        eng = Engine(load_bundle(random_init=True),
+                     EngineConfig(max_sessions=2, matmul_weights="bfloat16" if bf16 else "float32", cuda_graphs=True,
+                                  low_water_steps=0))
         assert eng.runner.captured is not None
         assert eng.runner.state.mem_k.dtype == (torch.bfloat16 if bf16 else torch.float32)
         c = speak_alone(eng, voice, text)  # Finished, nothing failed
         assert c.events[-1].summary.audio_s > 0 and c.of(AudioPacket)
 
 
-def test_bf16_from_batch_one_runs_a_lone_sessions_step_in_bfloat16(voice):
-    """A server's bf16 matmuls start at two sessions; the evaluation asks for them from one
-    (`eval --bf16-matmuls`), so what a busy server's sessions sound like is measured."""
+def test_low_precision_from_batch_one_runs_a_lone_sessions_step_in_bfloat16(voice):
+    """A server's bf16 matmul weights start at two sessions; the evaluation asks for them
+    from one (`eval --matmul-weights bfloat16`), so what a busy server's sessions sound
+    like is measured."""
     dtypes = {}
-    for name, extra in (("default", {}), ("from one", {"bf16_from_batch": 1})):
-        eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=1, bf16_matmuls=True, **extra))
+    for name, extra in (("default", {}), ("from one", {"low_precision_from_batch": 1})):
+        eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=1, matmul_weights="bfloat16", **extra))
         seen = dtypes[name] = set()
         step = eng.runner.model_step
 
@@ -1190,8 +1192,10 @@ def test_bf16_from_batch_one_runs_a_lone_sessions_step_in_bfloat16(voice):
         eng.runner.model_step = spy
         speak_alone(eng, voice, "one two")
     assert dtypes == {"default": {None}, "from one": {torch.bfloat16}}
-    with pytest.raises(ConfigError, match="bf16_from_batch"):
-        EngineConfig(bf16_from_batch=0).validate()
+    with pytest.raises(ConfigError, match="low_precision_from_batch"):
+        EngineConfig(low_precision_from_batch=0).validate()
+    with pytest.raises(ConfigError, match="matmul_weights must be one of int8, bfloat16, float32"):
+        EngineConfig(matmul_weights="auto").validate()
 
 
 def _warmed_up_engine(monkeypatch, max_sessions: int, **patches):

@@ -370,11 +370,10 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
     eager step's layers are scopes of their own, the frozen graph (the default) is one."""
     from livespeech.loadtest import profile_step
 
-    for eager in (False, True):
-        out = tmp_path / f"p{eager}.json"
+    for eager, weights in ((False, "bfloat16"), (False, "int8"), (True, "float32")):
+        out = tmp_path / f"p{eager}{weights}.json"
         assert profile_step.main(["--batch", "2", "--steps", "3", "--warmup", "2", "--no-plain",
-                                  "--bf16-matmuls", "off" if eager else "on",
-                                  "--json", str(out)] + ["--eager-step"] * eager) == 0
+                                  "--matmul-weights", weights, "--json", str(out)] + ["--eager-step"] * eager) == 0
         res = json.loads(out.read_text())
         row = res["batches"][0]
         scopes = {r["name"]: r for r in row["scopes"]}
@@ -382,36 +381,42 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
         assert 0 < scopes["model.step"]["incl_ms_per_step"] <= scopes["runner.step"]["incl_ms_per_step"]
         assert scopes["runner.step"]["incl_ms_per_step"] <= scopes["engine.step"]["incl_ms_per_step"]
         assert ("mamba" in scopes) is eager and res["frozen_step"] is not eager
-        assert res["bf16_matmuls"] is not eager
+        assert res["matmul_weights"] == weights
         assert res["cuda_graphs"] is False
-        # the roofline: a bf16 step's heads and Mamba projections at the bf16 gemm's rate
-        # and 2 bytes a weight; everything at sgemm's rate and 4 bytes without bf16
-        c, a = row["cost"], res["analytic"]
+        # the roofline: a bf16 (int8) step's heads and Mamba projections at the bf16 gemm's
+        # (the int8 linear's) rate and 2 (1) bytes a weight; everything at sgemm's rate and
+        # 4 bytes in float32
+        c, a, m = row["cost"], res["analytic"], res["machine"]
         fp32_mb = (a["weight_bytes"] + res["codec"]["weight_bytes"] / res["packet_frames"]) / 1e6
-        if eager:
-            assert c["bf16_gflop"] == 0 and c["weight_mbytes"] == pytest.approx(fp32_mb)
-            assert res["machine"]["bf16_gemm_gflops"] is None
+        rate = {"float32": None, "bfloat16": m["bf16_gemm_gflops"], "int8": m["int8_gemm_gops"]}[weights]
+        assert (m["bf16_gemm_gflops"] is None) is (weights != "bfloat16")
+        assert (m["int8_gemm_gops"] is None) is (weights != "int8")
+        if weights == "float32":
+            assert c["low_gflop"] == 0 and c["weight_mbytes"] == pytest.approx(fp32_mb)
         else:
-            assert 0 < c["bf16_gflop"] < c["gflop"] and res["machine"]["bf16_gemm_gflops"] > 0
-            assert c["weight_mbytes"] == pytest.approx(fp32_mb - a["bf16_weight_bytes_fp32"] / 2e6)
+            assert 0 < c["low_gflop"] < c["gflop"] and rate > 0
+            saved = a["low_precision_weight_bytes_fp32"] * (1 - profile_step.WEIGHT_BYTES[weights] / 4)
+            assert c["weight_mbytes"] == pytest.approx(fp32_mb - saved / 1e6)
+            t_f = (c["gflop"] - c["low_gflop"]) / m["sgemm_gflops"] + c["low_gflop"] / rate
+            assert c["t_flops_ms"] == pytest.approx(1e3 * t_f)
     with pytest.raises(SystemExit):
         profile_step.main(["--cuda-graphs", "--device", "cpu"])
 
 
-@pytest.mark.parametrize("arm", ["matmuls", "gpu", "decoder"])
-def test_precision_compares_the_bf16_step_with_float32_along_a_decode(arm):
+@pytest.mark.parametrize("arm", ["bfloat16", "int8", "gpu", "decoder"])
+def test_precision_compares_the_lower_precision_step_with_float32_along_a_decode(arm):
     """livespeech.loadtest.precision on a tiny random model: every session finishes, every step
-    the arm runs in bf16 is compared (the CPU's matmuls from two sessions, a GPU's path and
-    the bf16 decoder at every step), and the comparison sees bf16's small but real
-    difference (total variation above 0, most argmaxes the same); the temperature
-    references grow with the temperature."""
+    the arm runs in a lower precision is compared (the CPU's bf16 matmul weights from two
+    sessions, its int8 ones, a GPU's bf16 path and the bf16 decoder at every step), and the
+    comparison sees the small but real difference (total variation above 0, most argmaxes
+    the same); the temperature references grow with the temperature."""
     from livespeech.loadtest.precision import measure
     from livespeech.models.loading import load_bundle
 
     torch.set_num_threads(1)
     res = measure(load_bundle("random:tiny"), sessions=2, turns=1, draws=4, arm=arm)
     assert res["outcomes"] == {"Finished": 2} and res["steps_compared"] > 0 and res["arm"] == arm
-    assert res["mean_batch"] == 2 if arm == "matmuls" else 1 <= res["mean_batch"] <= 2
+    assert res["mean_batch"] == 2 if arm == "bfloat16" else 1 <= res["mean_batch"] <= 2
     for kind in ("graphemes", "acoustic"):
         stats = res[kind]
         assert stats["rows"] > 0
@@ -506,7 +511,8 @@ def test_bench_step_gives_each_batch_the_model_steps_bound_from_rates_measured_i
     assert res["machine"]["memcpy_gbs"] > 0 and res["machine"]["sgemm_gflops"] > 0
     for row in res["rows"]:
         # the bound is the cost model's: max(FLOPs / gemm rate, bytes / memcpy rate)
-        m = profile_step.model_step_cost(res["analytic"], row["batch"], row["batch"] >= 2 and res["bf16_matmuls"])
+        low = row["batch"] >= 2 or res["matmul_weights"] == "int8"  # bfloat16 from two sessions, int8 from one
+        m = profile_step.model_step_cost(res["analytic"], row["batch"], res["matmul_weights"] if low else "float32")
         bytes_ms = 1e3 * m["bytes"] / (res["machine"]["memcpy_gbs"] * 1e9)
         assert row["step_bound_ms"] >= bytes_ms * (1 - 1e-9) and row["step_bytes_mb"] == pytest.approx(m["bytes"] / 1e6)
         assert row["model_step_over_bound"] == pytest.approx(row["model_step_ms"] / row["step_bound_ms"])

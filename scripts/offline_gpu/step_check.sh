@@ -42,8 +42,8 @@ bench() { $PY -m livespeech.loadtest.bench_step --preset "${PRESET:-paper}" --co
     --device "${DEVICE:-cuda}" --batch 1 256 --steps 30 --cuda-graphs --compile-step --json "$OUT/compiled_step.json"
   $PY -c "import json,sys; print('compiled step in use:', json.load(open(sys.argv[1]))['compiled_step'])" \
     "$OUT/compiled_step.json" 2>/dev/null
-  echo "== the step in float32 (--bf16-matmuls off), with the CUDA graphs"
-  bench --batch 1 256 --steps 30 --cuda-graphs --bf16-matmuls off
+  echo "== the step in float32 (--matmul-weights float32), with the CUDA graphs"
+  bench --batch 1 256 --steps 30 --cuda-graphs --matmul-weights float32
   echo "== host reads and copies from the host per engine step"
   $PY -m livespeech.loadtest.host_reads --model-path "random:${PRESET:-paper}/${CODEC:-encodec_24khz}" \
     --device "${DEVICE:-cuda}" --batch 1 64 --steps 20 --cuda-graphs

@@ -504,10 +504,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-letter-schedule", dest="letter_schedule", action="store_false",
                    help="the decoder's own graphemes even where the model has a front end (the server's "
                         "--letter-schedule false)")
-    p.add_argument("--bf16-matmuls", action="store_true",
-                   help="the decode step's widest matmuls in bfloat16 from the first session, as a server on a "
-                        "CPU with bf16 dot products runs them from two concurrent sessions (default: float32, "
-                        "what a lone session gets); each clip still decodes alone")
+    p.add_argument("--matmul-weights", choices=("float32", "bfloat16", "int8"), default="float32",
+                   help="the decode step's widest matmuls with these weights from the first session (the server's "
+                        "--matmul-weights: bfloat16 from two concurrent sessions, int8 from one); each clip still "
+                        "decodes alone")
     p.add_argument("--voice", default=None, metavar="WAV|VOICE",
                    help="enroll every clip with one reference instead of an utterance of its own voice (to "
                         "compare candidate voices on the same texts): a WAV file (e.g. a model's voices/NAME.wav) "
@@ -585,7 +585,7 @@ def main(argv=None) -> int:
             # the codec on the runtime the server picks
             engine = Engine(bundle, EngineConfig(max_sessions=1, max_lead_s=1e6, max_overrun_s=a.max_overrun_s,
                                                  text_cfg_scale=a.text_cfg_scale, letter_schedule=a.letter_schedule,
-                                                 bf16_matmuls=a.bf16_matmuls, bf16_from_batch=1 if a.bf16_matmuls else None,
+                                                 matmul_weights=a.matmul_weights, low_precision_from_batch=1,
                                                  onnx_codec=onnx_codec_enabled("auto", a.device)))
             engine.start()
     else:
