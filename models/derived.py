@@ -122,9 +122,14 @@ def matmul_t(x: torch.Tensor, w_t: torch.Tensor, bias=None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for x [B, in] with the transposed weight w_t [in, out]. A
     weight in another dtype than x's (bfloat16) multiplies x rounded to it, accumulating
     in float32, and the product comes back in x's dtype; a packed int8 weight multiplies
-    x quantised to int8 with one scale for the call (fbgemm, accumulating in int32)."""
+    x quantised to int8 with a scale per row (fbgemm, accumulating in int32)."""
     if isinstance(w_t, torch.ScriptObject):  # packed int8 (`packed_int8`)
-        y = torch.ops.quantized.linear_dynamic(x, w_t, INT8_REDUCE_RANGE)
+        # fbgemm quantises the whole x with one scale, which would tie the rows (sessions)
+        # together: one row's NaN or outlier would spoil every row. Each row is scaled to
+        # a largest magnitude of 1 first and back after, so each gets the whole int8 range
+        # and a non-finite row (zeros in the call, its scale non-finite) stays its own
+        s = x.abs().amax(1, keepdim=True)
+        y = torch.ops.quantized.linear_dynamic(torch.nan_to_num(x / s, 0.0, 0.0, 0.0), w_t, INT8_REDUCE_RANGE) * s
         return y if bias is None else y + bias
     if w_t.dtype != x.dtype:
         y = torch.mm(x.to(w_t.dtype), w_t).to(x.dtype)

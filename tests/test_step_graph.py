@@ -399,6 +399,27 @@ def test_the_lower_precision_step_frozen_equals_it_eager_and_stays_near_float32(
     assert 0 < error <= tolerance
 
 
+def test_an_int8_matmul_keeps_each_rows_product_its_own():
+    """The int8 path scales each row (a session) on its own before quantising: a row of
+    NaN and a row a million times larger beside it leave a row's product as near its
+    float32 product as alone (one scale for the call would round it to zeros), and the
+    NaN row's product stays non-finite, so that session alone fails."""
+    from livespeech.models.derived import matmul_t, packed_int8
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 32)
+    packed = packed_int8(w)
+    x = torch.randn(3, 32)
+    want = x[0] @ w.t()
+    alone = matmul_t(x[:1], packed)[0]
+    x[1] = float("nan")
+    x[2] *= 1e6
+    got = matmul_t(x, packed)
+    for y in (alone, got[0]):
+        assert (y - want).abs().max() <= 0.05 * want.abs().max()
+    assert not torch.isfinite(got[1]).any() and torch.isfinite(got[2]).all()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
 def test_the_captured_step_runs_a_gpus_bf16_weights_and_memory(device):
