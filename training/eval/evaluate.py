@@ -56,7 +56,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from livespeech.api.session import TEMPERATURES, ChunkingConfig, ConfigError, SessionConfig
-from livespeech.server.config import ServerConfig
+from livespeech.server.config import MATMUL_WEIGHTS, ServerConfig
 from livespeech.training.eval import report
 from livespeech.training.eval.backends import Backend, cosine, make_backends
 from livespeech.training.dataset import read_manifest
@@ -504,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-letter-schedule", dest="letter_schedule", action="store_false",
                    help="the decoder's own graphemes even where the model has a front end (the server's "
                         "--letter-schedule false)")
-    p.add_argument("--matmul-weights", choices=("float32", "bfloat16", "int8"), default="float32",
+    p.add_argument("--matmul-weights", choices=MATMUL_WEIGHTS[1:], default="float32",
                    help="the decode step's widest matmuls with these weights from the first session (the server's "
                         "--matmul-weights: bfloat16 from two concurrent sessions, int8 from one); each clip still "
                         "decodes alone")
