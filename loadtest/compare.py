@@ -1,10 +1,18 @@
 """Before/after table of two load-test results (for docs/loadtest.md).
 
     python -m livespeech.loadtest.compare runs/loadtest/A/result.json runs/loadtest/B/result.json [--label "fuse heads"]
+    python -m livespeech.loadtest.compare A1/result.json,A2/result.json B1/result.json,B2/result.json
 
 Prints markdown: the rated N, per-N streaming TTFA p95 / underruns / step time / batch,
 and, when both runs carry a step profile, step time and category split per batch. The
 load average of both runs is printed next to them: compare only quiet runs.
+
+Several runs a side (comma-separated, as many on each: sweeps of the two alternated in
+one window, paired in the order given) give the paired table instead: each pair's rated
+N, and per N each pair's starved audio and the host's CPU steal in that level, and in
+how many pairs B starved less, more or the same. One underrun fails a level, and on a
+shared VM a level can lose seconds of CPU to the host, so the rated N of single sweeps
+moves a lot; the starved audio pair by pair, read with the steal beside it, says more.
 """
 from __future__ import annotations
 
@@ -78,16 +86,52 @@ def render(a: dict, b: dict, label: str = "") -> str:
     return "\n".join(L) + "\n"
 
 
+def render_pairs(a_runs: list[dict], b_runs: list[dict], label: str = "") -> str:
+    """Runs of A and B alternated in one window, paired by position (module docstring)."""
+    L = [f"### {label or 'A / B, alternated'}\n", "| pair | A: git, rated N | B: git, rated N | B / A |",
+         "|---|---|---|---|"]
+    rated = []
+    for i, (a, b) in enumerate(zip(a_runs, b_runs), 1):
+        na, nb = _get(a, "sweep", "rated_n"), _get(b, "sweep", "rated_n")
+        rated.append((na, nb))
+        ratio = f"{nb / na:.2f}" if na and nb else "-"
+        L.append(f"| {i} | {_get(a, 'git', 'commit')}, {na} | {_get(b, 'git', 'commit')}, {nb} | {ratio} |")
+    if all(na and nb for na, nb in rated):
+        sa, sb = sum(na for na, _ in rated), sum(nb for _, nb in rated)
+        L.append(f"\nRated N summed over the pairs: A {sa}, B {sb} ({sb / sa:.2f}x).")
+    else:
+        L.append("\nRated N summed over the pairs: not defined (a run rated none of its levels).")
+    L += ["", "| N | starved ms A / B, pair by pair | host steal s A / B | pairs where B starved less / more / the same |",
+          "|---|---|---|---|"]
+    levels = [(streaming(a), streaming(b)) for a, b in zip(a_runs, b_runs)]
+    for n in sorted(set().union(*(set(x) & set(y) for x, y in levels))):
+        pairs = [(x[n], y[n]) for x, y in levels if n in x and n in y]
+        starved = [tuple(_get(lv, "client", "starved_s") for lv in p) for p in pairs]
+        steal = [tuple(_get(lv, "host_steal", "steal_s") for lv in p) for p in pairs]
+        both = [(u, v) for u, v in starved if u is not None and v is not None]
+        less, more = sum(v < u for u, v in both), sum(v > u for u, v in both)
+        ms = "; ".join(f"{_n(u, 1000, '{:,.0f}')} / {_n(v, 1000, '{:,.0f}')}" for u, v in starved)
+        host = "; ".join(f"{_n(u)} / {_n(v)}" for u, v in steal)
+        L.append(f"| {n} | {ms} | {host} | {less} / {more} / {len(both) - less - more} |")
+    return "\n".join(L) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m livespeech.loadtest.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("before")
-    ap.add_argument("after")
+    ap.add_argument("before", help="result.json, or several comma-separated (alternated with after's)")
+    ap.add_argument("after", help="result.json, or as many comma-separated as before")
     ap.add_argument("--label", default="")
     args = ap.parse_args(argv)
-    a = json.loads(Path(args.before).read_text())
-    b = json.loads(Path(args.after).read_text())
-    print(render(a, b, args.label))
+    before, after = args.before.split(","), args.after.split(",")
+    if len(before) != len(after):
+        ap.error(f"{len(before)} run(s) before against {len(after)} after: pairs need as many on each side")
+    try:
+        a = [json.loads(Path(p).read_text()) for p in before]
+        b = [json.loads(Path(p).read_text()) for p in after]
+    except OSError as e:
+        ap.error(str(e))
+    print(render(a[0], b[0], args.label) if len(a) == 1 else render_pairs(a, b, args.label))
     return 0
 
 

@@ -271,6 +271,45 @@ def test_report_renders_a_synthetic_result(tmp_path):
     assert files and all((tmp_path / f).stat().st_size > 0 for f in files)
 
 
+def _sweep_result(rated, starved_by_n, steal_s=0.5, commit="abc1234"):
+    """A result.json as loadtest.run writes it, reduced to what the paired compare reads."""
+    levels = [{"n": n, "mode": "streaming", "client": {"starved_s": starved}, "host_steal": {"steal_s": steal_s}}
+              for n, starved in starved_by_n.items()]
+    return {"git": {"commit": commit}, "sweep": {"rated_n": rated}, "levels": levels}
+
+
+def test_paired_compare_lists_each_pairs_rated_n_and_starved_audio_with_the_hosts_steal():
+    from livespeech.loadtest.compare import render_pairs
+
+    a = [_sweep_result(4, {4: 0.0, 6: 0.2, 8: 1.5}), _sweep_result(6, {4: 0.0, 6: 0.0, 8: 0.3})]
+    b = [_sweep_result(6, {4: 0.0, 6: 0.0, 8: 0.05}, steal_s=2.0), _sweep_result(6, {4: 0.0, 6: 0.01, 8: 0.4})]
+    md = render_pairs(a, b, "bf16 / int8")
+    assert "| 1 | abc1234, 4 | abc1234, 6 | 1.50 |" in md and "| 2 | abc1234, 6 | abc1234, 6 | 1.00 |" in md
+    assert "A 10, B 12 (1.20x)" in md
+    # N=8: B starved less in pair 1 (1,500 -> 50 ms), more in pair 2 (300 -> 400 ms)
+    assert "| 8 | 1,500 / 50; 300 / 400 | 0.5 / 2.0; 0.5 / 0.5 | 1 / 1 / 0 |" in md
+    assert "| 4 | 0 / 0; 0 / 0 | 0.5 / 2.0; 0.5 / 0.5 | 0 / 0 / 2 |" in md and "| 6 | 200 / 0; 0 / 10 |" in md
+    # a run that rated none of its levels leaves the sum undefined rather than wrong
+    assert "not defined" in render_pairs([_sweep_result(None, {4: 0.1})], [_sweep_result(4, {4: 0.0})])
+
+
+def test_compare_takes_as_many_runs_on_each_side(tmp_path, capsys):
+    from livespeech.loadtest.compare import main
+
+    paths = []
+    for i, rated in enumerate((4, 6, 4)):
+        p = tmp_path / f"r{i}.json"
+        p.write_text(json.dumps(_sweep_result(rated, {4: 0.0, 6: 0.1 * i})))
+        paths.append(str(p))
+    assert main([f"{paths[0]},{paths[2]}", f"{paths[1]},{paths[1]}"]) == 0
+    assert "A 8, B 12 (1.50x)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main([f"{paths[0]},{paths[1]}", paths[2]])
+    assert exc.value.code == 2 and "pairs need as many on each side" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.json"), paths[0]])
+
+
 def test_host_steal_is_summed_with_its_worst_second_and_the_intervals_that_had_any():
     from livespeech.loadtest.run import StealSampler, steal_summary
 
