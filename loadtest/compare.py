@@ -101,8 +101,8 @@ def render_pairs(a_runs: list[dict], b_runs: list[dict], label: str = "") -> str
         L.append(f"\nRated N summed over the pairs: A {sa}, B {sb} ({sb / sa:.2f}x).")
     else:
         L.append("\nRated N summed over the pairs: not defined (a run rated none of its levels).")
-    L += ["", "| N | starved ms A / B, pair by pair | host steal s A / B | pairs where B starved less / more / the same |",
-          "|---|---|---|---|"]
+    L += ["", "| N | starved ms A / B, pair by pair | host steal s A / B "
+              "| pairs where B starved less / more / the same |", "|---|---|---|---|"]
     levels = [(streaming(a), streaming(b)) for a, b in zip(a_runs, b_runs)]
     for n in sorted(set().union(*(set(x) & set(y) for x, y in levels))):
         pairs = [(x[n], y[n]) for x, y in levels if n in x and n in y]
