@@ -95,7 +95,8 @@ def render_pairs(a_runs: list[dict], b_runs: list[dict], label: str = "") -> str
         na, nb = _get(a, "sweep", "rated_n"), _get(b, "sweep", "rated_n")
         rated.append((na, nb))
         ratio = f"{nb / na:.2f}" if na and nb else "-"
-        L.append(f"| {i} | {_get(a, 'git', 'commit')}, {na} | {_get(b, 'git', 'commit')}, {nb} | {ratio} |")
+        ga, gb = (f"{_get(r, 'git', 'commit')}{' (dirty)' if _get(r, 'git', 'dirty') else ''}" for r in (a, b))
+        L.append(f"| {i} | {ga}, {na} | {gb}, {nb} | {ratio} |")
     if all(na and nb for na, nb in rated):
         sa, sb = sum(na for na, _ in rated), sum(nb for _, nb in rated)
         L.append(f"\nRated N summed over the pairs: A {sa}, B {sb} ({sb / sa:.2f}x).")

@@ -271,20 +271,21 @@ def test_report_renders_a_synthetic_result(tmp_path):
     assert files and all((tmp_path / f).stat().st_size > 0 for f in files)
 
 
-def _sweep_result(rated, starved_by_n, steal_s=0.5, commit="abc1234"):
+def _sweep_result(rated, starved_by_n, steal_s=0.5, commit="abc1234", dirty=False):
     """A result.json as loadtest.run writes it, reduced to what the paired compare reads."""
     levels = [{"n": n, "mode": "streaming", "client": {"starved_s": starved}, "host_steal": {"steal_s": steal_s}}
               for n, starved in starved_by_n.items()]
-    return {"git": {"commit": commit}, "sweep": {"rated_n": rated}, "levels": levels}
+    return {"git": {"commit": commit, "dirty": dirty}, "sweep": {"rated_n": rated}, "levels": levels}
 
 
 def test_paired_compare_lists_each_pairs_rated_n_and_starved_audio_with_the_hosts_steal():
     from livespeech.loadtest.compare import render_pairs
 
     a = [_sweep_result(4, {4: 0.0, 6: 0.2, 8: 1.5}), _sweep_result(6, {4: 0.0, 6: 0.0, 8: 0.3})]
-    b = [_sweep_result(6, {4: 0.0, 6: 0.0, 8: 0.05}, steal_s=2.0), _sweep_result(6, {4: 0.0, 6: 0.01, 8: 0.4})]
+    b = [_sweep_result(6, {4: 0.0, 6: 0.0, 8: 0.05}, steal_s=2.0),
+         _sweep_result(6, {4: 0.0, 6: 0.01, 8: 0.4}, dirty=True)]
     md = render_pairs(a, b, "bf16 / int8")
-    assert "| 1 | abc1234, 4 | abc1234, 6 | 1.50 |" in md and "| 2 | abc1234, 6 | abc1234, 6 | 1.00 |" in md
+    assert "| 1 | abc1234, 4 | abc1234, 6 | 1.50 |" in md and "| 2 | abc1234, 6 | abc1234 (dirty), 6 | 1.00 |" in md
     assert "A 10, B 12 (1.20x)" in md
     # N=8: B starved less in pair 1 (1,500 -> 50 ms), more in pair 2 (300 -> 400 ms)
     assert "| 8 | 1,500 / 50; 300 / 400 | 0.5 / 2.0; 0.5 / 0.5 | 1 / 1 / 0 |" in md
