@@ -37,6 +37,11 @@ def _n(v: Optional[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v * scale)
 
 
+def _commit(result: dict) -> str:
+    """The run's git commit, marked when its tree had uncommitted changes."""
+    return f"{_get(result, 'git', 'commit')}{' (dirty)' if _get(result, 'git', 'dirty') else ''}"
+
+
 def _delta(a: Optional[float], b: Optional[float]) -> str:
     if a is None or b is None or a == 0:
         return "-"
@@ -50,8 +55,7 @@ def streaming(result: dict) -> dict[int, dict]:
 def render(a: dict, b: dict, label: str = "") -> str:
     L = [f"### {label or 'before / after'}\n"]
     for tag, r in (("before", a), ("after", b)):
-        L.append(f"- {tag}: {r.get('created_utc')} git {_get(r, 'git', 'commit')}"
-                 f"{' (dirty)' if _get(r, 'git', 'dirty') else ''}, load average at start "
+        L.append(f"- {tag}: {r.get('created_utc')} git {_commit(r)}, load average at start "
                  f"{_n(_get(r, 'host', 'loadavg_start', 0), fmt='{:.2f}')}{' NOISY' if r.get('noisy') else ''}; "
                  f"rated N = {_get(r, 'sweep', 'rated_n')}")
     L.append("")
@@ -95,8 +99,7 @@ def render_pairs(a_runs: list[dict], b_runs: list[dict], label: str = "") -> str
         na, nb = _get(a, "sweep", "rated_n"), _get(b, "sweep", "rated_n")
         rated.append((na, nb))
         ratio = f"{nb / na:.2f}" if na and nb else "-"
-        ga, gb = (f"{_get(r, 'git', 'commit')}{' (dirty)' if _get(r, 'git', 'dirty') else ''}" for r in (a, b))
-        L.append(f"| {i} | {ga}, {na} | {gb}, {nb} | {ratio} |")
+        L.append(f"| {i} | {_commit(a)}, {na} | {_commit(b)}, {nb} | {ratio} |")
     if all(na and nb for na, nb in rated):
         sa, sb = sum(na for na, _ in rated), sum(nb for _, nb in rated)
         L.append(f"\nRated N summed over the pairs: A {sa}, B {sb} ({sb / sa:.2f}x).")
