@@ -149,7 +149,7 @@ def step_cost_rows(bundle, args, out: dict):
                     runner.model_step(view.inputs, view.step, view, mask, runner.low_precision if low else None)
             t_model = bench(model_only, args.steps)
             def full_step():
-                runner.step(slots, [(0, 0)] * b, guides, [1.0] * b, [20] * b, [False] * b)
+                runner.step(slots, [(0, 0)] * b, guides, [False] * b)
             t_full = bench(full_step, args.steps)
             pf = runner.steady_packet_frames  # (the streams' first call pads it where it is short)
             frames = [[[1] * bundle.model.cfg.n_acoustic_codebooks] * pf] * b
@@ -205,7 +205,7 @@ def first_call_rows(bundle, args, out: dict):
     def step(b: int) -> float:
         t = time.perf_counter()
         with torch.inference_mode():  # the step's results come back to the host: it waits for the device
-            runner.step(list(range(b)), [(0, 0)] * b, guides[:b], [1.0] * b, [20] * b, [False] * b)
+            runner.step(list(range(b)), [(0, 0)] * b, guides[:b], [False] * b)
         return time.perf_counter() - t
 
     for b in args.batch:

@@ -161,8 +161,7 @@ CATEGORIES = {
 
 
 def install(scopes: Scopes, engine, fine: bool) -> Patches:
-    import livespeech.server.runner as runner_mod
-    from livespeech.models.guidance import GuidanceState
+    from livespeech.models.guidance import GuidanceState, SamplingRows
     from livespeech.server.audio import AudioEncoder
     from livespeech.server.session import EngineSession
     from livespeech.server.timeline import SpeechTimeline
@@ -198,7 +197,7 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
     for gn in m.group_norms:
         p.wrap(scopes, "layernorm", gn, "forward")
     p.wrap(scopes, "heads", m, "_fused_heads")  # the step's heads: one matmul per codebook group
-    p.wrap(scopes, "sampling", runner_mod.SamplingRows, "sample")
+    p.wrap(scopes, "sampling", SamplingRows, "sample")
     p.wrap(scopes, "guidance.set", GuidanceState, "guiding_set")
     p.wrap(scopes, "guidance.observe", GuidanceState, "observe")
     p.wrap(scopes, "audio.encode", AudioEncoder, "push")
@@ -428,13 +427,14 @@ def codec_cost(codec) -> dict:
 
 
 def _scratch_runner(bundle, batch: int):
+    from livespeech.models.guidance import SamplingSettings
     from livespeech.server.runner import ModelRunner
 
     runner = ModelRunner(bundle, batch)
     voice = runner.make_voice("v", noise_reference(), 24000)
     slots = list(range(batch))
     for s in slots:
-        runner.admit(s, voice, seed=s)
+        runner.admit(s, voice, seed=s, sampling=SamplingSettings(math.inf, 20))
         runner.add_chunk(s, list(range(100, 112)), 0, 0)
     return runner, slots
 
@@ -470,7 +470,7 @@ def counted_cost(bundle, batch: int, packet_frames: int) -> dict:
                 return func(*args, **(kwargs or {}))
 
         with Count():
-            runner.step(slots, [(0, 0)] * batch, guides, [math.inf] * batch, [20] * batch, [False] * batch)
+            runner.step(slots, [(0, 0)] * batch, guides, [False] * batch)
         out["aten_ops_runner_step"] = Count.n
         Count.n = 0
         with Count():

@@ -32,10 +32,14 @@ Batched (tensors; only the guiding sets are per-session Python)
 ``sample_graphemes(logits[B, G], states, lambdas, top_ks, generators) -> LongTensor[B]``
 ``sample_top_k(logits[B, V] or [B, K, V], top_ks, generators) -> LongTensor[B] / [B, K]``
 ``sample_step(g_logits, a_logits, states, lambdas, top_ks, generators, grapheme_top_ks,
-temperatures) -> (tokens[B, 1 + Q], bad[B])``  the runner's one call per decode step;
+temperatures) -> (tokens[B, 1 + Q], bad[B])``  one decode step's sampling for B rows;
 ``states`` may be ``GuidingSets``: the guiding sets and EOS bars of guidance kept on the
 device (`livespeech.models.guidance_batch.GuidanceBatch`, the same rules as tensors).
 The caller observes each sampled grapheme itself (``state.observe(int(g))``).
+``SlotSampling(capacity, n_graphemes, vocab, device)``  each slot's ``SamplingSettings``
+(lambda, k, temperatures) as tensors, ``.set(slot, settings)`` once a session: the
+runner's steps gather their rows on the device (``.rows(idx, sets).sample(...)``), as
+``sample_step`` does for its B rows.
 
 Rules
 -----
@@ -101,14 +105,15 @@ import math
 from collections import deque
 from typing import Iterable, NamedTuple, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .graphemes import BLANK, EOS, SPACE, VOCAB_SIZE
 from .scripted import scripted
 from .upload import Upload
 
-__all__ = ["GuidanceState", "GuidingSets", "SamplingPlan", "Temperatures", "sample_graphemes", "sample_step",
-           "sample_top_k"]
+__all__ = ["GuidanceState", "GuidingSets", "SamplingSettings", "SlotSampling", "Temperatures", "sample_graphemes",
+           "sample_step", "sample_top_k"]
 
 _INF = float("inf")
 
@@ -381,14 +386,15 @@ def _lambdas(lambdas: Union[float, Sequence[float]], n_rows: int) -> list[float]
     return lam
 
 
-def _guiding_cells(states: Sequence[Optional[GuidanceState]], lam: Sequence[float]) -> tuple[list[int], list[int]]:
-    """(rows, graphemes) of every guided row's guiding set: the cells of the guide mask."""
-    if len(states) != len(lam):
-        raise ValueError(f"expected {len(lam)} guidance states, got {len(states)}")
+def _guiding_cells(states: Sequence[Optional[GuidanceState]], guided: Sequence[bool]) -> tuple[list[int], list[int]]:
+    """(rows, graphemes) of every guided row's guiding set (guided: lambda > 0): the cells
+    of the guide mask."""
+    if len(states) != len(guided):
+        raise ValueError(f"expected {len(guided)} guidance states, got {len(states)}")
     rows: list[int] = []
     cols: list[int] = []
     for r, st in enumerate(states):
-        if st is None or lam[r] == 0.0:
+        if st is None or not guided[r]:
             continue
         gs = st.guiding_set()
         rows.extend([r] * len(gs))
@@ -537,7 +543,7 @@ def _guidance_inputs(states: Sequence[Optional[GuidanceState]], lambdas: Union[f
     """(guide [B, G] bool, bonus [B], hard [B]) for `_guided`; None when no row is guided."""
     b, g = shape
     lam = _lambdas(lambdas, b)
-    rows, cols = _guiding_cells(states, lam)
+    rows, cols = _guiding_cells(states, [x != 0.0 for x in lam])
     if not rows:
         return None
     bonus, hard = _bonus_and_hard(lam)
@@ -607,68 +613,98 @@ class Temperatures(NamedTuple):
     acoustic: float = 1.0  # codebooks 2..Q
 
 
-class SamplingPlan:
-    """`sample_step`'s per-row inputs, staged on the host into an `Upload` (a step sends
-    them with its other inputs in one copy: models/upload.py), then the step's sampling
-    on what was sent. `states`: each row's `GuidanceState`, or None when the guiding sets
-    come from the device (`GuidingSets`, given to `sample`). shape: (rows, graphemes,
-    codes)."""
+class SamplingSettings(NamedTuple):
+    """One session's sampling settings (`SlotSampling.set` checks them)."""
+    guidance_lambda: float = 1.0  # >= 0; inf: hard guidance
+    top_k: int = 20  # the acoustic codes' k
+    grapheme_top_k: Optional[int] = None  # None: top_k
+    temperatures: Temperatures = Temperatures()
 
-    def __init__(self, up: Upload, states: Optional[Sequence[GuidanceState]], lambdas: Union[float, Sequence[float]],
-                 top_ks: Union[int, Sequence[int]], shape: tuple[int, int, int],
-                 grapheme_top_ks: Optional[Union[int, Sequence[int]]] = None,
-                 temperatures: Optional[Sequence[Sequence[float]]] = None) -> None:
-        b, g, v = self.shape = shape
-        lam = _lambdas(lambdas, b)
-        if states is None:
-            self._guided = up.add([x != 0.0 for x in lam], torch.bool)
-        else:
-            rows, cols = _guiding_cells(states, lam)
-            self._rows, self._cols = up.add(rows, torch.long), up.add(cols, torch.long)
-            self._barred = up.add([not st.speech_may_end for st in states], torch.bool)
+
+class SlotSampling:
+    """Each slot's sampling settings as tensors on `device`, written when a session takes
+    the slot (`set`): a step gathers its rows there (`rows`) instead of sending them, so
+    its host work does not grow with them. The host keeps what it decides before a step:
+    the largest k of the step's rows (`kmax`), whether any of them has a temperature
+    other than 1 (`scaled`) and which are guided (lambda > 0: `guided`)."""
+
+    def __init__(self, capacity: int, n_graphemes: int, vocab: int, device) -> None:
+        self.n_graphemes, self.vocab = n_graphemes, vocab
+
+        def full(*shape, dtype=torch.long, value=1):
+            return torch.full((capacity, *shape), value, dtype=dtype, device=device)
+        # a slot never set samples with k 1, temperature 1 and no guidance
+        self.bonus, self.hard = full(dtype=torch.float32, value=0.0), full(dtype=torch.bool, value=False)
+        self.guided_rows = full(dtype=torch.bool, value=False)  # lambda > 0 (on the host: `guided`)
+        self.k_g, self.k_a = full(), full()
+        self.inv_t, self.greedy = full(3, dtype=torch.float32, value=1.0), full(3, dtype=torch.bool, value=False)
+        self._guided = np.zeros(capacity, dtype=bool)
+        self._ks = np.ones((capacity, 2), dtype=np.int64)  # (grapheme, acoustic) k
+        self._scaled = np.zeros(capacity, dtype=bool)
+
+    def set(self, slot: int, settings: SamplingSettings) -> None:
+        """`slot`'s settings from now on, checked: lambda >= 0 (inf: hard guidance), k
+        clamped to [1, vocabulary], temperatures finite and >= 0 (0: greedy)."""
+        lam = _lambdas([settings.guidance_lambda], 1)
+        k_a = _row_ks([settings.top_k], 1, self.vocab)[0]
+        k_g = _row_ks([settings.top_k if settings.grapheme_top_k is None else settings.grapheme_top_k], 1,
+                      self.n_graphemes)[0]
+        t = tuple(float(x) for x in settings.temperatures)
+        if len(t) != 3 or not all(0.0 <= x < math.inf for x in t):
+            raise ValueError("temperatures must be (grapheme, codebook 1, codebooks 2..Q) triples "
+                             "of finite values >= 0")
         bonus, hard = _bonus_and_hard(lam)
-        self._bonus, self._hard = up.add(bonus, torch.float32), up.add(hard, torch.bool)
-        k_g = _row_ks(top_ks if grapheme_top_ks is None else grapheme_top_ks, b, g)
-        k_a = _row_ks(top_ks, b, v)
-        self.kmax_g, self.kmax_a = max(k_g, default=1), max(k_a, default=1)
-        self._k_g, self._k_a = up.add(k_g, torch.long), up.add(k_a, torch.long)
-        self.scaled = False
-        if temperatures is not None:
-            if len(temperatures) != b:
-                raise ValueError(f"expected {b} temperature triples, got {len(temperatures)}")
-            t = [tuple(float(x) for x in row) for row in temperatures]
-            if any(len(row) != 3 or not all(0.0 <= x < math.inf for x in row) for row in t):
-                raise ValueError("temperatures must be (grapheme, codebook 1, codebooks 2..Q) triples "
-                                 "of finite values >= 0")
-            self.scaled = any(x != 1.0 for row in t for x in row)
-            self._inv_t = up.add([1.0 if x == 0.0 else 1.0 / x for row in t for x in row], torch.float32, (b, 3))
-            self._greedy = up.add([x == 0.0 for row in t for x in row], torch.bool, (b, 3))
+        up = Upload()
+        for values, dtype in ((bonus, torch.float32), (hard, torch.bool), ([lam[0] != 0.0], torch.bool),
+                              ([k_g], torch.long), ([k_a], torch.long),
+                              ([1.0 if x == 0.0 else 1.0 / x for x in t], torch.float32),
+                              ([x == 0.0 for x in t], torch.bool)):
+            up.add(values, dtype)
+        sent = up.send(self.bonus.device)
+        for dst, row in zip((self.bonus, self.hard, self.guided_rows, self.k_g, self.k_a), sent):
+            dst[slot] = row[0]
+        self.inv_t[slot], self.greedy[slot] = sent[5], sent[6]
+        self._guided[slot], self._ks[slot], self._scaled[slot] = lam[0] != 0.0, (k_g, k_a), any(x != 1.0 for x in t)
 
-    def rows(self, sent: Sequence[torch.Tensor], sets: Optional[GuidingSets] = None) -> "SamplingRows":
-        """Each row's settings as `_step_tokens` reads them, from the `Upload`'s sent
-        tensors and the device's guiding sets where `states` was None."""
-        b, g, _ = self.shape
-        dev = sent[self._bonus].device
-        if sets is not None:
-            guide, barred = sets.mask & sent[self._guided][:, None], sets.eos_barred
-        else:
-            guide, barred = _guide_mask((b, g), sent[self._rows], sent[self._cols]), sent[self._barred]
-        if self.scaled:
-            inv_t, greedy = sent[self._inv_t], sent[self._greedy]
-        else:  # read only when scaled
-            inv_t, greedy = torch.ones(b, 3, device=dev), torch.zeros(b, 3, dtype=torch.bool, device=dev)
-        return SamplingRows(guide, barred, sent[self._bonus], sent[self._hard], sent[self._k_g], sent[self._k_a],
-                            inv_t, greedy)
+    def kmax(self, slots: Sequence[int]) -> tuple[int, int]:
+        """The largest grapheme and acoustic k of `slots`."""
+        g, a = self._ks[np.asarray(slots)].max(0)
+        return int(g), int(a)
 
-    def sample(self, sent: Sequence[torch.Tensor], g_logits: torch.Tensor, a_logits: torch.Tensor,
-               u: torch.Tensor, sets: Optional[GuidingSets] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [B, 1 + Q], bad [B]) from the logits, the `Upload`'s sent tensors, the
-        step's draws u [B, 1 + Q], and the device's guiding sets where `states` was None."""
-        return self.rows(sent, sets).sample(g_logits, a_logits, u, self.kmax_g, self.kmax_a, self.scaled)
+    def scaled(self, slots: Sequence[int]) -> bool:
+        """Whether some row of `slots` has a temperature other than 1."""
+        return bool(self._scaled[np.asarray(slots)].any())
+
+    def guided(self, slots: Sequence[int]) -> np.ndarray:
+        """Whether each of `slots` is guided (lambda > 0)."""
+        return self._guided[np.asarray(slots)]
+
+    def guide(self, idx: Union[torch.Tensor, slice], sets: GuidingSets) -> GuidingSets:
+        """`sets` for the rows `idx` (the slots on the device, or a slice of them) with the
+        unguided rows' (lambda 0) guiding graphemes dropped."""
+        return GuidingSets(sets.mask & self.guided_rows[idx][:, None], sets.eos_barred)
+
+    def rows(self, idx: Union[torch.Tensor, slice], sets: GuidingSets) -> "SamplingRows":
+        """The rows `idx` as `SamplingRows`, their guiding sets `sets` (`guide`d already)."""
+        return SamplingRows(sets.mask, sets.eos_barred, self.bonus[idx], self.hard[idx], self.k_g[idx],
+                            self.k_a[idx], self.inv_t[idx], self.greedy[idx])
+
+
+def stage_guiding_sets(up: Upload, states: Sequence[GuidanceState], guided: Sequence[bool]) -> tuple[int, int, int]:
+    """The per-session guidance's guiding sets and EOS bars staged into `up` (the step's
+    one copy: models/upload.py); `sent_guiding_sets` makes them `GuidingSets`."""
+    rows, cols = _guiding_cells(states, guided)
+    return up.add(rows, torch.long), up.add(cols, torch.long), up.add([not st.speech_may_end for st in states],
+                                                                       torch.bool)
+
+
+def sent_guiding_sets(sent: Sequence[torch.Tensor], staged: tuple[int, int, int], n_graphemes: int) -> GuidingSets:
+    rows, cols, barred = (sent[i] for i in staged)
+    return GuidingSets(_guide_mask((barred.shape[0], n_graphemes), rows, cols), barred)
 
 
 class SamplingRows(NamedTuple):
-    """Each row's sampling settings as tensors on the device (`SamplingPlan.rows`): what a
+    """Each row's sampling settings as tensors on the device (`SlotSampling.rows`): what a
     step's sampling reads besides the logits and the draws."""
     guide: torch.Tensor  # [B, G] bool: the guiding graphemes
     eos_barred: torch.Tensor  # [B] bool
@@ -691,9 +727,7 @@ def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Union[Se
                 lambdas: Sequence[float], top_ks: Sequence[int],
                 generators: Union[Sequence[Optional[torch.Generator]], torch.Tensor],
                 grapheme_top_ks: Optional[Sequence[int]] = None,
-                temperatures: Optional[Sequence[Sequence[float]]] = None,
-                staged: Optional[tuple[SamplingPlan, Sequence[torch.Tensor]]] = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                temperatures: Optional[Sequence[Sequence[float]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step's tokens for B sessions in one TorchScript call: the grapheme by
     `sample_graphemes`, then the acoustic codes by `sample_top_k`, from the same uniforms
     (so the same tokens). top_ks: each row's k for the acoustic codes; grapheme_top_ks:
@@ -704,17 +738,24 @@ def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Union[Se
     a_logits [B, Q, V] -> (tokens [B, 1 + Q] grapheme first, bad [B] bool: the rows
     whose logits were not finite). states: each row's `GuidanceState`, or `GuidingSets`
     of guidance kept on the device. generators: each row's generator, or the step's
-    draws [B, 1 + Q] (`counter_uniforms`). staged: a `SamplingPlan` of these settings
-    and the tensors its `Upload` sent (a caller that sends the step's inputs in one
-    copy); None stages and sends them here."""
+    draws [B, 1 + Q] (`counter_uniforms`). The rows' settings go through a
+    `SlotSampling` of B slots, as a server's sessions' do."""
     b, g = g_logits.shape
     q, v = a_logits.shape[1:]
     device = g_logits.device
-    sets = states if isinstance(states, GuidingSets) else None
-    if staged is None:
+    lam, ks = _lambdas(lambdas, b), _row_ks(top_ks, b, v)
+    gks = [None] * b if grapheme_top_ks is None else _row_ks(grapheme_top_ks, b, g)
+    if temperatures is not None and len(temperatures) != b:
+        raise ValueError(f"expected {b} temperature triples, got {len(temperatures)}")
+    table = SlotSampling(b, g, v, device)
+    for r in range(b):
+        table.set(r, SamplingSettings(lam[r], ks[r], gks[r], Temperatures() if temperatures is None else temperatures[r]))
+    rows = list(range(b))
+    if not isinstance(states, GuidingSets):
         up = Upload()
-        plan = SamplingPlan(up, None if sets is not None else states, lambdas, top_ks, (b, g, v),
-                            grapheme_top_ks, temperatures)
-        staged = plan, up.send(device)
+        staged = stage_guiding_sets(up, states, table.guided(rows))
+        states = sent_guiding_sets(up.send(device), staged, g)
+    idx = torch.arange(b, device=device)
     u = _uniforms(generators, b, 1 + q, device)  # one draw per token, grapheme first
-    return staged[0].sample(staged[1], g_logits, a_logits, u, sets)
+    return table.rows(idx, table.guide(idx, states)).sample(g_logits, a_logits, u, *table.kmax(rows),
+                                                            table.scaled(rows))

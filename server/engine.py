@@ -277,7 +277,7 @@ class Engine:
         self.codec.settle({slot})  # the slot's codec state is reset below: no call may hold it
         s.slot = slot
         self._sessions[slot] = s
-        s.guidance = self.runner.admit(slot, s.voice, s.config.seed, s.guidance)
+        s.guidance = self.runner.admit(slot, s.voice, s.config.seed, s.guidance, s.sampling)
         if self.bundle.front_end is not None and self.config.letter_schedule:
             s.letters = LetterSchedule(self.bundle.front_end, s.voice.engine)
 
@@ -296,37 +296,39 @@ class Engine:
         bias_rows = [-1 if x is None else x.bias_row(s.step_count - d1) for s, x in zip(batch, letters)] if forced else None
         self.codec.deliver_done()
         with self.codec.may_deliver():
-            results = self.runner.step(
-                [s.slot for s in batch], windows, [s.guidance for s in batch],
-                [s.config.guidance_lambda for s in batch], [s.config.top_k for s in batch], force,
-                [s.config.grapheme_top_k for s in batch], [s.temperatures for s in batch], forced, bias_rows,
-            )
+            results = self.runner.step([s.slot for s in batch], windows, [s.guidance for s in batch], force, forced,
+                                       bias_rows)
         step_s = time.perf_counter() - t0
         self.metrics.step_seconds.observe(step_s)
         self.metrics.batch_size.observe(len(batch))
         to_decode = []
         now = time.monotonic()
-        for s, r in zip(batch, results):
+        share = step_s / len(batch)
+        for s, failed, has_frame, done, frame in zip(batch, results.failed.tolist(), results.has_frame.tolist(),
+                                                     results.done.tolist(), results.frames):
             if s.phase is Phase.ENDED:  # its audio failed on the codec thread during the step
                 continue
-            s.compute_s += step_s / len(batch)
-            if r.failed:
+            s.compute_s += share
+            if failed:
                 self._fail(s, "INTERNAL", "numerical error in the decoder (non-finite logits)")
                 continue
             with self._isolated(s, "decoding"):
-                if plan := self._after_step(s, r, now):
+                if plan := self._after_step(s, frame if has_frame else None, done, now):
                     to_decode.append((s, plan))
         self.codec.decode(to_decode)
 
-    def _after_step(self, s: EngineSession, r, now: float) -> Optional[PacketPlan]:
-        """Book one step's result for a session; returns the packet to decode now, if any."""
+    def _after_step(self, s: EngineSession, frame: Optional[np.ndarray], done: bool,
+                    now: float) -> Optional[PacketPlan]:
+        """Book one step's result for a session (its completed frame's codes, if one
+        completed; whether its last frame was emitted); returns the packet to decode now,
+        if any."""
         s.note_progress()  # the runner's step has observed the grapheme
         s.track_words(s.step_count)  # words are sent once their audio is (`EngineSession.send_words`)
         s.step_count += 1
         self.memory.replace(s)
-        if r.frame is not None:
-            s.pending_frames.append(r.frame)
-        if r.done:
+        if frame is not None:
+            s.pending_frames.append(frame)
+        if done:
             s.done_decoding = True
         self.memory.evict_past(s)
         if not s.done_decoding and not s.lookahead_ready():

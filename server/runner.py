@@ -21,8 +21,8 @@ import torch
 from livespeech.api.session import SessionConfig
 from livespeech.models import graphemes
 from livespeech.models.derived import INT8, cpu_has_bf16_dot, cpu_has_int8_matmuls
-from livespeech.models.guidance import (GuidanceState, SamplingPlan, SamplingRows, Temperatures, counter_uniforms,
-                                        sample_step)
+from livespeech.models.guidance import (GuidanceState, GuidingSets, SamplingSettings, SlotSampling, Temperatures,
+                                        counter_uniforms, sample_step, sent_guiding_sets, stage_guiding_sets)
 from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
 from livespeech.models.inference import DecodeState, DecodeStateView, StepResult, enrollment_kv
 from livespeech.models.livespeech import StepLogits, text_guided
@@ -100,6 +100,25 @@ class SlotStep:
     failed: bool = False  # non-finite logits: the session must end, the others go on
 
 
+@dataclass(eq=False)
+class StepResults:
+    """What the sessions of one decode step got, row i for its i-th slot, as arrays read
+    from the device in one copy: the engine books them without an object a session."""
+    grapheme: np.ndarray  # [B] sampled at this step (frame = step)
+    frame_index: np.ndarray  # [B]
+    has_frame: np.ndarray  # [B] bool: a frame completed
+    done: np.ndarray  # [B] bool: all frames before EOS emitted
+    failed: np.ndarray  # [B] bool: non-finite logits: the session must end, the others go on
+    frames: np.ndarray  # [B, Q] the completed frame's acoustic codes (where has_frame)
+
+    def __len__(self) -> int:
+        return len(self.grapheme)
+
+    def __getitem__(self, i: int) -> SlotStep:
+        return SlotStep(int(self.grapheme[i]), self.frames[i].tolist() if self.has_frame[i] else None,
+                        int(self.frame_index[i]), bool(self.done[i]), bool(self.failed[i]))
+
+
 class SlotGuidance:
     """A session's guidance kept in the runner's `GuidanceBatch` (on the model's device):
     what the server calls on a `GuidanceState`. The runner observes each step's grapheme
@@ -149,26 +168,24 @@ def _step_result(tokens: torch.Tensor, bad: torch.Tensor, forced: Optional[torch
 
 class _StepRows:
     """Per slot, what a step recorded with its sampling and commit reads besides the
-    state (`ModelRunner._sample_and_commit`): the step fills the rows of its slots, and
-    `active` says which those are."""
+    state and the slots' `SlotSampling` (`ModelRunner._sample_and_commit`): the step fills
+    the rows of its slots, and `active` says which those are."""
 
     def __init__(self, capacity: int, n_graphemes: int, device: torch.device):
-        # a row never filled is sampled too (its result unused): with k 1 and temperature 1
+        # a row never filled is sampled too (its result unused)
         def full(*shape, dtype=torch.long, value=0):
             return torch.full((capacity, *shape), value, dtype=dtype, device=device)
         self.active = full(dtype=torch.bool)
         self.forced, self.force_eos, self.bias_row = full(value=-1), full(dtype=torch.bool), full(value=-1)
-        self.sampling = SamplingRows(guide=full(n_graphemes, dtype=torch.bool), eos_barred=full(dtype=torch.bool),
-                                     bonus=full(dtype=torch.float32), hard=full(dtype=torch.bool), k_g=full(value=1),
-                                     k_a=full(value=1), inv_t=full(3, dtype=torch.float32, value=1.0),
-                                     greedy=full(3, dtype=torch.bool))
+        self.sets = GuidingSets(full(n_graphemes, dtype=torch.bool), full(dtype=torch.bool))
 
-    def fill(self, idx: torch.Tensor, sampling: SamplingRows, forced: Optional[torch.Tensor],
+    def fill(self, idx: torch.Tensor, sets: GuidingSets, forced: Optional[torch.Tensor],
              force_eos: Optional[torch.Tensor], bias_row: Optional[torch.Tensor]) -> None:
-        """The rows `idx` (the step's slots) from its settings; None: none forced / no bias."""
+        """The rows `idx` (the step's slots) from its guiding sets, forced graphemes, EOS
+        and bias rows; None: none forced / no bias."""
         self.active.zero_()
         self.active[idx] = True
-        for buf, rows in zip(self.sampling, sampling):
+        for buf, rows in zip(self.sets, sets):
             buf.index_copy_(0, idx, rows)
         for buf, rows, none in ((self.forced, forced, -1), (self.force_eos, force_eos, False),
                                 (self.bias_row, bias_row, -1)):
@@ -236,6 +253,8 @@ class ModelRunner:
         # each slot's seed: its draws are `counter_uniforms` of the seed and the decode
         # step, made on the device (no generator state on the host)
         self.seeds = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        cfg = self.model.cfg
+        self.sampling = SlotSampling(capacity, cfg.n_graphemes, cfg.codebook_size, self.device)
         # codebook 1's logits at a frame of each phone, for the letter schedule (models/front_end.py)
         self.first_code_bias = (bundle.front_end.first_code_bias().to(self.device)
                                 if bundle.front_end is not None else None)
@@ -321,11 +340,12 @@ class ModelRunner:
             return Voice(voice_id, enroll, enrollment_kv(self.model, enroll), engine)
 
     # --- session slots --------------------------------------------------------------------
-    def admit(self, slot: int, voice: Voice, seed: Optional[int],
-              guidance: Optional[GuidanceState] = None) -> Union[GuidanceState, SlotGuidance, None]:
-        """Start `slot` for a session; returns the guidance its steps take from now on: its
-        own `guidance`, or with device guidance the slot's, holding the same transcript
-        (which must not have observed a step yet)."""
+    def admit(self, slot: int, voice: Voice, seed: Optional[int], guidance: Optional[GuidanceState] = None,
+              sampling: SamplingSettings = SamplingSettings()) -> Union[GuidanceState, SlotGuidance, None]:
+        """Start `slot` for a session sampling with `sampling`; returns the guidance its
+        steps take from now on: its own `guidance`, or with device guidance the slot's,
+        holding the same transcript (which must not have observed a step yet)."""
+        self.sampling.set(slot, sampling)  # first: bad settings leave the slot as it was
         self.state.reset_slot(slot, voice.kv)
         if self.unconditioned is not None:
             self.unconditioned.reset_slot(slot, voice.kv)
@@ -345,6 +365,10 @@ class ModelRunner:
         if guidance.input_complete:
             on_device.input_complete = True
         return on_device
+
+    def set_sampling(self, slot: int, sampling: SamplingSettings) -> None:
+        """`slot`'s sampling settings from its next step on (`admit` sets them first)."""
+        self.sampling.set(slot, sampling)
 
     def flush_transcripts(self) -> None:
         """With device guidance, extend its transcripts by the text that arrived since the
@@ -375,24 +399,19 @@ class ModelRunner:
         slots: Sequence[int],
         windows: Sequence[tuple[int, int]],
         guidance: Sequence[Union[GuidanceState, SlotGuidance]],
-        lambdas: Sequence[float],
-        top_ks: Sequence[int],
         force_eos: Sequence[bool],
-        grapheme_top_ks: Optional[Sequence[int]] = None,
-        temperatures: Optional[Sequence[Temperatures]] = None,
         forced_graphemes: Optional[Sequence[int]] = None,
         first_code_rows: Optional[Sequence[int]] = None,
-    ) -> list[SlotStep]:
-        """One step of `slots`. top_ks: the acoustic codes' k; grapheme_top_ks (None:
-        top_ks) and temperatures (None: 1) as `livespeech.models.guidance.sample_step` takes them.
-        force_eos: the runaway guard's EOS, over whatever was sampled. forced_graphemes:
-        each row's grapheme from its letter schedule (-1: sampled); first_code_rows:
-        the front end's `first_code_bias` row of each row's codebook-1 frame (its phone,
-        or its phone in context: `FrontEnd.bias_row`; -1: none), given which codebook 1
-        is sampled. Each session's guidance observes its grapheme (on the device with
-        device guidance). With the CUDA graphs the model step, the sampling and the
-        commit are one replay (`_sample_and_commit`); otherwise they run call by call
-        (`_sample_and_commit_batch`)."""
+    ) -> StepResults:
+        """One step of `slots`, each sampling with its slot's settings (`admit`,
+        `set_sampling`). force_eos: the runaway guard's EOS, over whatever was sampled.
+        forced_graphemes: each row's grapheme from its letter schedule (-1: sampled);
+        first_code_rows: the front end's `first_code_bias` row of each row's codebook-1
+        frame (its phone, or its phone in context: `FrontEnd.bias_row`; -1: none), given
+        which codebook 1 is sampled. Each session's guidance observes its grapheme (on the
+        device with device guidance). With the CUDA graphs the model step, the sampling
+        and the commit are one replay (`_sample_and_commit`); otherwise they run call by
+        call (`_sample_and_commit_batch`)."""
         # every host-side input of the step goes to the device in one copy (models/upload.py)
         on_device = self.guidance is not None
         up = Upload()
@@ -400,8 +419,7 @@ class ModelRunner:
         lo, hi = [w[0] for w in windows], [w[1] for w in windows]
         lo_hi = up.add(lo, torch.long), up.add(hi, torch.long)
         cfg = self.model.cfg
-        plan = SamplingPlan(up, None if on_device else guidance, lambdas, top_ks,
-                            (len(slots), cfg.n_graphemes, cfg.codebook_size), grapheme_top_ks, temperatures)
+        host_sets = None if on_device else stage_guiding_sets(up, guidance, self.sampling.guided(slots))
         # where each of these is in the copy (None: no row has one)
         forced_at = (up.add(forced_graphemes, torch.long)
                      if forced_graphemes is not None and max(forced_graphemes) >= 0 else None)
@@ -420,34 +438,37 @@ class ModelRunner:
             view = self.state.view(slots, memory_slots=self.model.cfg.n_enroll + n_visible)
         mask = self.state.window_mask(view, sent[lo_hi[0]], sent[lo_hi[1]])
         idx = self.state.slot_index(slots)
-        sets = self.guidance.guide(idx, cfg.n_graphemes) if on_device else None  # else from the plan
+        sets = self.sampling.guide(idx, self.guidance.guide(idx, cfg.n_graphemes) if on_device
+                                   else sent_guiding_sets(sent, host_sets, cfg.n_graphemes))
         forced, eos, bias_rows = (None if at is None else sent[at] for at in (forced_at, eos_at, bias_at))
+        kmax = self.sampling.kmax(slots)
         if self._rows is not None:  # the sampling and commit recorded with the model step
-            self._rows.fill(idx, plan.rows(sent, sets), forced, eos, bias_rows)
-            replay = plan.kmax_g <= RECORDED_TOP_K[0] and plan.kmax_a <= RECORDED_TOP_K[1]
-            self._kmax = RECORDED_TOP_K if replay else (plan.kmax_g, plan.kmax_a)
+            self._rows.fill(idx, sets, forced, eos, bias_rows)
+            replay = kmax[0] <= RECORDED_TOP_K[0] and kmax[1] <= RECORDED_TOP_K[1]
+            self._kmax = RECORDED_TOP_K if replay else kmax
             out = self.captured(slots, view.inputs, view.step, mask, replay=replay)
         else:
-            out = self._sample_and_commit_batch(slots, idx, view, mask, n_visible, sent, plan, sets, forced, eos,
-                                                bias_rows)
+            out = self._sample_and_commit_batch(slots, idx, view, mask, n_visible, sets, kmax, forced, eos, bias_rows)
         # out [B, 5 + Q]: grapheme, frame index, has frame, done, bad, the frame's codes
         if on_device:
             self.guidance.observe(idx, out[:, 0])
             out = torch.cat((out[:, :5], self.guidance.progress[idx][:, None], out[:, 5:]), 1)
-        # one conversion to Python for the whole batch
-        rows = out.tolist()
+        # one read of the device for the whole batch
+        res = out.numpy(force=True)
         head = 6 if on_device else 5
-        for g, r in zip(guidance, rows):
-            if on_device:
-                g.progress = r[head - 1]
-            else:
-                g.observe(r[0])
-        return [SlotStep(r[0], r[head:] if r[2] else None, r[1], bool(r[3]), bool(r[4])) for r in rows]
+        if on_device:
+            for g, p in zip(guidance, res[:, head - 1].tolist()):
+                g.progress = p
+        else:
+            for g, x in zip(guidance, res[:, 0].tolist()):
+                g.observe(x)
+        return StepResults(res[:, 0], res[:, 1], res[:, 2] != 0, res[:, 3] != 0, res[:, 4] != 0, res[:, head:])
 
-    def _sample_and_commit_batch(self, slots, idx, view, mask, n_visible, sent, plan, sets, forced, eos,
+    def _sample_and_commit_batch(self, slots, idx, view, mask, n_visible, sets, kmax, forced, eos,
                                  bias_rows) -> torch.Tensor:
         """`step`'s model step, sampling and commit call by call (the CPU's, and a GPU's
-        with text CFG); `_sample_and_commit`'s result for the batch. forced, eos,
+        with text CFG); `_sample_and_commit`'s result for the batch. sets: the rows'
+        `GuidingSets`; kmax: their largest (grapheme, acoustic) k; forced, eos,
         bias_rows: the rows' tensors on the device, or None where no row has one."""
         dtype = self.low_precision if len(slots) >= self.low_precision_from_batch else None
         if self.captured is not None:
@@ -465,7 +486,8 @@ class ModelRunner:
         acoustic = logits.acoustic
         if bias_rows is not None:
             acoustic = self._first_code_given_phone(acoustic, bias_rows)
-        tokens, bad = plan.sample(sent, logits.graphemes, acoustic, self.uniforms(idx, view.step), sets)
+        tokens, bad = self.sampling.rows(idx, sets).sample(logits.graphemes, acoustic, self.uniforms(idx, view.step),
+                                                           *kmax, self.sampling.scaled(slots))
 
         def commit(tokens: torch.Tensor) -> StepResult:
             res = self.state.commit(view, tokens)
@@ -476,15 +498,16 @@ class ModelRunner:
     def _sample_and_commit(self, logits: StepLogits, b: int) -> torch.Tensor:
         """What the CUDA graphs record after the model step over the first `b` slots:
         codebook 1's bias, the sampling, the letter schedule's graphemes and the runaway
-        guard's EOS, and the commit, from the per-slot settings the step filled
-        (`_StepRows`); the slots not stepped are left as they were. [b, 5 + Q] as
-        `_sample_and_commit_batch`'s."""
+        guard's EOS, and the commit, from the slots' `SlotSampling` and the per-slot
+        rows the step filled (`_StepRows`); the slots not stepped are left as they were.
+        [b, 5 + Q] as `_sample_and_commit_batch`'s."""
         r = self._rows
         acoustic = logits.acoustic
         if self.first_code_bias is not None:
             acoustic = self._first_code_given_phone(acoustic, r.bias_row[:b])
         u = self.uniforms(slice(b), self.state.step[:b])
-        tokens, bad = SamplingRows(*(t[:b] for t in r.sampling)).sample(logits.graphemes, acoustic, u, *self._kmax)
+        sets = GuidingSets(*(t[:b] for t in r.sets))
+        tokens, bad = self.sampling.rows(slice(b), sets).sample(logits.graphemes, acoustic, u, *self._kmax)
         return _step_result(tokens, bad, r.forced[:b], r.force_eos[:b],
                             lambda tokens: self.state.commit_first(b, tokens, r.active[:b]))
 
@@ -553,7 +576,9 @@ class ModelRunner:
             return self._decode(list(slots), frames)
 
     def _decode(self, slots: list[int], frames: Sequence[Sequence[Sequence[int]]]) -> list[np.ndarray]:
-        codes = torch.tensor([list(zip(*f)) for f in frames], dtype=torch.long, device=self.device)  # [B, Q, F]
+        # frames [B][F][Q] (rows of `StepResults.frames`, or lists) -> codes [B, Q, F]
+        codes = np.ascontiguousarray(np.asarray(frames, dtype=np.int64).transpose(0, 2, 1))
+        codes = torch.from_numpy(codes).to(self.device)
         n, pad = codes.shape[-1], self.codec.min_first_frames - codes.shape[-1]
         fresh = (self.codec_state.frames[slots] == 0).tolist() if pad > 0 else [False] * len(slots)
         out: list[np.ndarray] = [np.empty(0, np.float32)] * len(slots)

@@ -26,7 +26,7 @@ from livespeech.models import graphemes
 from livespeech.models.attention import window_chunk_range
 from livespeech.models.front_end import LetterSchedule
 from livespeech.models.config import FRAME_RATE
-from livespeech.models.guidance import GuidanceState, Temperatures
+from livespeech.models.guidance import GuidanceState, SamplingSettings, Temperatures
 
 from .audio import AudioEncoder
 from .chunker import Chunker, TextChunk, ends_with_punctuation
@@ -101,8 +101,9 @@ class EngineSession:
         # the text's letters on predicted frames (models/front_end.py), when the model has
         # a front end and the letter schedule is on: the engine sets it at open
         self.letters: Optional[LetterSchedule] = None
-        self.temperatures = Temperatures(config.grapheme_temperature, config.first_codebook_temperature,
-                                         config.acoustic_temperature)
+        self.sampling = SamplingSettings(config.guidance_lambda, config.top_k, config.grapheme_top_k,
+                                         Temperatures(config.grapheme_temperature, config.first_codebook_temperature,
+                                                      config.acoustic_temperature))
         self.chunks: list[Chunk] = []
         # the index in `chunks` of each released text chunk's first word
         self.text_chunk_starts: list[int] = []
@@ -133,7 +134,7 @@ class EngineSession:
         self.audio_lag_frames = audio_lag_frames  # graphemes lead the audio by this (the codebook delays)
         self.frames_done = 0
         self.clocked = False  # past the packet ramp: full packets on the packet clock
-        self.pending_frames: list[list[int]] = []
+        self.pending_frames: list = []  # completed frames' codes (`StepResults.frames` rows), oldest first
         self.encoder = AudioEncoder(config.sample_rate, config.encoding, config.packet_ms, config.min_packet_ms)
         self.packet_seq = 0
         self.audio_sent_s = 0.0

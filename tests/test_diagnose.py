@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from livespeech.models import graphemes as G
-from livespeech.models.guidance import GuidanceState
+from livespeech.models.guidance import GuidanceState, SamplingSettings
 from livespeech.models.loading import load_bundle
 from livespeech.server.runner import ModelRunner
 from livespeech.training.eval import diagnose
@@ -70,14 +70,13 @@ def test_oracle_modes_emit_the_forced_codes_in_their_frames(setup):
 def test_free_mode_steps_like_the_server_runner(setup):
     bundle, p, runner, voice, _, _ = setup
     free = diagnose.synthesize(runner, voice, p, "free", seed=7)
-    runner.admit(0, voice, 7)
+    runner.admit(0, voice, 7, sampling=SamplingSettings(0.0, 20))
     for c in range(len(p.chunk_tau)):
         js = [j for j, cj in enumerate(p.token_chunk) if cj == c]
         runner.add_chunk(0, [p.example.text_ids[j] for j in js], p.example.text_pos[js[0]], c)
     frames, guide = [], GuidanceState(input_complete=True)
     for t in range(free.steps):
-        r = runner.step([0], [diagnose.window(p.chunk_tau, t, 4, 2)], [guide], [0.0], [20],
-                        [t > p.n_frames + 225])[0]
+        r = runner.step([0], [diagnose.window(p.chunk_tau, t, 4, 2)], [guide], [t > p.n_frames + 225])[0]
         if r.frame is not None:
             frames.append(r.frame)
         if r.done:

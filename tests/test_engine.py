@@ -669,13 +669,13 @@ def test_runner_fails_exactly_the_rows_with_a_non_finite_logit(bad_value, monkey
     row alone; huge but finite logits do not."""
     torch.set_num_threads(1)
     bundle = load_bundle(random_init=True)
-    from livespeech.models.guidance import GuidanceState
+    from livespeech.models.guidance import GuidanceState, SamplingSettings
     from livespeech.server.runner import ModelRunner
     runner = ModelRunner(bundle, 3)
     rng = np.random.default_rng(0)
     v = runner.make_voice("v", (rng.standard_normal(24000) * 0.1).astype(np.float32), 24000)
     for s in range(3):
-        runner.admit(s, v, seed=s)
+        runner.admit(s, v, seed=s, sampling=SamplingSettings(0.0, 20))
         runner.add_chunk(s, [100, 101], 0, 0)
     real_step = runner.model_step
 
@@ -685,8 +685,7 @@ def test_runner_fails_exactly_the_rows_with_a_non_finite_logit(bad_value, monkey
         out.acoustic[1, 5, 17] = bad_value
         return out
     monkeypatch.setattr(runner, "model_step", step)
-    got = runner.step([0, 1, 2], [(0, 0)] * 3, [GuidanceState([]) for _ in range(3)], [0.0] * 3, [20] * 3,
-                      [False] * 3)
+    got = runner.step([0, 1, 2], [(0, 0)] * 3, [GuidanceState([]) for _ in range(3)], [False] * 3)
     assert [r.failed for r in got] == [False, True, False]
 
 
@@ -1069,7 +1068,7 @@ def test_guidance_on_the_device_samples_the_same_tokens(lambdas):
     torch.set_num_threads(1)
     bundle = load_bundle(random_init=True)
     from livespeech.models import graphemes
-    from livespeech.models.guidance import GuidanceState
+    from livespeech.models.guidance import GuidanceState, SamplingSettings, Temperatures
     rng = np.random.default_rng(3)
     v = None
     texts = ["hello there general", "a quick brown fox", "speak now please", "one two three four"]
@@ -1081,7 +1080,8 @@ def test_guidance_on_the_device_samples_the_same_tokens(lambdas):
         guides = []
         for k, s in enumerate(slots):
             pending = GuidanceState(graphemes.text_to_ids(texts[k].split()[0]))
-            guides.append(runner.admit(s, v, seed=10 + k, guidance=pending))
+            guides.append(runner.admit(s, v, seed=10 + k, guidance=pending,
+                                       sampling=SamplingSettings(lambdas[k], 20, 3, Temperatures(1.0, 0.5, 1.0))))
             runner.add_chunk(s, [100 + k, 101], 0, 0)
         steps, progress = [], []
         for t in range(60):
@@ -1093,8 +1093,7 @@ def test_guidance_on_the_device_samples_the_same_tokens(lambdas):
                         g.extend_transcript([graphemes.SPACE] + graphemes.word_graphemes(words[w]))
                     elif not g.input_complete:
                         g.input_complete = True
-            got = runner.step(slots, [(0, 0)] * 4, guides, lambdas, [20] * 4, [t == 55, False, False, False],
-                              [3] * 4, [(1.0, 0.5, 1.0)] * 4)
+            got = runner.step(slots, [(0, 0)] * 4, guides, [t == 55, False, False, False])
             steps.append([(r.grapheme, r.frame, r.frame_index, r.done, r.failed) for r in got])
             progress.append([g.progress for g in guides])
         runs[on_device] = steps, progress

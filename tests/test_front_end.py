@@ -160,8 +160,8 @@ def test_the_runner_forces_graphemes_and_holds_codebook_1_to_the_phone(bundle):
 
     held, free = [], []
     for t in range(30):
-        steps = runner.step([0, 1], [(0, 0), (0, 0)], [GuidanceState(), GuidanceState()], [0.0, 0.0], [20, 20],
-                            [False, False], forced_graphemes=[G.SPACE, -1], first_code_rows=[2, -1])
+        steps = runner.step([0, 1], [(0, 0), (0, 0)], [GuidanceState(), GuidanceState()], [False, False],
+                            forced_graphemes=[G.SPACE, -1], first_code_rows=[2, -1])
         assert steps[0].grapheme == G.SPACE and not steps[0].failed
         if steps[0].frame is not None:
             held.append(steps[0].frame[0])
@@ -181,7 +181,7 @@ def test_given_how_often_codes_sound_the_phone_codebook_1_draws_among_them(bundl
 
     drawn = []
     for t in range(60):
-        step = runner.step([0], [(0, 0)], [GuidanceState()], [0.0], [20], [False], forced_graphemes=[G.SPACE],
+        step = runner.step([0], [(0, 0)], [GuidanceState()], [False], forced_graphemes=[G.SPACE],
                            first_code_rows=[2])[0]
         assert not step.failed
         if step.frame is not None:
@@ -206,9 +206,9 @@ def test_a_decoder_with_a_phone_input_reads_the_schedules_phone_each_step(bundle
     for slot in (0, 1):
         runner.admit(slot, voice, seed=slot)
         runner.add_chunk(slot, with_phones.tokenizer.encode_words(["hello"], first_in_text=True), 0, 0)
-    runner.step([0, 1], [(0, 0)] * 2, [GuidanceState(), GuidanceState()], [0.0] * 2, [20] * 2, [False] * 2,
+    runner.step([0, 1], [(0, 0)] * 2, [GuidanceState(), GuidanceState()], [False] * 2,
                 forced_graphemes=[G.SPACE] * 2, first_code_rows=[3, -1])
-    runner.step([0, 1], [(0, 0)] * 2, [GuidanceState(), GuidanceState()], [0.0] * 2, [20] * 2, [False] * 2)
+    runner.step([0, 1], [(0, 0)] * 2, [GuidanceState(), GuidanceState()], [False] * 2)
     assert read == [[3, -1], [-1, -1]]  # -1: none (the model's own id for it)
     with pytest.raises(ValueError, match="phone input"):
         ModelRunner(with_phones, capacity=1, text_cfg_scale=1.0)
@@ -339,6 +339,6 @@ def test_a_decoder_with_a_phone_input_reads_the_phone_of_a_context_row(bundle):
     runner.model_step = lambda *a, phones=None, **k: read.append(phones.tolist()) or step(*a, phones=phones, **k)
     runner.admit(0, runner.make_voice("v", np.zeros(24000, np.float32), 24000), seed=0)
     runner.add_chunk(0, bundle.tokenizer.encode_words(["hello"], first_in_text=True), 0, 0)
-    runner.step([0], [(0, 0)], [GuidanceState()], [0.0], [20], [False], forced_graphemes=[G.SPACE],
+    runner.step([0], [(0, 0)], [GuidanceState()], [False], forced_graphemes=[G.SPACE],
                 first_code_rows=[N_PHONES])
     assert read == [[3]]

@@ -698,3 +698,43 @@ def test_sample_step_takes_the_draws_as_a_tensor():
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="uniforms of shape"):
         sample_step(g_logits, a_logits, states, [1.0] * 3, [5] * 3, u[:, :2])
+
+
+def test_slot_sampling_keeps_each_slots_settings_until_set_again():
+    """A slot's settings, set once, sample every step of its rows as `sample_step` does
+    with the same settings given per row; a bad setting raises and leaves the slot's
+    settings as they were; the host's view (largest k, temperatures, guided) follows."""
+    from livespeech.models.guidance import (SamplingSettings, SlotSampling, Temperatures, sample_step,
+                                            sent_guiding_sets, stage_guiding_sets)
+    from livespeech.models.upload import Upload
+
+    table = SlotSampling(4, VOCAB_SIZE, 64, "cpu")
+    settings = {1: SamplingSettings(1.0, 5, 2, Temperatures(1.0, 0.5, 1.0)),
+                3: SamplingSettings(math.inf, 9, None, Temperatures(0.0, 1.0, 2.0)),
+                0: SamplingSettings(0.0, 200, 1)}
+    for slot, s in settings.items():
+        table.set(slot, s)
+    with pytest.raises(ValueError, match="temperatures"):
+        table.set(3, SamplingSettings(1.0, 5, 2, Temperatures(1.0, -1.0, 1.0)))
+    with pytest.raises(ValueError, match="lambda"):
+        table.set(1, SamplingSettings(-1.0))
+    assert table.kmax([1, 3]) == (9, 9) and table.kmax([0]) == (1, 64)  # k clamped to the vocabulary
+    assert table.scaled([1]) and table.scaled([3]) and not table.scaled([0])
+    assert table.guided([3, 0, 1]).tolist() == [True, False, True]
+    slots = [3, 0, 1]
+    lg = torch.Generator().manual_seed(2)
+    for step in range(5):
+        states = [GuidanceState(ids("hello there")) for _ in slots]
+        g_logits, a_logits = torch.randn(3, VOCAB_SIZE, generator=lg) * 3, torch.randn(3, 2, 64, generator=lg) * 3
+        u = torch.rand(3, 3, generator=lg)
+        up = Upload()
+        staged = stage_guiding_sets(up, states, table.guided(slots))
+        sets = sent_guiding_sets(up.send(torch.device("cpu")), staged, VOCAB_SIZE)
+        idx = torch.tensor(slots)
+        got, _ = table.rows(idx, table.guide(idx, sets)).sample(g_logits, a_logits, u, *table.kmax(slots),
+                                                                table.scaled(slots))
+        per_row = [settings[s] for s in slots]
+        want, _ = sample_step(g_logits, a_logits, states, [s.guidance_lambda for s in per_row],
+                              [s.top_k for s in per_row], u, [s.grapheme_top_k or s.top_k for s in per_row],
+                              [s.temperatures for s in per_row])
+        assert torch.equal(got, want), step

@@ -468,7 +468,7 @@ def test_the_runner_steps_in_bf16_from_two_sessions_and_in_int8_from_one_when_as
         runner.model_step = lambda *a, **k: (seen.append(a[4]), step(*a, **k))[1]
         for slots in ([0], [0, 1], [0, 1, 2], [2]):
             n = len(slots)
-            runner.step(slots, [(0, 0)] * n, [GuidanceState() for _ in slots], [1.0] * n, [5] * n, [False] * n)
+            runner.step(slots, [(0, 0)] * n, [GuidanceState() for _ in slots], [False] * n)
         assert seen == want, weights
     with pytest.raises(ValueError, match="matmul_weights must be one of"):
         ModelRunner(bundle, 1, matmul_weights="auto")
@@ -489,7 +489,7 @@ def test_the_step_recorded_with_its_sampling_and_commit_equals_the_step_call_by_
     from livespeech.models import graphemes
     from livespeech.models.loading import load_bundle
     from livespeech.server.runner import RECORDED_TOP_K, ModelRunner
-    from livespeech.models.guidance import GuidanceState, Temperatures
+    from livespeech.models.guidance import GuidanceState, SamplingSettings, Temperatures
 
     import dataclasses
 
@@ -524,10 +524,12 @@ def test_the_step_recorded_with_its_sampling_and_commit_equals_the_step_call_by_
     results = [[], []]
     for slots, forced, rows, eos, k3 in plan * 3:
         for r, gs, out in zip(runners, guides, results):
+            for s in slots:
+                r.set_sampling(s, SamplingSettings(1.0, k3 if s == 3 else default.top_k, default.grapheme_top_k,
+                                                   temps[s]))
             with torch.inference_mode():
-                out.append(r.step(list(slots), [(0, 0)] * len(slots), [gs[s] for s in slots], [1.0] * len(slots),
-                                  [k3 if s == 3 else default.top_k for s in slots], [eos and s == 1 for s in slots],
-                                  [default.grapheme_top_k] * len(slots), [temps[s] for s in slots], forced, rows))
+                out.append(list(r.step(list(slots), [(0, 0)] * len(slots), [gs[s] for s in slots],
+                                       [eos and s == 1 for s in slots], forced, rows)))
     assert results[0] == results[1]
     assert any(x.frame is not None for step in results[0] for x in step)
     for name in ("inputs", "step", "eos_frame", "ring", "conv", "ssm"):

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from livespeech.models import graphemes
-from livespeech.models.guidance import GuidanceState
+from livespeech.models.guidance import GuidanceState, SamplingRows, SamplingSettings, Temperatures
 from livespeech.models.livespeech import StepLogits, text_guided
 from livespeech.models.loading import load_bundle
-from livespeech.server import runner as runner_module
 from livespeech.server.runner import ModelRunner
 from livespeech.training.train import drop_text
 
@@ -28,27 +27,28 @@ def _run(runner, voice, slots, with_text, steps, monkeypatch, tokens=None):
     """Step `runner` on `slots`; returns each step's logits (graphemes, acoustic) as given
     to the sampler, and the tokens sampled (or `tokens`, replayed, when given)."""
     seen, sampled = [], []
-    real = runner_module.SamplingPlan.sample
+    real = SamplingRows.sample
 
-    def sample(plan, sent, g, a, *args, **kw):
+    def sample(rows, g, a, *args, **kw):
         seen.append((g.clone(), a.clone()))
         if tokens is None:
-            out = real(plan, sent, g, a, *args, **kw)
+            out = real(rows, g, a, *args, **kw)
             sampled.append(out[0].clone())
             return out
         t = tokens[len(seen) - 1].clone()
         return t, torch.zeros(t.shape[0], dtype=torch.bool, device=t.device)
 
-    monkeypatch.setattr(runner_module.SamplingPlan, "sample", sample)
+    monkeypatch.setattr(SamplingRows, "sample", sample)
     guides = []
     for k, s in enumerate(slots):
-        guides.append(runner.admit(s, voice, seed=5 + k, guidance=GuidanceState(graphemes.text_to_ids("some text"))))
+        guides.append(runner.admit(s, voice, seed=5 + k, guidance=GuidanceState(graphemes.text_to_ids("some text")),
+                                   sampling=SamplingSettings(0.0, 20, 3, Temperatures(1.0, 0.5, 1.0))))
         if with_text:
             runner.add_chunk(s, [300 + 7 * k, 301, 302 + k], 0, 0)
     n = len(slots)
     for _ in range(steps):
-        runner.step(slots, [(0, 0)] * n, guides, [0.0] * n, [20] * n, [False] * n, [3] * n, [(1.0, 0.5, 1.0)] * n)
-    monkeypatch.setattr(runner_module.SamplingPlan, "sample", real)
+        runner.step(slots, [(0, 0)] * n, guides, [False] * n)
+    monkeypatch.setattr(SamplingRows, "sample", real)
     return seen, sampled
 
 
