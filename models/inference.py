@@ -105,6 +105,11 @@ class DecodeState(DecodeStateView):
         # chunk -> its token span, mirrored on the host: finding it in txt_chunk is a device
         # sync, and chunks are re-placed at almost every step
         st.spans = [{} for _ in range(capacity)]
+        # chunks cached on the host's side but not yet written to the device, as (slot,
+        # first column, token ids, chunk): written all at once (`_stage_text`) before
+        # anything reads the text memory, so a step's arriving words cost a few writes in
+        # all rather than a few each
+        st.pending_text = []
         return st
 
     @property
@@ -127,6 +132,7 @@ class DecodeState(DecodeStateView):
         self.chunk_ids[slot].clear()
         self.unrotated[slot].clear()
         self.spans[slot].clear()
+        self.pending_text = [p for p in self.pending_text if p[0] != slot]
         self.inputs[slot] = self.none
         self.step[slot] = 0
         self.eos_frame[slot] = NO_EOS
@@ -140,6 +146,7 @@ class DecodeState(DecodeStateView):
         (enrollment, then text) of each row, those a step reads (`visible_length`): the
         memory is most of a session's state (1.6 MB for the default model), and a batch
         with a session sitting out is gathered at every step."""
+        self.write_pending_text()
         if _contiguous(slots):
             sel = slice(slots[0], slots[0] + len(slots))
             pick = lambda name, t: t[:, sel] if name in DecodeStateView.LAYERED else t[sel]  # noqa: E731
@@ -189,18 +196,58 @@ class DecodeState(DecodeStateView):
         their rotated copies, all in one go: a step re-rotates the chunks entering the
         windows of many sessions, and a call per chunk cost ~20 small ops."""
         up = Upload()
-        staged = self._stage_rotation(up, rows, cols, positions)
+        staged = self._stage_text(up), self._stage_rotation(up, rows, cols, positions)
         self.apply_rotations(up.send(self.txt_pos.device), staged)
 
     def _stage_rotation(self, up: Upload, rows: Sequence[int], cols: Sequence[int],
                         positions: Sequence[float]) -> tuple[int, int, int]:
         return up.add(rows, torch.long), up.add(cols, torch.long), up.add(positions, self.txt_pos.dtype)
 
-    def apply_rotations(self, sent: Sequence[torch.Tensor], staged: Optional[tuple[int, int, int]]) -> None:
-        """The rotations `stage_rotations` staged (None: none), from what their `Upload` sent."""
+    def _stage_text(self, up: Upload) -> Optional[tuple[list[int], int, int, int]]:
+        """The pending chunks' writes staged into `up` (None: none): (their token ids, and
+        where their rows, columns and chunk ids are in the copy)."""
+        if not self.pending_text:
+            return None
+        rows: list[int] = []
+        cols: list[int] = []
+        chunks: list[int] = []
+        ids: list[int] = []
+        for slot, a, token_ids, chunk in self.pending_text:
+            n = len(token_ids)
+            rows += [slot] * n
+            cols += range(a, a + n)
+            chunks += [chunk] * n
+            ids += token_ids
+        self.pending_text = []
+        return ids, up.add(rows, torch.long), up.add(cols, torch.long), up.add(chunks, torch.long)
+
+    def _write_text(self, sent: Sequence[torch.Tensor], staged: Optional[tuple[list[int], int, int, int]]) -> None:
+        """The writes `_stage_text` staged: each token's unrotated key, value and chunk id."""
         if staged is None:
             return
-        r, c, pos = (sent[i] for i in staged)
+        ids, r, c, chunk = staged[0], *(sent[i] for i in staged[1:])
+        kv = self.text_kv(ids)  # [layers, 2, H, n, hd]
+        # indices on dims 1 and 3 with a slice between: the indexed dim comes first, [n, layers, H, hd]
+        self.txt_k[:, r, :, c] = kv[:, 0].permute(2, 0, 1, 3).to(self.txt_k.dtype)
+        self.mem_v[:, r, :, self.n_enroll + c] = kv[:, 1].permute(2, 0, 1, 3).to(self.mem_v.dtype)
+        self.txt_chunk[r, c] = chunk
+
+    def write_pending_text(self) -> None:
+        """Write the chunks cached since the last write to the device now (the step, a
+        rotation or an eviction does it first; it is for readers of the tensors)."""
+        if self.pending_text:
+            up = Upload()
+            staged = self._stage_text(up)
+            self._write_text(up.send(self.txt_pos.device), staged)
+
+    def apply_rotations(self, sent: Sequence[torch.Tensor], staged: tuple[Optional[tuple], Optional[tuple]]) -> None:
+        """The text writes and rotations `stage_rotations` staged (either None: none), from
+        what their `Upload` sent."""
+        text, rotations = staged
+        self._write_text(sent, text)
+        if rotations is None:
+            return
+        r, c, pos = (sent[i] for i in rotations)
         e, hd = self.n_enroll, self.head_dim
         self.txt_pos[r, c] = pos
         cos, sin = rope_angles(pos, hd, self.model.cfg.rope_base)  # [n, hd/2]
@@ -227,17 +274,14 @@ class DecodeState(DecodeStateView):
             self._cache_text(slot, token_ids, chunk)
             self.unrotated[slot][chunk] = first_position
 
-    @torch.no_grad()
     def _cache_text(self, slot: int, token_ids: Sequence[int], chunk: int) -> int:
-        """Write a chunk's tokens' unrotated keys and values after the slot's cached ones;
-        returns the first one's column."""
-        n, a, e = len(token_ids), len(self.chunk_ids[slot]), self.n_enroll
+        """Cache a chunk's tokens after the slot's cached ones (their unrotated keys and
+        values written with the other pending chunks': `pending_text`); returns the first
+        one's column."""
+        n, a = len(token_ids), len(self.chunk_ids[slot])
         if n > self.text_room(slot):
             raise ValueError("text memory full: evict past chunks first")
-        kv = self.text_kv(token_ids)
-        self.txt_k[:, slot, :, a : a + n] = kv[:, 0]
-        self.mem_v[:, slot, :, e + a : e + a + n] = kv[:, 1]
-        self.txt_chunk[slot, a : a + n] = chunk
+        self.pending_text.append((slot, a, list(token_ids), chunk))
         self.chunk_ids[slot] += [chunk] * n
         first = self.spans[slot].get(chunk, (a, a))[0]
         self.spans[slot][chunk] = (first, a + n)
@@ -256,6 +300,7 @@ class DecodeState(DecodeStateView):
         n, e = len(kept), self.n_enroll
         if n == len(ids):
             return
+        self.write_pending_text()
         keep = torch.tensor(kept, dtype=torch.long, device=self.txt_chunk.device)
         self.txt_k[:, slot, :, :n] = self.txt_k[:, slot, :, keep].clone()
         for t in (self.mem_k, self.mem_v):
@@ -297,14 +342,15 @@ class DecodeState(DecodeStateView):
         in which slots[i] sees chunks windows[i] = (lo, hi)."""
         up = Upload()
         staged = self.stage_rotations(up, slots, windows)
-        if staged is not None:
+        if staged != (None, None):
             self.apply_rotations(up.send(self.txt_pos.device), staged)
 
     def stage_rotations(self, up: Upload, slots: Sequence[int],
-                        windows: Sequence[tuple[int, int]]) -> Optional[tuple[int, int, int]]:
+                        windows: Sequence[tuple[int, int]]) -> tuple[Optional[tuple], Optional[tuple]]:
         """`rotate_windows` in two halves, so a step sends the rotations with its other
-        inputs in one copy: the added or re-placed chunks' keys staged into `up` (None: none to
-        rotate), for `apply_rotations` once it is sent."""
+        inputs in one copy: the pending chunks' writes and the added or re-placed chunks'
+        keys staged into `up` (each None: none), for `apply_rotations` once it is sent."""
+        text = self._stage_text(up)
         rows: list[int] = []
         cols: list[int] = []
         positions: list[float] = []
@@ -318,7 +364,7 @@ class DecodeState(DecodeStateView):
                     rows += [slot] * (b - a)
                     cols += range(a, b)
                     positions += [first_position + i for i in range(b - a)]
-        return self._stage_rotation(up, rows, cols, positions) if rows else None
+        return text, (self._stage_rotation(up, rows, cols, positions) if rows else None)
 
     def window_mask(self, view: DecodeStateView, lo: Union[Sequence[int], torch.Tensor],
                     hi: Union[Sequence[int], torch.Tensor]) -> torch.Tensor:

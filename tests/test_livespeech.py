@@ -235,6 +235,10 @@ def test_a_chunk_added_unrotated_is_rotated_when_a_window_first_sees_it(model):
     for c, n in enumerate([2, 3, 1]):
         now.append_text(1, list(range(5, 5 + n)), [7.0 * c + i for i in range(n)], chunk=c)
         later.append_chunk(1, list(range(5, 5 + n)), 7.0 * c, chunk=c)
+        # written with the next step's inputs, or when read; here a chunk at a time, so
+        # that its new tokens are projected together as `append_text` projects them
+        assert later.pending_text
+        later.write_pending_text()
     with pytest.raises(ValueError):
         later.append_chunk(1, [5], 0.0, chunk=2)
     assert torch.equal(now.mem_v, later.mem_v) and torch.equal(now.txt_chunk, later.txt_chunk)
@@ -244,6 +248,36 @@ def test_a_chunk_added_unrotated_is_rotated_when_a_window_first_sees_it(model):
     assert not torch.equal(now.mem_k, later.mem_k) and later.txt_pos[1].tolist()[:6] == [0, 1, 7, 8, 9, 0]
     later.rotate_windows([1], [(2, 2)])
     assert torch.equal(now.mem_k, later.mem_k) and torch.equal(now.txt_pos, later.txt_pos)
+
+
+def test_chunks_of_many_slots_are_written_together_before_anything_reads_them(model):
+    """Chunks cached in several slots wait on the host (`pending_text`) and are written
+    all at once when the memory is next read (a view, a rotation, an eviction): the same
+    memory as written chunk by chunk; a reset slot's pending chunks are dropped."""
+    enroll = torch.randn(model.n_layers, 2, 4, 4, 16)
+    together, alone = (DecodeState.allocate(model, capacity=3) for _ in range(2))
+    for st in (together, alone):
+        for slot in range(3):
+            st.reset_slot(slot, enroll)
+    for c in range(3):
+        for slot in range(3):
+            ids = [10 + slot, 20 + c, 30 + slot * c]
+            together.append_chunk(slot, ids, 5.0 * c, chunk=c)
+            alone.append_chunk(slot, ids, 5.0 * c, chunk=c)
+            alone.write_pending_text()
+    assert len(together.pending_text) == 9 and not alone.pending_text
+    together.append_chunk(1, [99], 20.0, chunk=3)
+    together.reset_slot(1, enroll)  # its chunks never reach the memory
+    alone.reset_slot(1, enroll)
+    together.view([0, 1, 2])
+    assert not together.pending_text
+    for name in ("mem_v", "txt_chunk"):
+        assert torch.allclose(getattr(together, name).float(), getattr(alone, name).float(), atol=1e-6), name
+    # (a reset leaves a slot's unrotated keys as they were: its chunk ids mask them)
+    assert torch.allclose(together.txt_k[:, [0, 2]], alone.txt_k[:, [0, 2]], atol=1e-6)
+    together.append_chunk(2, [7, 8], 30.0, chunk=3)
+    together.evict_chunks_before(2, 1)  # compacts the memory: the pending chunk is written first
+    assert together.txt_chunk[2].tolist()[:8] == [1, 1, 1, 2, 2, 2, 3, 3]
 
 
 def test_chunk_spans_kept_on_the_host_match_the_text_memory(model):
