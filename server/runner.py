@@ -419,7 +419,8 @@ class ModelRunner:
         lo, hi = [w[0] for w in windows], [w[1] for w in windows]
         lo_hi = up.add(lo, torch.long), up.add(hi, torch.long)
         cfg = self.model.cfg
-        host_sets = None if on_device else stage_guiding_sets(up, guidance, self.sampling.guided(slots))
+        slot_rows = np.asarray(slots)  # the host's per-slot settings are read through it
+        host_sets = None if on_device else stage_guiding_sets(up, guidance, self.sampling.guided(slot_rows))
         # where each of these is in the copy (None: no row has one)
         forced_at = (up.add(forced_graphemes, torch.long)
                      if forced_graphemes is not None and max(forced_graphemes) >= 0 else None)
@@ -441,14 +442,15 @@ class ModelRunner:
         sets = self.sampling.guide(idx, self.guidance.guide(idx, cfg.n_graphemes) if on_device
                                    else sent_guiding_sets(sent, host_sets, cfg.n_graphemes))
         forced, eos, bias_rows = (None if at is None else sent[at] for at in (forced_at, eos_at, bias_at))
-        kmax = self.sampling.kmax(slots)
+        kmax = self.sampling.kmax(slot_rows)
         if self._rows is not None:  # the sampling and commit recorded with the model step
             self._rows.fill(idx, sets, forced, eos, bias_rows)
             replay = kmax[0] <= RECORDED_TOP_K[0] and kmax[1] <= RECORDED_TOP_K[1]
             self._kmax = RECORDED_TOP_K if replay else kmax
             out = self.captured(slots, view.inputs, view.step, mask, replay=replay)
         else:
-            out = self._sample_and_commit_batch(slots, idx, view, mask, n_visible, sets, kmax, forced, eos, bias_rows)
+            out = self._sample_and_commit_batch(slots, idx, view, mask, n_visible, sets, kmax,
+                                                self.sampling.scaled(slot_rows), forced, eos, bias_rows)
         # out [B, 5 + Q]: grapheme, frame index, has frame, done, bad, the frame's codes
         if on_device:
             self.guidance.observe(idx, out[:, 0])
@@ -464,12 +466,13 @@ class ModelRunner:
                 g.observe(x)
         return StepResults(res[:, 0], res[:, 1], res[:, 2] != 0, res[:, 3] != 0, res[:, 4] != 0, res[:, head:])
 
-    def _sample_and_commit_batch(self, slots, idx, view, mask, n_visible, sets, kmax, forced, eos,
+    def _sample_and_commit_batch(self, slots, idx, view, mask, n_visible, sets, kmax, scaled, forced, eos,
                                  bias_rows) -> torch.Tensor:
         """`step`'s model step, sampling and commit call by call (the CPU's, and a GPU's
         with text CFG); `_sample_and_commit`'s result for the batch. sets: the rows'
-        `GuidingSets`; kmax: their largest (grapheme, acoustic) k; forced, eos,
-        bias_rows: the rows' tensors on the device, or None where no row has one."""
+        `GuidingSets`; kmax: their largest (grapheme, acoustic) k; scaled: whether one has
+        a temperature other than 1; forced, eos, bias_rows: the rows' tensors on the
+        device, or None where no row has one."""
         dtype = self.low_precision if len(slots) >= self.low_precision_from_batch else None
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
@@ -487,7 +490,7 @@ class ModelRunner:
         if bias_rows is not None:
             acoustic = self._first_code_given_phone(acoustic, bias_rows)
         tokens, bad = self.sampling.rows(idx, sets).sample(logits.graphemes, acoustic, self.uniforms(idx, view.step),
-                                                           *kmax, self.sampling.scaled(slots))
+                                                           *kmax, scaled)
 
         def commit(tokens: torch.Tensor) -> StepResult:
             res = self.state.commit(view, tokens)
