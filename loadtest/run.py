@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--spawn: the server replays its decode step from a CUDA graph (CUDA devices)")
     g.add_argument("--server-eager-step", action="store_true",
                    help="--spawn: the server runs its CPU decode step eagerly, not as a frozen graph")
+    g.add_argument("--server-engine-processes", type=int, default=-1,
+                   help="--spawn: the server's engine processes (0: one per CPU; default: the server's default)")
     g.add_argument("--metrics-port", type=int, default=9464,
                    help="--target: the server's Prometheus port on the same host (0: do not scrape)")
     g.add_argument("--voice", default=None, help="voice id (default: 'default', else a noise voice registered for the run)")
@@ -458,7 +460,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             server = SpawnedServer(args.model_path, max_sessions=args.server_max_sessions or max(ns),
                                    log_path=out / "server.log", device=args.device, torch_threads=args.server_threads,
                                    extra_args=(["--cuda-graphs", "true"] if args.server_cuda_graphs else [])
-                                   + (["--frozen-step", "false"] if args.server_eager_step else []))
+                                   + (["--frozen-step", "false"] if args.server_eager_step else [])
+                                   + (["--engine-processes", str(args.server_engine_processes)]
+                                      if args.server_engine_processes >= 0 else []))
             t = time.monotonic()
             server.start()
             target, metrics_url, pid = server.target, server.metrics_url, server.pid

@@ -58,16 +58,35 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def proc_cpu_seconds(pid: Optional[int]) -> Optional[float]:
-    """user + system CPU seconds of a process (Linux /proc), None where unavailable."""
+    """user + system CPU seconds of a process and its live child processes (a server's
+    engine processes; Linux /proc), None where unavailable."""
     if pid is None:
         return None
+    own = _cpu_ticks(pid)
+    if own is None:
+        return None
+    return (own + sum(_cpu_ticks(p) or 0 for p in _descendants(pid))) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_ticks(pid: int) -> Optional[int]:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         fields = stat[stat.rindex(")") + 2 :].split()
-        ticks = os.sysconf("SC_CLK_TCK")
-        return (int(fields[11]) + int(fields[12])) / ticks
+        return int(fields[11]) + int(fields[12])
     except (OSError, ValueError, IndexError):
-        return None
+        return None  # gone
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            pids = [int(p) for p in children.read_text().split()]
+        except OSError:
+            continue  # the thread ended
+        for child in pids:
+            found += [child] + _descendants(child)
+    return found
 
 
 class SpawnedServer:

@@ -275,11 +275,31 @@ def torch_threads(config: ServerConfig, cpus: int) -> int:
     return cpus
 
 
+def engine_processes(config: ServerConfig, cpus: int) -> int:
+    """Engine processes: as set, or (auto, 0) one per CPU on the cpu device, capped by
+    the slots; one on a GPU."""
+    wanted = config.engine_processes or (cpus if config.device == "cpu" else 1)
+    return max(1, min(wanted, config.max_sessions))
+
+
 def make_engine(config: ServerConfig, metrics: Metrics) -> EngineAPI:
-    """The real engine on the configured (or embedded default) model bundle."""
+    """The real engine on the configured (or embedded default) model bundle: in this
+    process, or a pool of engine processes (server/engine_pool.py)."""
+    cpus = available_cpus()
+    processes = engine_processes(config, cpus)
+    if processes > 1:
+        from livespeech.server.engine_pool import EnginePool
+
+        log.info("engine processes: %d (%s; %d CPUs available)", processes,
+                 "set" if config.engine_processes else "auto", cpus)
+        return EnginePool(config, metrics, processes, cpus=max(1, cpus // processes), build=build_engine)
+    return build_engine(config, metrics, cpus)
+
+
+def build_engine(config: ServerConfig, metrics: Metrics, cpus: int) -> EngineAPI:
+    """An `Engine` in this process, with `cpus` CPUs for its threads."""
     import torch
 
-    cpus = available_cpus()
     threads = torch_threads(config, cpus)
     torch.set_num_threads(threads)
     log.info("torch threads: %d (%s; %d CPUs available)", threads,

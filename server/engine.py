@@ -15,8 +15,7 @@ import collections
 import logging
 import threading
 import time
-import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -32,7 +31,7 @@ from .metrics import Metrics
 from .packets import PacketPlan, PacketPolicy, StepClock
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
-from .session import EngineSession, Phase, SessionLimits
+from .session import EngineSession, Phase, SessionLimits, new_session_id
 from .text_memory import TextMemory
 
 log = logging.getLogger("livespeech.engine")
@@ -76,6 +75,9 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._admit_lock = threading.Lock()
         self._n_active = 0
+        # called on the engine thread with a session's id as it ends, before its last
+        # event is sunk (server/engine_pool.py counts a child's free slots with it)
+        self.on_session_end: Optional[Callable[[str], None]] = None
 
     # --- EngineAPI ---------------------------------------------------------------------------
     @property
@@ -147,14 +149,16 @@ class Engine:
         samples = pcm16_to_float(audio) if isinstance(audio, (bytes, bytearray)) else np.asarray(audio, dtype=np.float32)
         return self.runner.make_voice(voice_id, samples, sample_rate)
 
-    def open_session(self, config: SessionConfig, voice: Voice, sink: Sink) -> EngineSession:
+    def open_session(self, config: SessionConfig, voice: Voice, sink: Sink,
+                     session_id: Optional[str] = None) -> EngineSession:
+        """`session_id`: the id a pooled engine's parent gave it (None: a fresh one)."""
         config.validate()
         with self._admit_lock:
             if self._n_active >= self.config.max_sessions:
                 self.metrics.sessions_total.labels(outcome="rejected").inc()
                 raise CapacityError(f"all {self.config.max_sessions} session slots are busy")
             self._n_active += 1
-        session = EngineSession(uuid.uuid4().hex[:16], config, voice, sink, self.submit, self._session_limits,
+        session = EngineSession(session_id or new_session_id(), config, voice, sink, self.submit, self._session_limits,
                                 self.bundle.model.cfg.max_delay)
         self.metrics.active_sessions.inc()
         self.submit(session, ("open",))
@@ -420,6 +424,8 @@ class Engine:
         self.metrics.active_sessions.dec()
         with self._admit_lock:
             self._n_active -= 1
+        if self.on_session_end is not None:
+            self.on_session_end(s.session_id)
 
 
 def _on_end(ended: threading.Event) -> Sink:

@@ -17,6 +17,7 @@ import enum
 import math
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -76,25 +77,80 @@ class Chunk:
     placed_tau: int = 0  # position its cached keys are rotated to
 
 
-class EngineSession:
-    """Engine-side state of one session; also the service's `SessionHandle`."""
+def new_session_id() -> str:
+    return uuid.uuid4().hex[:16]
 
-    def __init__(self, session_id: str, config: SessionConfig, voice, sink: Sink,
-                 submit: Callable[["EngineSession", tuple], None], limits: SessionLimits, audio_lag_frames: int):
+
+class SessionInput:
+    """The service's `SessionHandle` of one session: it checks each piece of input at once
+    (so the service can answer with a status) and hands it on as a command tuple to
+    `submit(handle, command)`: the engine's queue (`EngineSession`) or the pipe to the
+    engine process that holds the session (server/engine_pool.py). The engine applies the
+    commands in `Engine._apply_commands`."""
+
+    def __init__(self, session_id: str, config: SessionConfig, submit: Callable[["SessionInput", tuple], None],
+                 limits: SessionLimits):
         self.session_id = session_id
         self.config = config
-        self.voice = voice
-        self.sink = sink
-        self.phase = Phase.WAITING
-        self.slot: Optional[int] = None
-        # handle-side bookkeeping (event loop thread)
-        self._submit = submit  # queues a command for the engine thread
+        self._submit = submit
         self._limits = limits
         self._lock = threading.Lock()
         self._input_ended = False
         self._last_client_ts = -math.inf
         self._text_chars = 0
-        # engine-side state
+
+    def push_text(self, text: str, client_time_s: Optional[float] = None, flush: bool = False) -> None:
+        limits = self._limits
+        with self._lock:
+            if self._input_ended:
+                raise StateError("text after end_of_input")
+            if len(text) > limits.max_text_piece_chars:
+                raise ConfigError(
+                    f"text: piece of {len(text)} chars is over max_text_piece_chars={limits.max_text_piece_chars}")
+            if self._text_chars + len(text) > limits.max_session_text_chars:
+                raise LimitError(f"text: session total is over max_session_text_chars={limits.max_session_text_chars}")
+            if client_time_s is not None:
+                if not (math.isfinite(client_time_s) and client_time_s >= 0):
+                    raise ConfigError(f"text.timestamp_s must be finite and >= 0, got {client_time_s}")
+                if self.config.timestamps_are_speech_time and client_time_s > limits.max_session_s:
+                    raise ConfigError(
+                        f"text.timestamp_s {client_time_s:g} is past the longest session ({limits.max_session_s:g} s)")
+                if client_time_s < self._last_client_ts:
+                    raise ConfigError(
+                        f"text.timestamp_s must not decrease: {client_time_s:g} after {self._last_client_ts:g}")
+                self._last_client_ts = client_time_s
+            self._text_chars += len(text)
+        self._submit(self, ("text", text, client_time_s, flush, time.monotonic()))
+
+    def end_input(self) -> None:
+        with self._lock:
+            if self._input_ended:
+                raise StateError("end_of_input received twice")
+            self._input_ended = True
+        self._submit(self, ("end", time.monotonic()))
+
+    def cancel(self) -> None:
+        self._submit(self, ("cancel",))
+
+    def stop(self, code: str, message: str) -> None:
+        self._submit(self, ("stop", code, message))
+
+    def close(self, outcome: str = "disconnected") -> None:
+        self._submit(self, ("close", outcome))
+
+
+class EngineSession(SessionInput):
+    """Engine-side state of one session; also the service's `SessionHandle` when the
+    engine runs in the server's process."""
+
+    def __init__(self, session_id: str, config: SessionConfig, voice, sink: Sink,
+                 submit: Callable[["EngineSession", tuple], None], limits: SessionLimits, audio_lag_frames: int):
+        super().__init__(session_id, config, submit, limits)
+        self.voice = voice
+        self.sink = sink
+        self.phase = Phase.WAITING
+        self.slot: Optional[int] = None
+        # engine-side state (the engine thread)
         self.chunker = Chunker(config.chunking)
         self.timeline = SpeechTimeline(client_speech_time=config.timestamps_are_speech_time)
         self.guidance = GuidanceState()
@@ -145,46 +201,6 @@ class EngineSession:
         self.started_at: Optional[float] = None
         self.first_packet_at: Optional[float] = None
         self.compute_s = 0.0
-
-    # --- SessionHandle (event loop thread) -------------------------------------------------
-    def push_text(self, text: str, client_time_s: Optional[float] = None, flush: bool = False) -> None:
-        limits = self._limits
-        with self._lock:
-            if self._input_ended:
-                raise StateError("text after end_of_input")
-            if len(text) > limits.max_text_piece_chars:
-                raise ConfigError(
-                    f"text: piece of {len(text)} chars is over max_text_piece_chars={limits.max_text_piece_chars}")
-            if self._text_chars + len(text) > limits.max_session_text_chars:
-                raise LimitError(f"text: session total is over max_session_text_chars={limits.max_session_text_chars}")
-            if client_time_s is not None:
-                if not (math.isfinite(client_time_s) and client_time_s >= 0):
-                    raise ConfigError(f"text.timestamp_s must be finite and >= 0, got {client_time_s}")
-                if self.config.timestamps_are_speech_time and client_time_s > limits.max_session_s:
-                    raise ConfigError(
-                        f"text.timestamp_s {client_time_s:g} is past the longest session ({limits.max_session_s:g} s)")
-                if client_time_s < self._last_client_ts:
-                    raise ConfigError(
-                        f"text.timestamp_s must not decrease: {client_time_s:g} after {self._last_client_ts:g}")
-                self._last_client_ts = client_time_s
-            self._text_chars += len(text)
-        self._submit(self, ("text", text, client_time_s, flush, time.monotonic()))
-
-    def end_input(self) -> None:
-        with self._lock:
-            if self._input_ended:
-                raise StateError("end_of_input received twice")
-            self._input_ended = True
-        self._submit(self, ("end", time.monotonic()))
-
-    def cancel(self) -> None:
-        self._submit(self, ("cancel",))
-
-    def stop(self, code: str, message: str) -> None:
-        self._submit(self, ("stop", code, message))
-
-    def close(self, outcome: str = "disconnected") -> None:
-        self._submit(self, ("close", outcome))
 
     # --- engine thread ---------------------------------------------------------------------
     def on_text(self, text: str, client_time_s: Optional[float], flush: bool, now: float) -> list[TextChunk]:
