@@ -218,3 +218,16 @@ def test_the_server_with_an_engine_pool_serves_grpc_and_drains():
         assert r.code == grpc.StatusCode.OK, r.details
         assert "audio" in r.kinds() and len(r.summaries()) == 1
     assert all(c.process.exitcode == 0 for c in engine._children)
+
+
+def test_how_many_engine_processes_a_server_runs():
+    from livespeech.server.app import engine_processes
+
+    assert engine_processes(ServerConfig(**FAST), cpus=8) == 1  # the default: one, in the server's process
+    assert engine_processes(ServerConfig(**FAST, engine_processes=0), cpus=8) == 8
+    assert engine_processes(ServerConfig(**FAST, engine_processes=0, max_sessions=3), cpus=8) == 3
+    assert engine_processes(ServerConfig(**FAST, engine_processes=0, device="cuda"), cpus=8) == 1
+    with pytest.raises(ConfigError, match="cpu device"):
+        ServerConfig(**FAST, engine_processes=2, device="cuda")
+    with pytest.raises(ConfigError, match="engine_processes"):
+        ServerConfig(**FAST, engine_processes=-1)
