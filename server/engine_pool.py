@@ -154,11 +154,14 @@ class EnginePool:
         time.sleep(delay_s)
         if self._stopping:
             return
+        child = None
         try:
             child = self._spawn(index)
             self._await_ready(child)
         except Exception:
             log.exception("engine process %d: the replacement failed to start", index)
+            if child is not None and child.process.is_alive():
+                child.process.kill()
             self._respawn_delays[index] = min(2 * delay_s, RESPAWN_MAX_DELAY_S)
             threading.Thread(target=self._respawn, args=(index, self._respawn_delays[index]), daemon=True).start()
             return

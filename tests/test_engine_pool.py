@@ -231,3 +231,32 @@ def test_how_many_engine_processes_a_server_runs():
         ServerConfig(**FAST, engine_processes=2, device="cuda")
     with pytest.raises(ConfigError, match="engine_processes"):
         ServerConfig(**FAST, engine_processes=-1)
+
+
+def build_unless_marked(config, metrics, cpus):
+    """A child's engine, unless the file named by $LIVESPEECH_TEST_NO_START exists."""
+    if os.path.exists(os.environ.get("LIVESPEECH_TEST_NO_START", "/nonexistent")):
+        raise RuntimeError("told not to start")
+    return build_engine(config, metrics, cpus)
+
+
+def test_a_replacement_that_fails_to_start_is_tried_again(tmp_path, monkeypatch):
+    mark = tmp_path / "no-start"
+    monkeypatch.setenv("LIVESPEECH_TEST_NO_START", str(mark))
+    pool = EnginePool(ServerConfig(**FAST, **POOL), Metrics(), 2, cpus=1, build=build_unless_marked)
+    pool.start()
+    try:
+        mark.touch()
+        os.kill(pool._children[0].process.pid, signal.SIGKILL)
+        assert wait_for(lambda: pool.capacity == 2)
+        # the first replacement (after 2 s: a death soon after the start) fails; the next
+        # waits twice as long
+        assert wait_for(lambda: pool._respawn_delays[0] == 4.0, timeout=60)
+        assert pool.capacity == 2
+        mark.unlink()
+        assert wait_for(lambda: pool.capacity == 4, timeout=120)  # the next try (4 s later) starts
+        _, c = say(pool, pool.make_voice("noise", NOISE, 24000))
+        assert c.of(Finished)
+    finally:
+        pool.stop()
+    assert all(not c.process.is_alive() for c in pool._children)
