@@ -89,6 +89,11 @@ class Engine:
         return self.config.max_sessions
 
     @property
+    def session_limits(self) -> SessionLimits:
+        """What a session's handle checks its input against."""
+        return self._session_limits
+
+    @property
     def builtin_voices(self) -> dict[str, np.ndarray]:
         return self.bundle.builtin_voices
 

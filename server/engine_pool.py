@@ -15,8 +15,9 @@ The commands a child applies are the tuples `SessionInput` built in the parent: 
 is checked once, where the service can answer with a status. A child's metric updates
 are applied to the server's `Metrics` (`RelayedMetrics`), so /metrics reads as one
 engine's. A child that dies fails its own sessions (UNAVAILABLE); the other children's
-sessions go on, and a new process takes its slots back once it has started. Children ignore SIGINT and SIGTERM: the server
-drains, then stops them; a child whose parent is gone exits (its pipe closes).
+sessions go on, and a new process takes its slots back once it has started. Children
+ignore SIGINT and SIGTERM: the server drains, then stops them; a child whose parent is
+gone exits (its pipe closes).
 """
 from __future__ import annotations
 
@@ -162,8 +163,7 @@ class EnginePool:
             log.exception("engine process %d: the replacement failed to start", index)
             if child is not None and child.process.is_alive():
                 child.process.kill()
-            self._respawn_delays[index] = min(2 * delay_s, RESPAWN_MAX_DELAY_S)
-            threading.Thread(target=self._respawn, args=(index, self._respawn_delays[index]), daemon=True).start()
+            self._schedule_respawn(index, later=True)
             return
         child.started_at = time.monotonic()
         with self._lock:
@@ -188,20 +188,21 @@ class EnginePool:
 
     def stop(self) -> None:
         self._stopping = True
-        for child in self._children:
-            try:
-                child.send(("shutdown",))
-            except (OSError, ValueError):
-                pass
+        for child in self._children:  # all asked first: they stop side by side
+            self._ask_to_stop(child)
         for child in self._children:
             self._join(child)
 
     def _shut(self, child: _Child) -> None:
+        self._ask_to_stop(child)
+        self._join(child)
+
+    @staticmethod
+    def _ask_to_stop(child: _Child) -> None:
         try:
             child.send(("shutdown",))
         except (OSError, ValueError):
-            pass
-        self._join(child)
+            pass  # already gone
 
     def _join(self, child: _Child) -> None:
         child.process.join(STOP_TIMEOUT_S)
@@ -319,11 +320,14 @@ class EnginePool:
             if asked is child and not future.done():
                 future.set_exception(RuntimeError(f"engine process {child.index} exited"))
         if not self._stopping:
-            quick = time.monotonic() - child.started_at < RESPAWN_RESET_S
-            delay = min(2 * self._respawn_delays[child.index], RESPAWN_MAX_DELAY_S) if quick else RESPAWN_DELAY_S
-            self._respawn_delays[child.index] = delay
-            threading.Thread(target=self._respawn, args=(child.index, delay), name="livespeech-respawn",
-                             daemon=True).start()
+            self._schedule_respawn(child.index, later=time.monotonic() - child.started_at < RESPAWN_RESET_S)
+
+    def _schedule_respawn(self, index: int, later: bool) -> None:
+        """Replace engine `index` after RESPAWN_DELAY_S, or (`later`: it died soon after its
+        start, or its replacement failed) after twice the last delay."""
+        delay = min(2 * self._respawn_delays[index], RESPAWN_MAX_DELAY_S) if later else RESPAWN_DELAY_S
+        self._respawn_delays[index] = delay
+        threading.Thread(target=self._respawn, args=(index, delay), name="livespeech-respawn", daemon=True).start()
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -434,7 +438,7 @@ def _child_main(conn, build: Callable, config: ServerConfig, cpus: int, index: i
 
     engine.on_session_end = ended
     voices = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="livespeech-voices")
-    conn.send(("ready", engine.capacity, engine.builtin_voices, engine._session_limits))
+    conn.send(("ready", engine.capacity, engine.builtin_voices, engine.session_limits))
     try:
         while True:
             try:
