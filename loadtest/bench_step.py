@@ -5,11 +5,13 @@ sampling + commit, then the codec decode of one packet, at several batch sizes.
     python -m livespeech.loadtest.bench_step --roofline --batch 1 16   # + the step's bound on this machine
     python -m livespeech.loadtest.bench_step --guidance-only --batch 1 16 64   # guidance alone
     python -m livespeech.loadtest.bench_step --first-calls --batch 1 2 3 4 8 16   # a batch size's first step
+    python -m livespeech.loadtest.bench_step --gaps 15/16 12/16 8/15 2/4   # batches with sessions sitting out
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 
@@ -92,6 +94,12 @@ def main(argv=None) -> int:
     ap.add_argument("--first-calls", action="store_true",
                     help="one runner for the largest batch; each batch size's first whole step against its next ones "
                          "(what a server pays as its batch grows to sizes it has not run)")
+    ap.add_argument("--gaps", nargs="+", metavar="K/N", default=None,
+                    help="batches of K sessions spread over a run of N slots (others sitting out): the whole "
+                         "runner step with the run stepped as a slice (the runner's choice up to "
+                         "SPAN_MAX_ROWS_PER_SESSION) against the batch gathered, alternated")
+    ap.add_argument("--text-tokens", type=int, default=12,
+                    help="tokens of text in each session's memory, all in the window its steps read")
     ap.add_argument("--jit-fuser", action="store_true",
                     help="keep TorchScript's fused kernels on CUDA (the runner turns them off: models/scripted.py)")
     ap.add_argument("--roofline", action="store_true",
@@ -119,7 +127,8 @@ def main(argv=None) -> int:
         out["machine"] = measure_machine(bundle.device, weights=out["matmul_weights"])
         out["analytic"] = analytic_cost(bundle.model, cuda=bundle.device.type == "cuda")
         print(json.dumps({"machine": out["machine"]}))
-    rows = first_call_rows(bundle, args, out) if args.first_calls else step_cost_rows(bundle, args, out)
+    rows = (first_call_rows(bundle, args, out) if args.first_calls else gap_rows(bundle, args, out) if args.gaps
+            else step_cost_rows(bundle, args, out))
     for row in rows:
         out["rows"].append(row)
         print(json.dumps(row))
@@ -170,8 +179,8 @@ def step_cost_rows(bundle, args, out: dict):
 
 
 def runner_with_sessions(bundle, args, out: dict, capacity: int):
-    """A runner of `capacity` slots, each holding a session with a text chunk in memory;
-    returns it and the sessions' guidance."""
+    """A runner of `capacity` slots, each holding a session with a text chunk of
+    --text-tokens tokens in memory; returns it and the sessions' guidance."""
     from livespeech.models import graphemes
     from livespeech.models.guidance import GuidanceState
     from livespeech.server.runner import ModelRunner
@@ -193,7 +202,7 @@ def runner_with_sessions(bundle, args, out: dict, capacity: int):
     for s in range(capacity):
         text = GuidanceState(graphemes.text_to_ids("hello world this is a test " * 40))
         guides.append(runner.admit(s, voice, seed=s, guidance=text))
-        runner.add_chunk(s, list(range(100, 112)), 0, 0)
+        runner.add_chunk(s, list(range(100, 100 + args.text_tokens)), 0, 0)
     return runner, guides
 
 
@@ -212,6 +221,36 @@ def first_call_rows(bundle, args, out: dict):
         first = step(b)
         yield {"batch": b, "first_step_ms": first * 1e3,
                "next_steps_ms": statistics.median(step(b) for _ in range(5)) * 1e3}
+
+
+def gap_rows(bundle, args, out: dict):
+    """Per K/N of `--gaps`: K sessions spread over slots 0..N-1 of one runner (the first and
+    the last among them), the whole runner step with their run stepped as a slice of the
+    state and with the batch gathered, alternated five times (medians of --steps each)."""
+    from livespeech.server import runner as runner_module
+
+    specs = [tuple(map(int, spec.split("/"))) for spec in args.gaps]
+    if any(not 1 < k <= n for k, n in specs):
+        raise SystemExit("--gaps: each K/N needs 1 < K <= N")
+    runner, guides = runner_with_sessions(bundle, args, out, max(n for _, n in specs))
+    spanning = runner_module.SPAN_MAX_ROWS_PER_SESSION
+    try:
+        for k, n in specs:
+            slots = sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+            times: dict[str, list[float]] = {"run_ms": [], "gathered_ms": []}
+            for rep in range(5):
+                for key in (("run_ms", "gathered_ms") if rep % 2 else ("gathered_ms", "run_ms")):
+                    runner_module.SPAN_MAX_ROWS_PER_SESSION = 0.0 if key == "gathered_ms" else math.inf
+                    with torch.inference_mode():
+                        times[key].append(1e3 * bench(lambda: runner.step(
+                            slots, [(0, 0)] * len(slots), [guides[s] for s in slots], [False] * len(slots)),
+                            args.steps))
+            yield {"sessions": len(slots), "run": n, "slots": slots,
+                   **{key: statistics.median(v) for key, v in times.items()},
+                   "run_over_gathered": statistics.median(a / b for a, b in zip(times["run_ms"], times["gathered_ms"])),
+                   "runner_chooses": "run" if n <= spanning * len(slots) else "gathered"}
+    finally:
+        runner_module.SPAN_MAX_ROWS_PER_SESSION = spanning
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ runs on a `view` of any subset of slots (a plain slice when the slots are contig
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -121,8 +122,7 @@ class DecodeState(DecodeStateView):
         """Start a session in `slot` with a voice's per-layer enrollment K/V
         ([layers, 2, H, N, hd], from `enrollment_kv`)."""
         n, hd = self.n_enroll, self.head_dim
-        self.conv[:, slot].zero_()
-        self.ssm[:, slot].zero_()
+        self.clear_recurrent(slot)
         self.mem_k[:, slot].zero_()
         self.mem_v[:, slot].zero_()
         self.mem_k[:, slot, :, :n, :hd] = enrollment_kv[:, 0]
@@ -141,11 +141,11 @@ class DecodeState(DecodeStateView):
              memory_slots: Optional[int] = None) -> DecodeStateView:
         """The batch of `slots` (a slice, not a copy, when they are contiguous). Fields
         in `skip` are left out (empty, and never written back): a caller that steps the
-        model on the whole state itself (models/step_graph.py) gathers no memory.
-        `memory_slots`: a gathered view's memory holds only the first that many slots
-        (enrollment, then text) of each row, those a step reads (`visible_length`): the
-        memory is most of a session's state (1.6 MB for the default model), and a batch
-        with a session sitting out is gathered at every step."""
+        model on the state's own rows (a CUDA graph's bucket, models/step_graph.py; a run
+        of slots with gaps, server/runner.py) gathers no memory. `memory_slots`: a gathered
+        view's memory holds only the first that many slots (enrollment, then text) of
+        each row, those a step reads (`visible_length`): the memory is most of a
+        session's state (1.6 MB for the default model)."""
         self.write_pending_text()
         if _contiguous(slots):
             sel = slice(slots[0], slots[0] + len(slots))
@@ -175,6 +175,31 @@ class DecodeState(DecodeStateView):
                 self._slot_index.clear()
             idx = self._slot_index[key] = torch.tensor(key, dtype=torch.long, device=self.step.device)
         return idx
+
+    def clear_recurrent(self, slot: int) -> None:
+        """Zero `slot`'s recurrent state (a slot left free)."""
+        self.conv[:, slot].zero_()
+        self.ssm[:, slot].zero_()
+
+    @contextlib.contextmanager
+    def recurrent_state_kept(self, slots: Optional[Sequence[int]] = None) -> Iterator[None]:
+        """Steps run inside leave the recurrent state (conv, ssm) of `slots` (None: every
+        slot) as it was: the rows a step runs only to keep its batch a slice of the state
+        (the gaps in a run of slots, a CUDA graph's bucket), and the warm-up steps of a
+        recording."""
+        if slots is not None and not slots:
+            yield
+            return
+        idx = None if slots is None else self.slot_index(slots)
+        saved = [t.clone() if idx is None else t.index_select(1, idx) for t in (self.conv, self.ssm)]
+        try:
+            yield
+        finally:
+            for t, old in zip((self.conv, self.ssm), saved):
+                if idx is None:
+                    t.copy_(old)
+                else:
+                    t.index_copy_(1, idx, old)
 
     def write_back(self, view: DecodeStateView) -> None:
         """Scatter a gathered view's mutable tensors back (no-op for slices)."""

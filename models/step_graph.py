@@ -24,11 +24,10 @@ calls run eagerly, which is how the CPU tests check everything but the recording
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import warnings
-from typing import Callable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Callable, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
@@ -66,18 +65,6 @@ def record_cuda_graph(fn: Callable[[], T], device: torch.device, warmup: int, po
     return graph, out
 
 
-@contextlib.contextmanager
-def recurrent_state_kept(state: DecodeState) -> Iterator[None]:
-    """Steps run inside leave `state`'s recurrent state (conv, ssm) as it was: the warm-up
-    and recorded steps of a graph, which advance every row they run."""
-    saved = state.conv.clone(), state.ssm.clone()
-    try:
-        yield
-    finally:
-        state.conv.copy_(saved[0])
-        state.ssm.copy_(saved[1])
-
-
 class CapturedStep:
     def __init__(self, model: LiveSpeech2, state: DecodeState, capture: bool = True, warmup: int = 3,
                  matmul_dtype: Optional[torch.dtype] = None, compiled: bool = False,
@@ -101,7 +88,7 @@ class CapturedStep:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Union[StepLogits, torch.Tensor]]] = {}
         if capture:
             pool = torch.cuda.graph_pool_handle()  # one memory pool: a step replays one graph
-            with recurrent_state_kept(state):  # warm-up steps advance it
+            with state.recurrent_state_kept():  # warm-up steps advance it
                 for b in reversed(self.buckets):  # the largest first: the pool's blocks fit the rest
                     self.graphs[b] = record_cuda_graph(lambda: self._eager(b), dev, warmup, pool)
 
@@ -133,18 +120,12 @@ class CapturedStep:
         self.frame.index_copy_(0, idx, frame)
         self.mask[:b].zero_()
         self.mask[:, : text_mask.shape[1]].index_copy_(0, idx, text_mask)
-        others = sorted(set(range(b)) - set(slots))
-        if others:
-            keep = self.state.slot_index(others)
-            saved = self.state.conv.index_select(1, keep), self.state.ssm.index_select(1, keep)
-        if replay and b in self.graphs:
-            graph, out = self.graphs[b]
-            graph.replay()
-        else:
-            out = self._eager(b)
-        if others:
-            self.state.conv.index_copy_(1, keep, saved[0])
-            self.state.ssm.index_copy_(1, keep, saved[1])
+        with self.state.recurrent_state_kept(sorted(set(range(b)) - set(slots))):
+            if replay and b in self.graphs:
+                graph, out = self.graphs[b]
+                graph.replay()
+            else:
+                out = self._eager(b)
         if self.after is not None:
             return out.index_select(0, idx)
         return StepLogits(graphemes=out.graphemes.index_select(0, idx), acoustic=out.acoustic.index_select(0, idx))
@@ -177,7 +158,7 @@ def compiled_step(model: LiveSpeech2, state: DecodeState, matmul_dtype: Optional
     step over `state`'s first slots (its recurrent state put back after it)."""
     module = _StepOverTensors(model, matmul_dtype)
     b = min(2, state.capacity)
-    with recurrent_state_kept(state), torch.inference_mode():
+    with state.recurrent_state_kept(), torch.inference_mode():
         view = state.view(range(b))
         mask = torch.zeros(b, 1, dtype=torch.bool, device=state.step.device)
         model.step(state.inputs[:b], state.step[:b], view, mask, matmul_dtype)

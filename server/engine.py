@@ -423,6 +423,7 @@ class Engine:
         s.phase = Phase.ENDED
         if s.slot is not None and self._sessions.get(s.slot) is s:
             del self._sessions[s.slot]
+            self.runner.release(s.slot)
             self._free_slots.append(s.slot)
             self._free_slots.sort()
         self.metrics.sessions_total.labels(outcome=outcome).inc()

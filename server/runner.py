@@ -47,6 +47,15 @@ MATMUL_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "int8": INT8}
 # step reads every weight too.
 LOW_PRECISION_FROM_BATCH = {"bfloat16": 2, "int8": 1}
 
+# A batch whose slots are not a slice of the state steps the run of slots from its first
+# to its last instead of a gathered copy while the run has at most this many rows a
+# session of the batch (`ModelRunner._span`; measured in docs/loadtest.md, "Measured choices")
+SPAN_MAX_ROWS_PER_SESSION = 1.5
+
+# What a batch's view leaves out where the model step reads the state's own rows (a
+# CUDA graph's bucket, a span of slots)
+STEPPED_ELSEWHERE = ("conv", "ssm", "mem_k", "mem_v")
+
 # The top-k sizes (grapheme, acoustic) the CUDA graphs record a step's sampling with: the
 # sessions' defaults. A step with a session asking for more runs eagerly.
 RECORDED_TOP_K = (SessionConfig().grapheme_top_k, SessionConfig().top_k)
@@ -366,6 +375,13 @@ class ModelRunner:
             on_device.input_complete = True
         return on_device
 
+    def release(self, slot: int) -> None:
+        """`slot` is free: its recurrent state zeroed, so that a step over a run of slots
+        that spans it (`_span_step`) reads finite numbers there (a session that failed on
+        non-finite logits leaves them; with int8 matmuls one activation scale serves the
+        whole batch)."""
+        self.state.clear_recurrent(slot)
+
     def set_sampling(self, slot: int, sampling: SamplingSettings) -> None:
         """`slot`'s sampling settings from its next step on (`admit` sets them first)."""
         self.sampling.set(slot, sampling)
@@ -429,14 +445,16 @@ class ModelRunner:
                    if first_code_rows is not None and max(first_code_rows) >= 0 else None)
         sent = up.send(self.device)
         self.state.apply_rotations(sent, rotations)
-        n_visible = None
+        n_visible = span = None
         if self.captured is not None:  # it reads the whole state itself: its view gathers no memory
-            view = self.state.view(slots, skip=("conv", "ssm", "mem_k", "mem_v"))
+            view = self.state.view(slots, skip=STEPPED_ELSEWHERE)
         else:
             # the attention reads no text slot past the last one any row shows (past chunks
             # are evicted from the front, so the windows sit near the memory's start)
             n_visible = self.state.visible_length(slots, lo, hi)
-            view = self.state.view(slots, memory_slots=self.model.cfg.n_enroll + n_visible)
+            span = self._span(slots)
+            view = (self.state.view(slots, skip=STEPPED_ELSEWHERE) if span is not None
+                    else self.state.view(slots, memory_slots=self.model.cfg.n_enroll + n_visible))
         mask = self.state.window_mask(view, sent[lo_hi[0]], sent[lo_hi[1]])
         idx = self.state.slot_index(slots)
         sets = self.sampling.guide(idx, self.guidance.guide(idx, cfg.n_graphemes) if on_device
@@ -449,7 +467,7 @@ class ModelRunner:
             self._kmax = RECORDED_TOP_K if replay else kmax
             out = self.captured(slots, view.inputs, view.step, mask, replay=replay)
         else:
-            out = self._sample_and_commit_batch(slots, idx, view, mask, n_visible, sets, kmax,
+            out = self._sample_and_commit_batch(slots, idx, view, mask, n_visible, span, sets, kmax,
                                                 self.sampling.scaled(slot_rows), forced, eos, bias_rows)
         # out [B, 5 + Q]: grapheme, frame index, has frame, done, bad, the frame's codes
         if on_device:
@@ -466,13 +484,14 @@ class ModelRunner:
                 g.observe(x)
         return StepResults(res[:, 0], res[:, 1], res[:, 2] != 0, res[:, 3] != 0, res[:, 4] != 0, res[:, head:])
 
-    def _sample_and_commit_batch(self, slots, idx, view, mask, n_visible, sets, kmax, scaled, forced, eos,
+    def _sample_and_commit_batch(self, slots, idx, view, mask, n_visible, span, sets, kmax, scaled, forced, eos,
                                  bias_rows) -> torch.Tensor:
         """`step`'s model step, sampling and commit call by call (the CPU's, and a GPU's
-        with text CFG); `_sample_and_commit`'s result for the batch. sets: the rows'
-        `GuidingSets`; kmax: their largest (grapheme, acoustic) k; scaled: whether one has
-        a temperature other than 1; forced, eos, bias_rows: the rows' tensors on the
-        device, or None where no row has one."""
+        with text CFG); `_sample_and_commit`'s result for the batch. span: the run of
+        slots the model steps for the batch (`_span`), or None to step its view; sets: the
+        rows' `GuidingSets`; kmax: their largest (grapheme, acoustic) k; scaled: whether
+        one has a temperature other than 1; forced, eos, bias_rows: the rows' tensors on
+        the device, or None where no row has one."""
         dtype = self.low_precision if len(slots) >= self.low_precision_from_batch else None
         if self.captured is not None:
             logits = self.captured(slots, view.inputs, view.step, mask)
@@ -482,7 +501,10 @@ class ModelRunner:
             if self.model.cfg.n_phones:
                 phone_in = (self._phone_of_row(bias_rows) if bias_rows is not None
                             else torch.full((len(slots),), -1, device=self.device))
-            logits = self.model_step(view.inputs, view.step, view, visible, dtype, phones=phone_in)
+            if span is None:
+                logits = self.model_step(view.inputs, view.step, view, visible, dtype, phones=phone_in)
+            else:
+                logits = self._span_step(slots, span, visible, dtype, phone_in)
         if self.unconditioned is not None:
             logits = text_guided(logits, self._step_without_text(slots, view, dtype), self.text_cfg_scale)
         # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
@@ -497,6 +519,37 @@ class ModelRunner:
             self.state.write_back(view)
             return res
         return _step_result(tokens, bad, forced, eos, commit)
+
+    def _span(self, slots: Sequence[int]) -> Optional[range]:
+        """The run of slots from the batch's first to its last, where the model steps it
+        whole rather than gathering the batch (None: the batch is a slice already, or the
+        run is too long, or text CFG steps a second state). A gathered batch copies every
+        row's text memory, most of a session's state: at 15 of 16 sessions on 2 cores
+        the runner step took 1.3-1.5x as long gathered as over the run of 16, while at 2
+        slots a session the run was the slower by ~10 % (docs/loadtest.md, "Measured
+        choices"); the engine gives sessions the lowest free slots, so a batch with
+        sessions sitting out is mostly gaps in a short run."""
+        first, last = min(slots), max(slots)
+        n = last - first + 1
+        if n == len(slots) or n > SPAN_MAX_ROWS_PER_SESSION * len(slots) or self.unconditioned is not None:
+            return None
+        return range(first, last + 1)
+
+    def _span_step(self, slots: Sequence[int], span: range, visible: torch.Tensor, dtype: Optional[torch.dtype],
+                   phones: Optional[torch.Tensor]) -> StepLogits:
+        """The model step of `slots` run over `span`, a slice of the state: the span's
+        other rows are stepped with their text masked and their recurrent state put back
+        (`release` keeps a free slot's finite); the batch's rows of the logits."""
+        rows = self.state.slot_index([s - span.start for s in slots])
+        whole = self.state.view(span)
+        mask = visible.new_zeros(len(span), visible.shape[1]).index_copy_(0, rows, visible)
+        if phones is not None:
+            phones = phones.new_full((len(span),), -1).index_copy_(0, rows, phones)
+        stepped = set(slots)
+        with self.state.recurrent_state_kept([s for s in span if s not in stepped]):
+            logits = self.model_step(whole.inputs, whole.step, whole, mask, dtype, phones=phones)
+        return StepLogits(graphemes=logits.graphemes.index_select(0, rows),
+                          acoustic=logits.acoustic.index_select(0, rows))
 
     def _sample_and_commit(self, logits: StepLogits, b: int) -> torch.Tensor:
         """What the CUDA graphs record after the model step over the first `b` slots:

@@ -33,6 +33,6 @@ class Scheduler:
         ]
         if any(not s.clocked for s in batch):
             batch = [s for s in batch if not s.clocked or s.audio_ahead_s(now) < self.yield_lead_s]
-        # contiguous slots make the batch a slice of the decode state (no gather copy)
+        # in slot order: contiguous slots make the batch a slice of the decode state
         batch.sort(key=lambda s: s.slot)
         return batch

@@ -575,6 +575,79 @@ def test_runner_decodes_disjoint_slots_on_two_threads_as_one_after_the_other():
     assert all(torch.equal(a, b) for a, b in zip(seq_state, par_state))
 
 
+def _runner_with_sessions(bundle, capacity, **kw):
+    """A runner with a session admitted in every slot, each with its own text."""
+    from livespeech.models.guidance import GuidanceState, SamplingSettings
+    from livespeech.models import graphemes
+
+    runner = ModelRunner(bundle, capacity, **kw)
+    rng = np.random.default_rng(0)
+    voice = runner.make_voice("v", (rng.standard_normal(24000) * 0.1).astype(np.float32), 24000)
+    guides = []
+    for slot in range(capacity):
+        runner.admit(slot, voice, seed=slot, sampling=SamplingSettings(math.inf, 20))
+        runner.add_chunk(slot, rng.integers(100, 5000, size=8 + slot).tolist(), 0, 0)
+        guides.append(GuidanceState())
+        guides[-1].extend_transcript(graphemes.text_to_ids("a few words to say " * 4))
+    return runner, guides
+
+
+def test_a_batch_with_gaps_steps_its_run_of_slots_as_it_steps_its_gathered_copy(monkeypatch):
+    """Sessions sitting out leave gaps in a batch's slots. Up to 1.5 slots a session the
+    model steps the run from the batch's first slot to its last, a slice of the state
+    (`ModelRunner._span`; a gathered copy holds every row's text memory); longer runs are
+    gathered. Either way the batch gets the tokens and the state of its gathered copy's
+    step, and the rows in the gaps keep their recurrent state bit for bit."""
+    import livespeech.server.runner as runner_module
+
+    torch.set_num_threads(1)
+    bundle = load_bundle(random_init=True)
+    # a run of 6 for 5 and for 4 sessions (spanned), a slice, a run of 6 for 2 (gathered)
+    batches = [[0, 1, 2, 3, 4, 5], [0, 2, 3, 4, 5], [0, 1, 3, 5], [1, 2, 3, 4], [0, 5], [0, 2, 3, 4, 5]] * 3
+    spanned = []
+    out = {}
+    for span_rows in (0.0, runner_module.SPAN_MAX_ROWS_PER_SESSION):  # 0: every batch gathered
+        monkeypatch.setattr(runner_module, "SPAN_MAX_ROWS_PER_SESSION", span_rows)
+        runner, guides = _runner_with_sessions(bundle, 6)
+        results = []
+        for slots in batches:
+            before = runner.state.conv.clone(), runner.state.ssm.clone()
+            res = runner.step(slots, [(0, 0)] * len(slots), [guides[s] for s in slots], [False] * len(slots))
+            results.append(np.concatenate((res.grapheme[:, None], res.frames), 1))
+            if span_rows:
+                spanned.append(runner._span(slots) is not None)
+            gaps = [s for s in range(6) if s not in slots]
+            for now, then in zip((runner.state.conv, runner.state.ssm), before):
+                assert torch.equal(now[:, gaps], then[:, gaps])
+        out[span_rows] = results, runner.state
+    assert spanned[:6] == [False, True, True, False, False, True]
+    (want, want_state), (got, got_state) = out.values()
+    for a, b in zip(want, got):
+        assert np.array_equal(a, b)
+    for name in ("conv", "ssm", "inputs", "step", "eos_frame", "ring"):
+        assert torch.allclose(getattr(want_state, name).float(), getattr(got_state, name).float(), atol=1e-5), name
+
+
+@pytest.mark.skipif(not __import__("livespeech.models.derived", fromlist=["x"]).cpu_has_int8_matmuls(),
+                    reason="int8 matmuls need fbgemm (x86 with AVX2)")
+def test_a_free_slot_inside_a_run_of_slots_does_not_spoil_the_batch():
+    """A session that failed on non-finite logits leaves them in its slot's state; the
+    slot, once free, is zeroed (`ModelRunner.release`), so a batch whose run of slots
+    spans it steps finite numbers: with int8 matmuls one activation scale serves the
+    whole run, and a NaN there would fail every session of the batch."""
+    torch.set_num_threads(1)
+    bundle = load_bundle(random_init=True)
+    runner, guides = _runner_with_sessions(bundle, 4, matmul_weights="int8")
+    batch = [0, 1, 3]
+    assert runner._span(batch) == range(0, 4)
+    runner.state.ssm[:, 2] = float("nan")
+    runner.release(2)
+    for _ in range(3):
+        res = runner.step(batch, [(0, 0)] * 3, [guides[s] for s in batch], [False] * 3)
+        assert not res.failed.any()
+    assert torch.isfinite(runner.state.ssm).all()
+
+
 def test_same_seed_same_audio(engine, voice):
     # the same text timing too: with the default start policy the first chunk may start
     # before the next words are in, which depends on thread timing; the paper's policy

@@ -542,6 +542,18 @@ def test_bench_step_times_each_batch_sizes_first_step(tmp_path):
     assert all(r["first_step_ms"] > 0 and r["next_steps_ms"] > 0 for r in rows)
 
 
+def test_bench_step_times_batches_with_gaps_stepped_as_a_run_and_gathered(tmp_path):
+    from livespeech.loadtest import bench_step
+    from livespeech.server import runner as runner_module
+
+    out = tmp_path / "gaps.json"
+    assert bench_step.main(["--gaps", "3/4", "2/4", "--steps", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["slots"], r["runner_chooses"]) for r in rows] == [([0, 2, 3], "run"), ([0, 3], "gathered")]
+    assert all(r["run_ms"] > 0 and r["gathered_ms"] > 0 for r in rows)
+    assert runner_module.SPAN_MAX_ROWS_PER_SESSION == 1.5  # put back
+
+
 def test_bench_step_gives_each_batch_the_model_steps_bound_from_rates_measured_in_the_same_run(tmp_path):
     from livespeech.loadtest import bench_step, profile_step
 
