@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from livespeech.models.derived import cpu_has_int8_matmuls
 from livespeech.models.loading import load_bundle
 from livespeech.server.engine import Engine, EngineConfig
 from livespeech.server.packets import PacketPlan, PacketPolicy, frames_for_ms
@@ -628,8 +629,7 @@ def test_a_batch_with_gaps_steps_its_run_of_slots_as_it_steps_its_gathered_copy(
         assert torch.allclose(getattr(want_state, name).float(), getattr(got_state, name).float(), atol=1e-5), name
 
 
-@pytest.mark.skipif(not __import__("livespeech.models.derived", fromlist=["x"]).cpu_has_int8_matmuls(),
-                    reason="int8 matmuls need fbgemm (x86 with AVX2)")
+@pytest.mark.skipif(not cpu_has_int8_matmuls(), reason="int8 matmuls need fbgemm (x86 with AVX2)")
 def test_a_free_slot_inside_a_run_of_slots_does_not_spoil_the_batch():
     """A session that failed on non-finite logits leaves them in its slot's state; the
     slot, once free, is zeroed (`ModelRunner.release`), so a batch whose run of slots
