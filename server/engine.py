@@ -75,8 +75,9 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._admit_lock = threading.Lock()
         self._n_active = 0
-        # called on the engine thread with a session's id as it ends, before its last
-        # event is sunk (server/engine_pool.py counts a child's free slots with it)
+        # called with a session's id as it ends, before its last event is sunk, on the
+        # engine thread or on the codec thread delivering its last audio
+        # (server/engine_pool.py counts a child's free slots with it)
         self.on_session_end: Optional[Callable[[str], None]] = None
 
     # --- EngineAPI ---------------------------------------------------------------------------
