@@ -96,8 +96,8 @@ def main(argv=None) -> int:
                          "(what a server pays as its batch grows to sizes it has not run)")
     ap.add_argument("--gaps", nargs="+", metavar="K/N", default=None,
                     help="batches of K sessions spread over a run of N slots (others sitting out): the whole "
-                         "runner step with the run stepped as a slice (the runner's choice up to "
-                         "SPAN_MAX_ROWS_PER_SESSION) against the batch gathered, alternated")
+                         "runner step with the run stepped as a slice (the runner's choice up to its "
+                         "span_max_rows_per_session) against the batch gathered, alternated")
     ap.add_argument("--text-tokens", type=int, default=12,
                     help="tokens of text in each session's memory, all in the window its steps read")
     ap.add_argument("--jit-fuser", action="store_true",
@@ -227,31 +227,24 @@ def gap_rows(bundle, args, out: dict):
     """Per K/N of `--gaps`: K sessions spread over slots 0..N-1 of one runner (the first and
     the last among them), the whole runner step with their run stepped as a slice of the
     state and with the batch gathered, alternated five times (medians of --steps each)."""
-    from livespeech.server import runner as runner_module
-
     specs = [tuple(map(int, spec.split("/"))) for spec in args.gaps]
     if any(not 1 < k <= n for k, n in specs):
         raise SystemExit("--gaps: each K/N needs 1 < K <= N")
     runner, guides = runner_with_sessions(bundle, args, out, max(n for _, n in specs))
-    spanning = runner_module.SPAN_MAX_ROWS_PER_SESSION
-    try:
-        for k, n in specs:
-            slots = sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
-            times: dict[str, list[float]] = {"run_ms": [], "gathered_ms": []}
-            for rep in range(5):
-                for key in (("run_ms", "gathered_ms") if rep % 2 else ("gathered_ms", "run_ms")):
-                    runner_module.SPAN_MAX_ROWS_PER_SESSION = 0.0 if key == "gathered_ms" else math.inf
-                    with torch.inference_mode():
-                        times[key].append(1e3 * bench(lambda: runner.step(
-                            slots, [(0, 0)] * len(slots), [guides[s] for s in slots], [False] * len(slots)),
-                            args.steps))
-            yield {"sessions": len(slots), "run": n, "slots": slots,
-                   **{key: statistics.median(v) for key, v in times.items()},
-                   "run_over_gathered": statistics.median(a / b for a, b in zip(times["run_ms"], times["gathered_ms"])),
-                   "runner_chooses": "run" if n <= spanning * len(slots) else "gathered"}
-    finally:
-        runner_module.SPAN_MAX_ROWS_PER_SESSION = spanning
-
+    spanning = runner.span_max_rows_per_session
+    for k, n in specs:
+        slots = sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+        times: dict[str, list[float]] = {"run_ms": [], "gathered_ms": []}
+        for rep in range(5):
+            for key in (("run_ms", "gathered_ms") if rep % 2 else ("gathered_ms", "run_ms")):
+                runner.span_max_rows_per_session = 0.0 if key == "gathered_ms" else math.inf
+                with torch.inference_mode():
+                    times[key].append(1e3 * bench(lambda: runner.step(
+                        slots, [(0, 0)] * len(slots), [guides[s] for s in slots], [False] * len(slots)), args.steps))
+        yield {"sessions": len(slots), "run": n, "slots": slots,
+               **{key: statistics.median(v) for key, v in times.items()},
+               "run_over_gathered": statistics.median(a / b for a, b in zip(times["run_ms"], times["gathered_ms"])),
+               "runner_chooses": "run" if n <= spanning * len(slots) else "gathered"}
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -216,6 +216,7 @@ class ModelRunner:
         self.codec = bundle.codec
         self.device = bundle.device
         self.capacity = capacity
+        self.span_max_rows_per_session = SPAN_MAX_ROWS_PER_SESSION  # `_span`; 0: every gapped batch gathered
         # the widest matmuls with bfloat16 or int8 weights: on the CPU from
         # LOW_PRECISION_FROM_BATCH sessions (the evaluation asks for them from one, to hear
         # what a busy server's sessions sound like), on a GPU from one, with the text memory
@@ -379,7 +380,7 @@ class ModelRunner:
         """`slot` is free: its recurrent state zeroed, so that a step over a run of slots
         that spans it (`_span_step`) reads finite numbers there (a session that failed on
         non-finite logits leaves them; with int8 matmuls one activation scale serves the
-        whole batch)."""
+        whole batch). Called on either thread: a free slot's rows feed no session's result."""
         self.state.clear_recurrent(slot)
 
     def set_sampling(self, slot: int, sampling: SamplingSettings) -> None:
@@ -531,7 +532,7 @@ class ModelRunner:
         sessions sitting out is mostly gaps in a short run."""
         first, last = min(slots), max(slots)
         n = last - first + 1
-        if n == len(slots) or n > SPAN_MAX_ROWS_PER_SESSION * len(slots) or self.unconditioned is not None:
+        if n == len(slots) or n > self.span_max_rows_per_session * len(slots) or self.unconditioned is not None:
             return None
         return range(first, last + 1)
 

@@ -593,7 +593,7 @@ def _runner_with_sessions(bundle, capacity, **kw):
     return runner, guides
 
 
-def test_a_batch_with_gaps_steps_its_run_of_slots_as_it_steps_its_gathered_copy(monkeypatch):
+def test_a_batch_with_gaps_steps_its_run_of_slots_as_it_steps_its_gathered_copy():
     """Sessions sitting out leave gaps in a batch's slots. Up to 1.5 slots a session the
     model steps the run from the batch's first slot to its last, a slice of the state
     (`ModelRunner._span`; a gathered copy holds every row's text memory); longer runs are
@@ -608,8 +608,8 @@ def test_a_batch_with_gaps_steps_its_run_of_slots_as_it_steps_its_gathered_copy(
     spanned = []
     out = {}
     for span_rows in (0.0, runner_module.SPAN_MAX_ROWS_PER_SESSION):  # 0: every batch gathered
-        monkeypatch.setattr(runner_module, "SPAN_MAX_ROWS_PER_SESSION", span_rows)
         runner, guides = _runner_with_sessions(bundle, 6)
+        runner.span_max_rows_per_session = span_rows
         results = []
         for slots in batches:
             before = runner.state.conv.clone(), runner.state.ssm.clone()

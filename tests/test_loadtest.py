@@ -556,7 +556,7 @@ def test_bench_step_times_batches_with_gaps_stepped_as_a_run_and_gathered(tmp_pa
     rows = json.loads(out.read_text())["rows"]
     assert [(r["slots"], r["runner_chooses"]) for r in rows] == [([0, 2, 3], "run"), ([0, 3], "gathered")]
     assert all(r["run_ms"] > 0 and r["gathered_ms"] > 0 for r in rows)
-    assert runner_module.SPAN_MAX_ROWS_PER_SESSION == 1.5  # put back
+    assert runner_module.SPAN_MAX_ROWS_PER_SESSION == 1.5  # the runners' default, which "runner_chooses" reads
 
 
 def test_bench_step_gives_each_batch_the_model_steps_bound_from_rates_measured_in_the_same_run(tmp_path):
