@@ -508,7 +508,7 @@ class ModelRunner:
                 logits = self._span_step(slots, span, visible, dtype, phone_in)
         if self.unconditioned is not None:
             logits = text_guided(logits, self._step_without_text(slots, view, dtype), self.text_cfg_scale)
-        # a row with non-finite logits fails alone (`bad`); it is sampled from zeros so the batch goes on
+        # a row with non-finite logits fails alone (`bad`); its tokens stay in range, so the batch goes on
         acoustic = logits.acoustic
         if bias_rows is not None:
             acoustic = self._first_code_given_phone(acoustic, bias_rows)
@@ -596,12 +596,13 @@ class ModelRunner:
 
     def _first_code_given_phone(self, acoustic: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """Codebook 1's logits plus the front end's bias row for each row (row [B] on the
-        device; -1 keeps them as they are)."""
+        device; -1 keeps them as they are), added in place: the step's logits are its own,
+        read by nothing else (a copy of them all cost as much again)."""
         if self.first_code_bias is None:
             raise ValueError("first_code_rows needs a bundle with a front end")
         bias = self.first_code_bias[row.clamp_min(0)] * (row >= 0).unsqueeze(1)
-        first = acoustic[:, :1] + bias.unsqueeze(1).to(acoustic.dtype)
-        return torch.cat((first, acoustic[:, 1:]), dim=1)
+        acoustic[:, 0].add_(bias.to(acoustic.dtype))
+        return acoustic
 
     def uniforms(self, slots: Union[torch.Tensor, slice], steps: torch.Tensor) -> torch.Tensor:
         """[B, 1 + Q] the draws of `slots` (a tensor on the device, or a slice) at their decode

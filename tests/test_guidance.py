@@ -471,7 +471,7 @@ def test_sampler_edge_cases():
 def test_sample_step_equals_the_two_samplers_with_the_same_draws():
     """The runner's one-call sampler: the grapheme as `sample_graphemes`, then the acoustic
     codes as `sample_top_k`, from each session's generator in that order; EOS barred until
-    the text is complete and spoken; a row with non-finite logits flagged and sampled from zeros."""
+    the text is complete and spoken; a row with non-finite logits flagged, its tokens in range."""
     from livespeech.models.guidance import sample_step
     from livespeech.models.graphemes import EOS
 
@@ -504,6 +504,29 @@ def test_sample_step_equals_the_two_samplers_with_the_same_draws():
     a_logits[2, 1, 5] = float("nan")
     tokens, bad = sample_step(g_logits, a_logits, states, lams, top_ks, g1)
     assert bad.tolist() == [False, False, True, False] and 0 <= int(tokens[2, 2]) < 64
+
+
+@pytest.mark.parametrize("bad_value", [math.nan, math.inf, -math.inf])
+def test_a_row_with_non_finite_logits_leaves_the_others_tokens_as_they_were(bad_value):
+    """A row whose codes' logits are not finite is flagged, its tokens stay in the
+    vocabulary (it fails, the batch goes on), and every other row draws what it draws
+    with that row finite."""
+    from livespeech.models.guidance import sample_step
+
+    lg = torch.Generator().manual_seed(5)
+    states = [GuidanceState(ids(t)) for t in ("hello", "the cat", "abc", "dog")]
+    lams, top_ks = [math.inf, 1.0, 0.0, math.inf], [1, 5, 40, 20]
+    for _ in range(5):
+        g_logits = torch.randn(4, VOCAB_SIZE, generator=lg) * 3
+        a_logits = torch.randn(4, 3, 64, generator=lg) * 3
+        u = torch.rand(4, 4, generator=lg)
+        want, ok = sample_step(g_logits, a_logits, states, lams, top_ks, u)
+        broken = a_logits.clone()
+        broken[2, 0, :7] = bad_value  # several codes of one codebook: the row's top-k sees them
+        got, bad = sample_step(g_logits, broken, states, lams, top_ks, u)
+        assert not ok.any() and bad.tolist() == [False, False, True, False]
+        assert torch.equal(got[[0, 1, 3]], want[[0, 1, 3]])
+        assert ((got[2, 1:] >= 0) & (got[2, 1:] < 64)).all()
 
 
 def test_the_samplers_run_as_torchscript():
