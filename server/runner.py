@@ -597,7 +597,7 @@ class ModelRunner:
     def _first_code_given_phone(self, acoustic: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """Codebook 1's logits plus the front end's bias row for each row (row [B] on the
         device; -1 keeps them as they are), added in place: the step's logits are its own,
-        read by nothing else (a copy of them all cost as much again)."""
+        read by nothing else, and a concatenation copied every code's logit."""
         if self.first_code_bias is None:
             raise ValueError("first_code_rows needs a bundle with a front end")
         bias = self.first_code_bias[row.clamp_min(0)] * (row >= 0).unsqueeze(1)
