@@ -108,6 +108,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from . import cpu_sampler
 from .graphemes import BLANK, EOS, SPACE, VOCAB_SIZE
 from .scripted import scripted
 from .upload import Upload
@@ -499,13 +500,14 @@ def _guided(scores: torch.Tensor, guide: torch.Tensor, bonus: torch.Tensor, hard
     return torch.where(guide, scores + bonus[:, None], scores.masked_fill(hard[:, None], -math.inf))
 
 
-def _step_tokens(g_logits: torch.Tensor, a_logits: torch.Tensor, eos_barred: torch.Tensor, guide: torch.Tensor,
+def _step_scores(g_logits: torch.Tensor, a_logits: torch.Tensor, eos_barred: torch.Tensor, guide: torch.Tensor,
                  bonus: torch.Tensor, hard: torch.Tensor, k_g: torch.Tensor, kmax_g: int, k_a: torch.Tensor,
-                 kmax_a: int, u: torch.Tensor, eos: int, inv_t: torch.Tensor, greedy: torch.Tensor,
-                 scaled: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_step`'s tensor work: ([B, 1 + Q] tokens, [B] non-finite rows). inv_t and
-    greedy [B, 3]: 1 / temperature and temperature == 0 of (grapheme, codebook 1,
-    codebooks 2..Q); read only when `scaled` (some temperature is not 1)."""
+                 u: torch.Tensor, eos: int, inv_t: torch.Tensor, greedy: torch.Tensor,
+                 scaled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample_step`'s tensor work up to the acoustic codes' draw: (grapheme tokens [B],
+    the codes' scores [B * Q, V] and k [B * Q], non-finite rows [B]). inv_t and greedy
+    [B, 3]: 1 / temperature and temperature == 0 of (grapheme, codebook 1, codebooks
+    2..Q); read only when `scaled` (some temperature is not 1)."""
     g, a = g_logits.float(), a_logits.float()
     # a row's sum is non-finite iff one of its logits is (finite logits are far from
     # overflowing it): two reductions instead of isfinite's passes over every logit
@@ -524,13 +526,20 @@ def _step_tokens(g_logits: torch.Tensor, a_logits: torch.Tensor, eos_barred: tor
         k_rows = k_rows.masked_fill(torch.cat((greedy[:, 1:2], greedy[:, 2:3].expand(b, q - 1)), 1), 1)
     g[:, eos] = g[:, eos].masked_fill(eos_barred, -math.inf)
     g_tok = _sample_rows(_guided(g, guide, bonus, hard), k_g, kmax_g, u[:, 0])
-    a_tok = _sample_rows(a.reshape(b * q, v), k_rows.reshape(-1), kmax_a, u[:, 1:].reshape(-1))
-    return torch.cat((g_tok[:, None], a_tok.view(b, q)), 1), bad
+    return g_tok, a.reshape(b * q, v), k_rows.reshape(-1), bad
 
 
 _scripted_sample_rows = scripted(_sample_rows)
 _scripted_guided = scripted(_guided)
-_scripted_step_tokens = scripted(_step_tokens)
+_scripted_step_scores = scripted(_step_scores)
+
+
+def draw_rows(scores: torch.Tensor, k: torch.Tensor, kmax: int, u: torch.Tensor) -> torch.Tensor:
+    """`_sample_rows`' draws: by the compiled CPU kernel where it applies
+    (models/cpu_sampler.py), else by TorchScript."""
+    if cpu_sampler.applies(scores, kmax):
+        return cpu_sampler.draw(scores, k, u)
+    return _scripted_sample_rows()(scores, k, kmax, u)
 
 
 class GuidingSets(NamedTuple):
@@ -583,7 +592,7 @@ def sample_top_k(logits: torch.Tensor, top_ks: IntsLike,
         if kc > 1:
             k = k.repeat_interleave(kc)
     u = _uniforms(generators, b, kc, device).reshape(-1)
-    out = _scripted_sample_rows()(logits.reshape(b * kc, v).float(), k, kmax, u)
+    out = draw_rows(logits.reshape(b * kc, v).float(), k, kmax, u)
     return out.reshape(b, kc) if logits.dim() == 3 else out
 
 
@@ -605,7 +614,7 @@ def sample_graphemes(logits: torch.Tensor, states: Sequence[Optional[GuidanceSta
     scores = logits.float()
     if guide is not None:
         scores = _scripted_guided()(scores, *guide)
-    return _scripted_sample_rows()(scores, k, kmax, u)
+    return draw_rows(scores, k, kmax, u)
 
 
 class Temperatures(NamedTuple):
@@ -721,8 +730,11 @@ class SamplingRows(NamedTuple):
                scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [B, 1 + Q], bad [B]); `kmax_*` at least every row's k (more draws the
         same tokens); `scaled` False skips the temperatures (when they are all 1)."""
-        return _scripted_step_tokens()(g_logits, a_logits, self.eos_barred, self.guide, self.bonus, self.hard,
-                                       self.k_g, kmax_g, self.k_a, kmax_a, u, EOS, self.inv_t, self.greedy, scaled)
+        g_tok, a, k_rows, bad = _scripted_step_scores()(g_logits, a_logits, self.eos_barred, self.guide, self.bonus,
+                                                        self.hard, self.k_g, kmax_g, self.k_a, u, EOS, self.inv_t,
+                                                        self.greedy, scaled)
+        a_tok = draw_rows(a, k_rows, kmax_a, u[:, 1:].reshape(-1))
+        return torch.cat((g_tok[:, None], a_tok.view(g_tok.shape[0], -1)), 1), bad
 
 
 def sample_step(g_logits: torch.Tensor, a_logits: torch.Tensor, states: Union[Sequence[GuidanceState], GuidingSets],

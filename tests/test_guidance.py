@@ -533,7 +533,7 @@ def test_the_samplers_run_as_torchscript():
     """A silent fallback to Python would cost every step its speed, not its results."""
     from livespeech.models import guidance, inference
 
-    for get in (guidance._scripted_step_tokens, guidance._scripted_sample_rows, guidance._scripted_guided,
+    for get in (guidance._scripted_step_scores, guidance._scripted_sample_rows, guidance._scripted_guided,
                 inference._scripted_commit):
         assert isinstance(get(), torch.jit.ScriptFunction)
 

@@ -1,0 +1,147 @@
+"""Top-k inverse-CDF draws of many rows on the CPU, as one compiled loop (numba).
+
+torch's CPU top-k selects each row in scalar code: at k = 20 over 1,024 codes ~5 us a
+row on the 2-core VM, two thirds of the sampler at 16 sessions and the largest part of a
+step at 256 (docs/loadtest.md, "Measured choices"). This kernel draws the token
+`guidance._sample_rows` draws from the same scores, k and uniform, in a fraction of that:
+a row's k-th largest score is bounded from below by the k-th largest maximum of its
+32-score groups, so only the few scores at or above that bound (~23 of 1,024 on the
+default model's logits) are ever sorted, and only 8-score blocks whose maximum reaches it
+are read a second time.
+
+`applies` says where it runs: CPU tensors, numba importable, k at most the number of
+groups a row has (32 for 1,024 codes). Elsewhere (a GPU, a larger k) the TorchScript
+sampler runs; the two agree token for token up to float rounding of the CDF
+(tests/test_cpu_sampler.py).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+log = logging.getLogger("livespeech.models")
+
+try:
+    import numba
+except Exception as exc:  # noqa: BLE001 - not installed, or no build for this platform
+    numba = None
+    log.warning("top-k sampling runs on torch's top-k: numba is unavailable (%s)", exc)
+
+BLOCK = 8  # scores a block: a block is read again only if its maximum reaches the bound
+GROUP = 4  # blocks a group: the bound is the k-th largest group maximum
+
+
+def max_k(vocab: int) -> int:
+    """The largest k the kernel draws from a row of `vocab` scores (its groups)."""
+    return -(-vocab // (BLOCK * GROUP))
+
+
+def applies(scores: torch.Tensor, kmax: int) -> bool:
+    return numba is not None and scores.device.type == "cpu" and kmax <= max_k(scores.shape[-1])
+
+
+def draw(scores: torch.Tensor, k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[N] tokens: row r's draw from its top k[r] scores (scores [N, V] float32, k [N]
+    long, u [N] uniforms in [0, 1)), as `guidance._sample_rows` draws it: the top k sorted
+    (ties in index order), token j of them for the first j whose CDF reaches u times the
+    total. A row whose scores are all -inf gets its first candidate; a row with a NaN a
+    token inside the vocabulary. A k past `max_k` is drawn alike, slowly (every score of
+    its row sorted): `applies` leaves those to torch."""
+    scores = scores.contiguous()
+    out = torch.empty(scores.shape[0], dtype=torch.long)
+    # numpy views of the CPU tensors, shared in place: no device to wait for, so not the
+    # host reads loadtest/host_reads.py counts for a GPU's step (torch function modes off)
+    with torch._C.DisableTorchFunction():
+        _draw_rows(scores.numpy(), k.contiguous().numpy(), u.to(torch.float32).contiguous().numpy(), out.numpy())
+    return out
+
+
+def _block_maxima(row, bm):
+    v = row.shape[0]
+    for b in range(bm.shape[0]):
+        m = np.float32(-np.inf)
+        for i in range(b * BLOCK, min(v, b * BLOCK + BLOCK)):
+            m = max(m, row[i])
+        bm[b] = m
+
+
+def _draw_rows(scores, k, u, out):
+    n, v = scores.shape
+    nb = -(-v // BLOCK)
+    ng = -(-nb // GROUP)
+    bm = np.empty(nb, np.float32)
+    gm = np.empty(ng, np.float32)
+    cv = np.empty(v, np.float32)  # the candidates, descending, then their CDF
+    ci = np.empty(v, np.int64)
+    for r in range(n):
+        kr = min(max(k[r], 1), v)
+        row = scores[r]
+        _block_maxima(row, bm)
+        for g in range(ng):
+            m = bm[g * GROUP]
+            for j in range(g * GROUP + 1, min(nb, g * GROUP + GROUP)):
+                m = max(m, bm[j])
+            gm[g] = m
+        # the bound: the kr-th largest group maximum, the smallest of those with
+        # fewer than kr above them (at least kr scores reach it); past ng groups,
+        # every score is a candidate
+        lb = np.float32(-np.inf)
+        if kr <= ng:
+            lb = np.float32(np.inf)
+            for i in range(ng):
+                above = 0
+                x = gm[i]
+                for j in range(ng):
+                    above += gm[j] > x
+                if above < kr and x < lb:
+                    lb = x
+        c = 0
+        for b in range(nb):
+            if bm[b] >= lb:
+                for i in range(b * BLOCK, min(v, b * BLOCK + BLOCK)):
+                    x = row[i]
+                    if x >= lb:  # insertion, descending; a tie goes after the earlier index
+                        j = c
+                        while j > 0 and cv[j - 1] < x:
+                            cv[j] = cv[j - 1]
+                            ci[j] = ci[j - 1]
+                            j -= 1
+                        cv[j] = x
+                        ci[j] = i
+                        c += 1
+        kk = min(kr, c)
+        if kk == 0:  # only NaNs reached the bound
+            out[r] = 0
+            continue
+        top = cv[0]
+        if top == -np.inf:
+            out[r] = ci[0]
+            continue
+        total = np.float32(0.0)
+        for j in range(kk):
+            total += np.exp(cv[j] - top)
+            cv[j] = total
+        x = np.float32(u[r]) * total
+        j = 0
+        for t in range(kk):
+            if cv[t] < x:
+                j += 1
+        out[r] = ci[min(j, kk - 1)]
+
+
+def _jit(fn, **options):
+    """`fn` compiled at its first call, the machine code kept for the next process where
+    a cache directory is writable (beside this file, else XDG_CACHE_HOME)."""
+    try:
+        return numba.njit(nogil=True, cache=True, **options)(fn)
+    except RuntimeError:  # nowhere to keep it (a read-only image): compiled at each start, ~1 s
+        return numba.njit(nogil=True, **options)(fn)
+
+
+if numba is not None:
+    # fast-math lets the block maxima vectorise; a NaN (a failing row) may then be taken
+    # or not, which moves that row's token only within the vocabulary
+    _block_maxima = _jit(_block_maxima, fastmath=True)
+    _draw_rows = _jit(_draw_rows)

@@ -1,0 +1,123 @@
+"""The compiled CPU top-k sampler (models/cpu_sampler.py) against the definition of a
+top-k inverse-CDF draw, and the step's sampler with it against the TorchScript one."""
+import math
+
+import pytest
+import torch
+
+from livespeech.models import cpu_sampler, guidance
+from livespeech.models.guidance import SamplingSettings, SlotSampling, Temperatures
+
+EPS = 1e-5  # float32 rounding of a CDF of up to ~1,000 terms, with room
+
+
+def _check_draws(tokens, scores, k, u):
+    """Each token is the inverse-CDF draw at u from its row's top k (the row sorted
+    stably, descending, in float64), to within EPS of a CDF step: float32 sums in another
+    order may put a u that close to a step on its other side."""
+    n, v = scores.shape
+    vals, idx = scores.double().sort(dim=-1, descending=True, stable=True)
+    for r in range(n):
+        t, kr = int(tokens[r]), min(max(int(k[r]), 1), v)
+        assert 0 <= t < v
+        top = vals[r, :kr]
+        if math.isinf(top[0]) and top[0] < 0:  # an all -inf row: its first candidate
+            assert t == int(idx[r, 0])
+            continue
+        w = torch.exp(top - top[0])
+        cdf = torch.cat((w.new_zeros(1), w.cumsum(0) / w.sum()))
+        j = (idx[r, :kr] == t).nonzero()
+        if len(j) == 0:  # a tie at the k-th score: the same value, another index
+            assert scores[r, t] == vals[r, kr - 1]
+            continue
+        j = int(j[0])
+        assert cdf[j] - EPS <= float(u[r]) <= cdf[j + 1] + EPS, (r, t, j, float(u[r]), cdf[j : j + 2].tolist())
+
+
+def _rows(n, v, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, v, generator=g) * scale, torch.rand(n, generator=g)
+
+
+@pytest.mark.parametrize("v", [1024, 1000, 37])
+def test_the_kernel_draws_the_inverse_cdf_of_each_rows_top_k(v):
+    n = 600
+    scores, u = _rows(n, v, v)
+    scores[: n // 2] *= 3  # peaked rows as well as flat ones
+    k = torch.randint(1, cpu_sampler.max_k(v) + 1, (n,), generator=torch.Generator().manual_seed(1))
+    got = cpu_sampler.draw(scores, k, u)
+    _check_draws(got, scores, k, u)
+    # and the TorchScript sampler's token, row for row, but for u within rounding of a step
+    want = guidance._sample_rows(scores, k, int(k.max()), u)
+    assert (got != want).sum() <= 1
+
+
+@pytest.mark.parametrize("k", [33, 200, 1024])
+def test_a_k_past_the_kernels_bound_is_drawn_alike(k):
+    scores, u = _rows(64, 1024, k)
+    assert not cpu_sampler.applies(scores, k) and cpu_sampler.applies(scores, 32)
+    _check_draws(cpu_sampler.draw(scores, torch.full((64,), k), u), scores, torch.full((64,), k), u)
+
+
+def test_ties_infinities_and_nans():
+    """Ties go in index order; -inf scores are never drawn while a finite one is in the
+    top k; an all -inf row gets its first index; a row with NaN or +inf (a failing row)
+    gets a token in the vocabulary, and the other rows are drawn as without it."""
+    v, n = 1024, 16
+    scores, u = _rows(n, v, 5)
+    scores[0] = torch.round(scores[0])  # many ties, across the k-th score too
+    scores[1, 7:] = -math.inf  # fewer finite scores than k
+    scores[2] = -math.inf
+    scores[3, [5, 700]] = 9.0  # an exact tie at the top
+    k = torch.full((n,), 20)
+    clean = cpu_sampler.draw(scores, k, u)
+    _check_draws(clean, scores, k, u)
+    assert int(clean[1]) < 7 and int(clean[2]) == 0
+    for bad in (math.nan, math.inf):
+        broken = scores.clone()
+        broken[4, 10:40] = bad
+        got = cpu_sampler.draw(broken, k, u)
+        assert 0 <= int(got[4]) < v
+        assert torch.equal(got[torch.arange(n) != 4], clean[torch.arange(n) != 4])
+
+
+def _sampling_rows(b, g, v, settings):
+    table = SlotSampling(b, g, v, "cpu")
+    for r, s in enumerate(settings):
+        table.set(r, s)
+    idx = torch.arange(b)
+    sets = guidance.GuidingSets(torch.zeros(b, g, dtype=torch.bool), torch.zeros(b, dtype=torch.bool))
+    return table.rows(idx, table.guide(idx, sets)), table.kmax(list(range(b)))
+
+
+def test_the_steps_sampler_draws_the_acoustic_codes_with_the_kernel_on_the_cpu():
+    """`SamplingRows.sample` on the CPU (the kernel for the codes) against the TorchScript
+    sampler a GPU runs: the same graphemes and bad rows, and codes that are the inverse-CDF
+    draws of their (temperature-scaled) rows; greedy rows take the top code."""
+    b, q, g, v = 12, 8, 40, 1024
+    gen = torch.Generator().manual_seed(3)
+    g_logits, a_logits = torch.randn(b, g, generator=gen) * 2, torch.randn(b, q, v, generator=gen) * 3
+    a_logits[5, 2, 0] = math.nan
+    u = torch.rand(b, 1 + q, generator=gen)
+    settings = [SamplingSettings(0.0, 20)] * 6 + [SamplingSettings(0.0, 5 + r, temperatures=Temperatures(1.0, 0.7, 1.3))
+                                                  for r in range(5)]
+    settings.append(SamplingSettings(0.0, 20, temperatures=Temperatures(1.0, 0.0, 0.0)))  # greedy codes
+    rows, (kg, ka) = _sampling_rows(b, g, v, settings)
+    assert cpu_sampler.applies(a_logits, ka)
+    got, bad = rows.sample(g_logits, a_logits, u, kg, ka, scaled=True)
+    g_tok, scores, k_rows, want_bad = guidance._scripted_step_scores()(
+        g_logits, a_logits, rows.eos_barred, rows.guide, rows.bonus, rows.hard, rows.k_g, kg, rows.k_a, u,
+        guidance.EOS, rows.inv_t, rows.greedy, True)
+    want = guidance._scripted_sample_rows()(scores, k_rows, ka, u[:, 1:].reshape(-1)).view(b, q)
+    assert torch.equal(bad, want_bad) and bad.tolist() == [r == 5 for r in range(b)]
+    assert torch.equal(got[:, 0], g_tok)
+    assert (got[:, 1:] != want).sum() <= 1
+    scale = torch.ones(b, q)
+    for r, s in enumerate(settings):
+        scale[r, 0] = 1.0 / s.temperatures.first_codebook if s.temperatures.first_codebook else 1.0
+        scale[r, 1:] = 1.0 / s.temperatures.acoustic if s.temperatures.acoustic else 1.0
+    k = torch.tensor([1 if s.temperatures.acoustic == 0 else s.top_k for s in settings]).repeat_interleave(q)
+    ok = torch.arange(b).repeat_interleave(q) != 5
+    scaled = (a_logits * scale[:, :, None]).reshape(b * q, v)
+    _check_draws(got[:, 1:].reshape(-1)[ok], scaled[ok], k[ok], u[:, 1:].reshape(-1)[ok])
+    assert torch.equal(got[-1, 1:], a_logits[-1].argmax(-1))
