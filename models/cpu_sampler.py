@@ -60,16 +60,39 @@ def draw(scores: torch.Tensor, k: torch.Tensor, u: torch.Tensor) -> torch.Tensor
 
 def _block_maxima(row, bm):
     v = row.shape[0]
-    for b in range(bm.shape[0]):
+    full = v // BLOCK
+    for b in range(full):  # a fixed trip count, which vectorises
         m = np.float32(-np.inf)
-        for i in range(b * BLOCK, min(v, b * BLOCK + BLOCK)):
-            m = max(m, row[i])
+        for i in range(BLOCK):
+            m = max(m, row[b * BLOCK + i])
         bm[b] = m
+    if full < bm.shape[0]:  # a last, partial block
+        m = np.float32(-np.inf)
+        for i in range(full * BLOCK, v):
+            m = max(m, row[i])
+        bm[full] = m
+
+
+def _collect(row, start, stop, lb, cv, ci, c):
+    """row[start:stop]'s scores >= lb inserted into the c candidates cv (descending, a tie
+    after the earlier index) and their indices ci; returns the new count."""
+    for i in range(start, stop):
+        x = row[i]
+        if x >= lb:
+            j = c
+            while j > 0 and cv[j - 1] < x:
+                cv[j] = cv[j - 1]
+                ci[j] = ci[j - 1]
+                j -= 1
+            cv[j] = x
+            ci[j] = i
+            c += 1
+    return c
 
 
 def _draw_rows(scores, k, u, out):
     n, v = scores.shape
-    nb = -(-v // BLOCK)
+    nb, full = -(-v // BLOCK), v // BLOCK
     ng = -(-nb // GROUP)
     bm = np.empty(nb, np.float32)
     gm = np.empty(ng, np.float32)
@@ -81,7 +104,7 @@ def _draw_rows(scores, k, u, out):
         _block_maxima(row, bm)
         for g in range(ng):
             m = bm[g * GROUP]
-            for j in range(g * GROUP + 1, min(nb, g * GROUP + GROUP)):
+            for j in range(g * GROUP + 1, g * GROUP + GROUP if g < nb // GROUP else nb):
                 m = max(m, bm[j])
             gm[g] = m
         # the bound: the kr-th largest group maximum, the smallest of those with
@@ -98,19 +121,11 @@ def _draw_rows(scores, k, u, out):
                 if above < kr and x < lb:
                     lb = x
         c = 0
-        for b in range(nb):
+        for b in range(full):
             if bm[b] >= lb:
-                for i in range(b * BLOCK, min(v, b * BLOCK + BLOCK)):
-                    x = row[i]
-                    if x >= lb:  # insertion, descending; a tie goes after the earlier index
-                        j = c
-                        while j > 0 and cv[j - 1] < x:
-                            cv[j] = cv[j - 1]
-                            ci[j] = ci[j - 1]
-                            j -= 1
-                        cv[j] = x
-                        ci[j] = i
-                        c += 1
+                c = _collect(row, b * BLOCK, b * BLOCK + BLOCK, lb, cv, ci, c)
+        if full < nb and bm[full] >= lb:
+            c = _collect(row, full * BLOCK, v, lb, cv, ci, c)
         kk = min(kr, c)
         if kk == 0:  # only NaNs reached the bound
             out[r] = 0
@@ -144,4 +159,5 @@ if numba is not None:
     # fast-math lets the block maxima vectorise; a NaN (a failing row) may then be taken
     # or not, which moves that row's token only within the vocabulary
     _block_maxima = _jit(_block_maxima, fastmath=True)
+    _collect = _jit(_collect, inline="always")
     _draw_rows = _jit(_draw_rows)
