@@ -5,7 +5,7 @@ row on the 2-core VM, two thirds of the sampler at 16 sessions and the largest p
 step at 256 (docs/loadtest.md, "Measured choices"). This kernel draws the token
 `guidance._sample_rows` draws from the same scores, k and uniform, in a fraction of that:
 a row's k-th largest score is bounded from below by the k-th largest maximum of its
-32-score groups, so only the few scores at or above that bound (~23 of 1,024 on the
+32-score groups, so only the few scores at or above that bound (~30 of 1,024 on the
 default model's logits) are ever sorted, and only 8-score blocks whose maximum reaches it
 are read a second time.
 
