@@ -121,3 +121,22 @@ def test_the_steps_sampler_draws_the_acoustic_codes_with_the_kernel_on_the_cpu()
     scaled = (a_logits * scale[:, :, None]).reshape(b * q, v)
     _check_draws(got[:, 1:].reshape(-1)[ok], scaled[ok], k[ok], u[:, 1:].reshape(-1)[ok])
     assert torch.equal(got[-1, 1:], a_logits[-1].argmax(-1))
+
+
+def test_without_numba_the_step_draws_with_torchs_top_k(monkeypatch):
+    """Where numba cannot load, `applies` says no and the step's sampler draws every code
+    with the TorchScript sampler: the same tokens as the kernel, but for a u within
+    rounding of a CDF step."""
+    b, q, g, v = 6, 8, 40, 1024
+    gen = torch.Generator().manual_seed(9)
+    g_logits, a_logits = torch.randn(b, g, generator=gen), torch.randn(b, q, v, generator=gen) * 3
+    u = torch.rand(b, 1 + q, generator=gen)
+    rows, (kg, ka) = _sampling_rows(b, g, v, [SamplingSettings(0.0, 20)] * b)
+    with_kernel, bad = rows.sample(g_logits, a_logits, u, kg, ka, scaled=False)
+    monkeypatch.setattr(cpu_sampler, "numba", None)
+    assert not cpu_sampler.applies(a_logits, ka)
+    without, bad_without = rows.sample(g_logits, a_logits, u, kg, ka, scaled=False)
+    assert torch.equal(bad, bad_without) and torch.equal(with_kernel[:, 0], without[:, 0])
+    assert (with_kernel[:, 1:] != without[:, 1:]).sum() <= 1
+    _check_draws(without[:, 1:].reshape(-1), a_logits.reshape(b * q, v), torch.full((b * q,), 20),
+                 u[:, 1:].reshape(-1))
