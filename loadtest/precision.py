@@ -7,8 +7,8 @@ or int8 weights, the text memory then in bfloat16 where the attention reads it s
 the CPU with numba): bfloat16 on the CPU from two sessions (`--arm bfloat16`), on a GPU at
 every step with the cross-attention's projections in bfloat16 too (`--arm gpu`, run here
 on the CPU); int8 on the CPU from one session (`--arm int8`, each call's activations
-quantised to int8 too; fbgemm); `--arm decoder` measures the whole
-decoder converted to bfloat16 instead (not a server setting; docs/loadtest.md). This
+quantised to int8 too; fbgemm); `--arm decoder` measures the whole decoder converted to
+bfloat16 instead (not a server setting; docs/loadtest.md). This
 measures what that costs in the model's output, teacher-forced along real decodes: the
 real engine (no gRPC) speaks `--sessions` x `--turns` turns of built-in sentences in the
 bundle's voices, stepping in float32; at every step where the server would use the lower
@@ -78,8 +78,9 @@ def measure(bundle, sessions: int, turns: int, top_k: int = 20, draws: int = 32,
             timeout_s: float = 600.0, arm: str = "bfloat16") -> dict[str, Any]:
     """arm "bfloat16" / "int8": the CPU's `matmul_weights` (the widest matmuls with those
     weights, and the text memory in bfloat16 where the server keeps it so with them), at
-    the steps where the CPU server uses them (bfloat16 from two sessions, int8 from one); "gpu": a GPU's bf16 path (the same plus the cross-attention's
-    projections, the text memory in bfloat16: server/runner.py), at every step;
+    the steps where the CPU server uses them (bfloat16 from two sessions, int8 from one);
+    "gpu": a GPU's bf16 path (the same plus the cross-attention's projections, the text
+    memory in bfloat16: server/runner.py), at every step;
     "decoder": the whole decoder converted to bfloat16 (weights, activations, the conv
     window and the memory; not a server setting), at every step. Each from the float32
     state (rounded to bfloat16 where the arm keeps it so; the SSM state stays float32)."""

@@ -204,6 +204,16 @@ class _StepRows:
                 buf.index_copy_(0, idx, rows)
 
 
+def text_memory_dtype(matmul_dtype: Optional[torch.dtype], device: torch.device) -> Optional[torch.dtype]:
+    """The text memory's dtype: bfloat16 with low-precision matmul weights (bfloat16, or
+    int8 on the CPU) where the attention reads it faster than float32, half the bytes: a
+    GPU, and the CPU's compiled attention (models/cpu_attention.py; torch's own CPU
+    attention ran slower over bfloat16 than over float32); else float32 (None)."""
+    if matmul_dtype is None:
+        return None
+    return torch.bfloat16 if device.type == "cuda" or cpu_attention.runs_on(device) else None
+
+
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
                  matmul_weights: str = "float32", onnx_codec: bool = False, device_guidance: bool = False,
@@ -316,14 +326,7 @@ class ModelRunner:
         return make(*tries[-1])
 
     def _memory_dtype(self) -> Optional[torch.dtype]:
-        """The text memory's dtype: bfloat16 with low-precision matmul weights (bfloat16, or
-        int8 on the CPU) where the attention reads it as fast as float32 or faster: a GPU, and
-        the CPU's compiled attention (models/cpu_attention.py: half the bytes a step reads,
-        ~6 % of the batch-16 step; torch's own CPU attention over bfloat16 ran slower than
-        over float32); else float32 (None)."""
-        if self.low_precision is None:
-            return None
-        return torch.bfloat16 if self.device.type == "cuda" or cpu_attention.runs_on(self.device) else None
+        return text_memory_dtype(self.low_precision, self.device)
 
     @torch.inference_mode()
     def _warm_up(self, text_tokens: int) -> None:

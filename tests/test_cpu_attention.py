@@ -49,8 +49,9 @@ def test_the_loop_equals_the_attention_it_replaces(dtype, text):
     memory's first slots (the step's slicing) in float32 or bfloat16."""
     k, v = _memory(text, capacity=N_ENROLL + text + 7)
     m = N_ENROLL + text
-    k, v = k.to(dtype)[:, :, :m], v.to(dtype)[:, :, :m]
-    assert not k.is_contiguous()
+    # the second layer of a state's memory: a storage offset, then the key axis sliced
+    k, v = (torch.stack((torch.full_like(t, 9.0), t)).to(dtype)[1, :, :, :m] for t in (k, v))
+    assert not k.is_contiguous() and k.storage_offset() > 0
     q2 = torch.randn(B, H, 2 * HD, generator=torch.Generator().manual_seed(2))
     bias = _window_bias(m)
     assert cpu_attention.applies(k, v)
@@ -128,3 +129,32 @@ def test_the_frozen_step_calls_the_loop():
         out = frozen(inputs, frame, view, mask)
     torch.testing.assert_close(out.acoustic, eager.acoustic, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out.graphemes, eager.graphemes, rtol=1e-4, atol=1e-4)
+
+
+def test_the_model_step_is_the_same_with_the_loop():
+    """`LiveSpeech2.step` on a float32 memory, every layer's attention through the loop
+    against torch's attention: the same logits (a model of three layers, the state's
+    later layers at offsets in its memory, a batch of gathered rows)."""
+    from livespeech.models.config import preset
+    from livespeech.models.inference import DecodeState
+    from livespeech.models.livespeech import LiveSpeech2
+
+    torch.manual_seed(0)
+    model = LiveSpeech2(preset("micro")).eval()
+    mask = torch.rand(3, 6, generator=torch.Generator().manual_seed(5)) < 0.6
+    outs = []
+    for on in (True, False):
+        state = DecodeState.allocate(model, capacity=4)
+        keys = torch.randn(state.mem_k.shape, generator=torch.Generator().manual_seed(6))
+        e, hd = model.cfg.n_enroll, state.mem_k.shape[-1] // 2
+        keys[:, :, :, :e, hd:] = 0  # the step's layout: each key in its own half
+        keys[:, :, :, e:, :hd] = 0
+        state.mem_k.copy_(keys)
+        state.mem_v.copy_(torch.randn(state.mem_v.shape, generator=torch.Generator().manual_seed(7)))
+        view = state.view([0, 2, 3])
+        with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
+            if not on:
+                mp.setattr(cpu_attention, "applies", lambda mem_k, mem_v: False)
+            outs.append(model.step(state.inputs[:3], torch.tensor([1, 4, 9]), view, mask))
+    torch.testing.assert_close(outs[0].acoustic, outs[1].acoustic, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0].graphemes, outs[1].graphemes, rtol=1e-5, atol=1e-5)
