@@ -21,8 +21,7 @@ from livespeech.models.config import FRAME_RATE
 from livespeech.models.loading import load_bundle
 from livespeech.models.scripted import kernel_fusion
 
-from .profile_step import (add_path_arguments, analytic_cost, bf16_memory, measure_machine, model_step_cost,
-                           noise_reference, roofline)
+from .profile_step import add_path_arguments, analytic_cost, measure_machine, model_step_cost, noise_reference, roofline
 
 
 def bench(fn, n: int) -> float:
@@ -126,8 +125,7 @@ def main(argv=None) -> int:
            "onnx_codec": onnx_codec_enabled(args.codec_runtime, args.device)}
     if args.roofline:
         out["machine"] = measure_machine(bundle.device, weights=out["matmul_weights"])
-        out["analytic"] = analytic_cost(bundle.model, cuda=bundle.device.type == "cuda",
-                                        bf16_memory=bf16_memory(out["matmul_weights"], bundle.device))
+        out["analytic"] = analytic_cost(bundle.model, cuda=bundle.device.type == "cuda")
         print(json.dumps({"machine": out["machine"]}))
     rows = (first_call_rows(bundle, args, out) if args.first_calls else gap_rows(bundle, args, out) if args.gaps
             else step_cost_rows(bundle, args, out))

@@ -3,12 +3,11 @@
     python -m livespeech.loadtest.precision --sessions 8 --turns 2 [--arm int8] --json precision.json
 
 `matmul_weights` (server/runner.py) runs the decode step's widest matmuls with bfloat16
-or int8 weights, the text memory then in bfloat16 where the attention reads it so (a GPU;
-the CPU with numba): bfloat16 on the CPU from two sessions (`--arm bfloat16`), on a GPU at
-every step with the cross-attention's projections in bfloat16 too (`--arm gpu`, run here
-on the CPU); int8 on the CPU from one session (`--arm int8`, each call's activations
-quantised to int8 too; fbgemm); `--arm decoder` measures the whole decoder converted to
-bfloat16 instead (not a server setting; docs/loadtest.md). This
+or int8 weights: bfloat16 on the CPU from two sessions (`--arm bfloat16`), on a GPU at
+every step with the cross-attention's projections and the text memory in bfloat16 too
+(`--arm gpu`, run here on the CPU); int8 on the CPU from one session (`--arm int8`, each
+call's activations quantised to int8 too; fbgemm); `--arm decoder` measures the whole
+decoder converted to bfloat16 instead (not a server setting; docs/loadtest.md). This
 measures what that costs in the model's output, teacher-forced along real decodes: the
 real engine (no gRPC) speaks `--sessions` x `--turns` turns of built-in sentences in the
 bundle's voices, stepping in float32; at every step where the server would use the lower
@@ -77,36 +76,24 @@ def _row_stats(p32: torch.Tensor, p16: torch.Tensor, top_k: int, draws: int, gen
 def measure(bundle, sessions: int, turns: int, top_k: int = 20, draws: int = 32, seed: int = 0,
             timeout_s: float = 600.0, arm: str = "bfloat16") -> dict[str, Any]:
     """arm "bfloat16" / "int8": the CPU's `matmul_weights` (the widest matmuls with those
-    weights, and the text memory in bfloat16 where the server keeps it so with them), at
-    the steps where the CPU server uses them (bfloat16 from two sessions, int8 from one);
-    "gpu": a GPU's bf16 path (the same plus the cross-attention's projections, the text
-    memory in bfloat16: server/runner.py), at every step;
+    weights), at the steps where the CPU server uses them (bfloat16 from two sessions,
+    int8 from one); "gpu": a GPU's bf16 path (the same plus the cross-attention's
+    projections, the text memory in bfloat16: server/runner.py), at every step;
     "decoder": the whole decoder converted to bfloat16 (weights, activations, the conv
     window and the memory; not a server setting), at every step. Each from the float32
     state (rounded to bfloat16 where the arm keeps it so; the SSM state stays float32)."""
     from livespeech.server.engine import Engine, EngineConfig
-    from livespeech.server.runner import ModelRunner
     from livespeech.api.session import Failed, Finished, SessionConfig
 
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {arm!r}")
-    # the float32 step reads a float32 memory: where the server keeps it in bfloat16 with
-    # the arm's weights (`ModelRunner._memory_dtype`), the lower-precision step alone does
-    server_memory = ModelRunner._memory_dtype
-    ModelRunner._memory_dtype = lambda runner: None
-    try:
-        engine = Engine(bundle, EngineConfig(max_sessions=sessions,
-                                             matmul_weights=arm if arm in CPU_ARMS else "float32"))
-    finally:
-        ModelRunner._memory_dtype = server_memory
+    engine = Engine(bundle, EngineConfig(max_sessions=sessions, matmul_weights=arm if arm in CPU_ARMS else "float32"))
     runner = engine.runner
     step = runner.model_step
     bf16 = torch.bfloat16
     low_model = copy.deepcopy(bundle.model).to(bf16) if arm == "decoder" else bundle.model
     min_batch = runner.low_precision_from_batch if arm in CPU_ARMS else 1
     rounded = {"gpu": ("mem_k", "mem_v"), "decoder": ("conv", "mem_k", "mem_v")}.get(arm, ())
-    if arm in CPU_ARMS and runner._memory_dtype() == bf16:
-        rounded = ("mem_k", "mem_v")
     gen = torch.Generator().manual_seed(seed)
     rows: dict[str, list[dict]] = {"graphemes": [], "acoustic": []}
     batches: list[int] = []

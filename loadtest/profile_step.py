@@ -359,12 +359,10 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def analytic_cost(model, cuda: bool = False, bf16_memory: bool = False) -> dict:
+def analytic_cost(model, cuda: bool = False) -> dict:
     """Per-step weight bytes (read once per batched step) and per-session MACs and state
     bytes, from the parameter shapes. `cuda`: what a bf16 step runs in bfloat16 is a
-    GPU's (the cross-attention's projections too); `bf16_memory`: the memory K/V kept in
-    bfloat16 (`server.runner.text_memory_dtype`: a GPU's, and the CPU's with numba, with
-    low-precision weights)."""
+    GPU's (the cross-attention's projections too, and the memory K/V in bfloat16)."""
     cfg = model.cfg
     d = cfg.d_model
     L = model.n_layers
@@ -401,17 +399,10 @@ def analytic_cost(model, cuda: bool = False, bf16_memory: bool = False) -> dict:
             "macs_heads": macs_heads, "weight_bytes": weights,
             "macs_low_precision_per_session": macs_low, "low_precision_weight_bytes_fp32": low_weights,
             "state_bytes_per_session": state_rw + mem_read + emb_rows,
-            # the memory K/V in bfloat16: half of mem_read saved
-            "bf16_memory_saving_per_session": mem_read / 2 if bf16_memory else 0,
+            # a GPU's bf16 step keeps the memory K/V in bfloat16: half of mem_read saved
+            "bf16_memory_saving_per_session": mem_read / 2 if cuda else 0,
             "dims": {"d_model": d, "layers": L, "heads": H, "d_inner": di, "d_state": n, "dt_rank": r, "memory": M,
                      "vocab_sizes": list(model.vocab_sizes)}}
-
-
-def bf16_memory(weights: str, device: torch.device) -> bool:
-    """Whether a server with these `matmul_weights` keeps the text memory in bfloat16."""
-    from livespeech.server.runner import MATMUL_DTYPES, text_memory_dtype
-
-    return text_memory_dtype(MATMUL_DTYPES[weights], device) == torch.bfloat16
 
 
 # bytes a weight of the step's widest matmuls by `matmul_weights`
@@ -423,7 +414,7 @@ def model_step_cost(cost: dict, batch: int, weights: str = "float32") -> dict:
     model step of `batch` sessions, from `analytic_cost`'s `cost`; `weights`: the
     precision the step's widest matmuls run in (float32, bfloat16, int8)."""
     low = weights != "float32"
-    saving = cost["bf16_memory_saving_per_session"]  # the memory's dtype is the state's, at every batch
+    saving = cost["bf16_memory_saving_per_session"] if weights == "bfloat16" else 0
     w = cost["weight_bytes"] - cost["low_precision_weight_bytes_fp32"] * (1 - WEIGHT_BYTES[weights] / 4)
     return {"flops": 2 * cost["macs_per_session"] * batch,
             "low_flops": 2 * cost["macs_low_precision_per_session"] * batch if low else 0.0,
@@ -579,7 +570,7 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
     from livespeech.models.config import FRAME_RATE
 
     machine = measure_machine(bundle.device, weights=weights)
-    cost = analytic_cost(bundle.model, cuda=bundle.device.type == "cuda", bf16_memory=bf16_memory(weights, bundle.device))
+    cost = analytic_cost(bundle.model, cuda=bundle.device.type == "cuda")
     ccost = codec_cost(bundle.codec)
     pf = max(1, math.ceil(packet_ms * FRAME_RATE / 1000))
     out: dict[str, Any] = {"model": bundle.source, "device": str(bundle.device), "threads": threads,
@@ -612,7 +603,7 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         c = roofline(step_flops, step_bytes, step_s, machine, low_flops)
         c.update(gflop_counted=(counted["model_step_flops"] + codec_flops) / 1e9, low_gflop=low_flops / 1e9,
                  weight_mbytes=(weight_bytes + ccost["weight_bytes"] / pf) / 1e6,
-                 state_mbytes_per_session=(cost["state_bytes_per_session"] - cost["bf16_memory_saving_per_session"]) / 1e6,
+                 state_mbytes_per_session=cost["state_bytes_per_session"] / 1e6,
                  model_only=roofline(model_flops, model_bytes, model_s, machine, low_flops))
         ops = counted["aten_ops_runner_step"]
         runner_s = run["incl"].get("runner.step", 0.0) / steps

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_attention
 from .derived import derived, matmul_t, transposed
 
 
@@ -107,8 +106,7 @@ class CrossAttention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def attend_step(self, x: torch.Tensor, q_rope: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,
-                    bias: torch.Tensor, matmul_dtype: Optional[torch.dtype] = None,
-                    n_enroll: Optional[int] = None) -> torch.Tensor:
+                    bias: torch.Tensor, matmul_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Eq. 1 for one query per session, in one fused attention call.
 
         x [B, D]; q_rope [B, hd, 2*hd] (`rope_query_matrix` of the query's frame);
@@ -116,23 +114,16 @@ class CrossAttention(nn.Module):
         and *rotated* text keys in the second half (zeros elsewhere), so [q ; RoPE(q, t)]
         . k gives the unrotated enrollment scores and the rotated text scores at once;
         mem_v [B, H, N+L, hd]; bias [B, 1, 1, N+L] (0 or -inf: the np/nf window), in the
-        memory's dtype, which torch's attention runs in (float32, or bfloat16 on a GPU);
-        matmul_dtype: the q and out projections' weights in it (models/derived.py);
-        n_enroll: N, where the caller knows it: then on the CPU one compiled loop reads
-        each key's non-zero half alone, in float32 from a float32 or bfloat16 memory
-        (models/cpu_attention.py).
+        memory's dtype, which the attention runs in (float32, or bfloat16 on a GPU);
+        matmul_dtype: the q and out projections' weights in it (models/derived.py).
         """
         b = x.shape[0]
         w_q, w_out = derived(self, f"_step_weights_{matmul_dtype}", (self.q_proj.weight, self.out_proj.weight),
                              lambda: (transposed(self.q_proj.weight, matmul_dtype),
                                       transposed(self.out_proj.weight, matmul_dtype)))
         q = matmul_t(x, w_q).view(b, self.n_heads, self.head_dim)
-        q2 = torch.bmm(q, q_rope)  # [B, H, 2*hd]: [q ; RoPE(q, t)]
+        q2 = torch.bmm(q, q_rope).unsqueeze(2).to(mem_k.dtype)  # [B, H, 1, 2*hd]: [q ; RoPE(q, t)]
         scale = 1.0 / math.sqrt(self.head_dim)
-        if n_enroll is not None and cpu_attention.applies(mem_k, mem_v):
-            out = torch.ops.livespeech.memory_attention(q2.float(), mem_k, mem_v, bias.float(), n_enroll, scale)
-            return matmul_t(out.to(x.dtype), w_out)
-        q2 = q2.unsqueeze(2).to(mem_k.dtype)
         if x.device.type == "cpu":
             # one query per head: on CPU, SDPA takes its unfused math path here, which
             # measured ~1.7x slower than these three ops (docs/loadtest.md). The scores as

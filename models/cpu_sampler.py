@@ -16,10 +16,18 @@ sampler runs; the two agree token for token up to float rounding of the CDF
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
-from . import compiled
+log = logging.getLogger("livespeech.models")
+
+try:
+    import numba
+except Exception as exc:  # noqa: BLE001 - not installed, or no build for this platform
+    numba = None
+    log.warning("top-k sampling runs on torch's top-k: numba is unavailable (%s)", exc)
 
 BLOCK = 8  # scores a block: a block is read again only if its maximum reaches the bound
 GROUP = 4  # blocks a group: the bound is the k-th largest group maximum
@@ -31,7 +39,7 @@ def max_k(vocab: int) -> int:
 
 
 def applies(scores: torch.Tensor, kmax: int) -> bool:
-    return compiled.available() and scores.device.type == "cpu" and kmax <= max_k(scores.shape[-1])
+    return numba is not None and scores.device.type == "cpu" and kmax <= max_k(scores.shape[-1])
 
 
 def draw(scores: torch.Tensor, k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -138,9 +146,18 @@ def _draw_rows(scores, k, u, out):
         out[r] = ci[min(j, kk - 1)]
 
 
-if compiled.available():
+def _jit(fn, **options):
+    """`fn` compiled at its first call, the machine code kept for the next process where
+    a cache directory is writable (beside this file, else XDG_CACHE_HOME)."""
+    try:
+        return numba.njit(nogil=True, cache=True, **options)(fn)
+    except RuntimeError:  # nowhere to keep it (a read-only image): compiled at each start, ~1 s
+        return numba.njit(nogil=True, **options)(fn)
+
+
+if numba is not None:
     # fast-math lets the block maxima vectorise; a NaN (a failing row) may then be taken
     # or not, which moves that row's token only within the vocabulary
-    _block_maxima = compiled.jit(_block_maxima, fastmath=True)
-    _collect = compiled.jit(_collect, inline="always")
-    _draw_rows = compiled.jit(_draw_rows)
+    _block_maxima = _jit(_block_maxima, fastmath=True)
+    _collect = _jit(_collect, inline="always")
+    _draw_rows = _jit(_draw_rows)

@@ -44,20 +44,18 @@ class DecoderLayer(nn.Module):
         a = self.xattn.attend(self.norm2(h), qpos, *enr_kv, *txt_kv, txt_pos, txt_mask, text_weights)
         return h + a
 
-    def step(self, h, conv_state, ssm_state, q_rope, mem_k, mem_v, bias, matmul_dtype=None, n_enroll=None):
-        """h [B, D]; Mamba states updated in place (mamba-ssm's step convention);
-        n_enroll: the memory's enrollment keys (`CrossAttention.attend_step`)."""
+    def step(self, h, conv_state, ssm_state, q_rope, mem_k, mem_v, bias, matmul_dtype=None):
+        """h [B, D]; Mamba states updated in place (mamba-ssm's step convention)."""
         # only our block takes a matmul dtype; mamba-ssm's (on CUDA where it is installed)
         # keeps its own projections' dtype
         kw = {"matmul_dtype": matmul_dtype} if matmul_dtype is not None and isinstance(self.mamba, MambaBlock) else {}
         y, _, _ = self.mamba.step(self.norm1(h).unsqueeze(1), conv_state, ssm_state, **kw)
         h = h + y.squeeze(1)
-        # with the memory in bfloat16 on a GPU (its bf16 path, server/runner.py) the
-        # attention's projections take bf16 weights too; the CPU keeps them in float32
-        # whatever the memory's dtype (its 256-wide projections ran slower with bf16
-        # weights: 16 x 256 x 256, 38 against 20 us)
-        attn_dtype = matmul_dtype if mem_k.dtype != torch.float32 and mem_k.device.type != "cpu" else None
-        return h + self.xattn.attend_step(self.norm2(h), q_rope, mem_k, mem_v, bias, attn_dtype, n_enroll)
+        # with the memory in bfloat16 (a GPU's bf16 path, server/runner.py) the attention's
+        # projections take bf16 weights too; the CPU keeps both in float32 (its 256-wide
+        # projections ran slower with bf16 weights: 16 x 256 x 256, 38 against 20 us)
+        attn_dtype = matmul_dtype if mem_k.dtype != torch.float32 else None
+        return h + self.xattn.attend_step(self.norm2(h), q_rope, mem_k, mem_v, bias, attn_dtype)
 
 
 @dataclass
@@ -244,8 +242,7 @@ class LiveSpeech2(nn.Module):
 
         def run(h, ids):
             for i in ids:
-                h = self.layers[i].step(h, conv[i], ssm[i], q_rope, mem_k[i], mem_v[i], bias, matmul_dtype,
-                                        cfg.n_enroll)
+                h = self.layers[i].step(h, conv[i], ssm[i], q_rope, mem_k[i], mem_v[i], bias, matmul_dtype)
             return h
 
         outs = self._grouped_logits(h, run, fused_heads=True, matmul_dtype=matmul_dtype)

@@ -187,14 +187,11 @@ class FrozenStep:
     weights: a model that changes needs a new FrozenStep.
 
     `matmul_dtype` (bfloat16) traces a second graph with the widest matmuls in that
-    dtype (`LiveSpeech2.step`), which a call with `matmul_dtype` runs. `memory_dtype`:
-    that of the text memory the calls pass (`DecodeState.allocate`), traced with it.
+    dtype (`LiveSpeech2.step`), which a call with `matmul_dtype` runs.
     """
 
-    def __init__(self, model: LiveSpeech2, warmup: int = 3, matmul_dtype: Optional[torch.dtype] = None,
-                 memory_dtype: Optional[torch.dtype] = None):
-        example = DecodeState.allocate(model, capacity=2, device=next(model.parameters()).device,
-                                       memory_dtype=memory_dtype)
+    def __init__(self, model: LiveSpeech2, warmup: int = 3, matmul_dtype: Optional[torch.dtype] = None):
+        example = DecodeState.allocate(model, capacity=2, device=next(model.parameters()).device)
         mask = torch.zeros(2, 4, dtype=torch.bool, device=example.step.device)
         mask[:, :2] = True
         args = (example.inputs, torch.arange(2, device=mask.device), example.conv, example.ssm,

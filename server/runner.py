@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from livespeech.api.session import SessionConfig
-from livespeech.models import cpu_attention, graphemes
+from livespeech.models import graphemes
 from livespeech.models.derived import INT8, cpu_has_bf16_dot, cpu_has_int8_matmuls
 from livespeech.models.guidance import (GuidanceState, GuidingSets, SamplingSettings, SlotSampling, Temperatures,
                                         counter_uniforms, sample_step, sent_guiding_sets, stage_guiding_sets)
@@ -204,16 +204,6 @@ class _StepRows:
                 buf.index_copy_(0, idx, rows)
 
 
-def text_memory_dtype(matmul_dtype: Optional[torch.dtype], device: torch.device) -> Optional[torch.dtype]:
-    """The text memory's dtype: bfloat16 with low-precision matmul weights (bfloat16, or
-    int8 on the CPU) where the attention reads it faster than float32, half the bytes: a
-    GPU, and the CPU's compiled attention (models/cpu_attention.py; torch's own CPU
-    attention ran slower over bfloat16 than over float32); else float32 (None)."""
-    if matmul_dtype is None:
-        return None
-    return torch.bfloat16 if device.type == "cuda" or cpu_attention.runs_on(device) else None
-
-
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
                  matmul_weights: str = "float32", onnx_codec: bool = False, device_guidance: bool = False,
@@ -229,8 +219,9 @@ class ModelRunner:
         self.span_max_rows_per_session = SPAN_MAX_ROWS_PER_SESSION  # `_span`; 0: every gapped batch gathered
         # the widest matmuls with bfloat16 or int8 weights: on the CPU from
         # LOW_PRECISION_FROM_BATCH sessions (the evaluation asks for them from one, to hear
-        # what a busy server's sessions sound like), on a GPU from one; with either, the text
-        # memory in bfloat16 (`_memory_dtype`); int8 on the CPU only (fbgemm)
+        # what a busy server's sessions sound like), on a GPU from one, with the text memory
+        # in bfloat16 too (on the CPU its float32 reads fit the cache at the lengths a server
+        # reaches, and ran faster); int8 on the CPU only (fbgemm)
         if matmul_weights not in MATMUL_DTYPES:
             raise ValueError(f"matmul_weights must be one of {', '.join(MATMUL_DTYPES)}, got {matmul_weights!r}")
         if matmul_weights == "int8" and self.device.type != "cpu":
@@ -249,9 +240,8 @@ class ModelRunner:
         frozen = frozen_step and self.device.type == "cpu"
         self.model_step, self.codec_step = self.model.step, self.codec.decode_step
         if frozen and not cuda_graphs:
-            self.model_step = frozen_or_eager(
-                lambda: FrozenStep(self.model, matmul_dtype=self.low_precision, memory_dtype=memory_dtype),
-                self.model.step)
+            self.model_step = frozen_or_eager(lambda: FrozenStep(self.model, matmul_dtype=self.low_precision),
+                                              self.model.step)
         # with the CUDA graphs, the codec's too, for the packet most calls decode (the
         # sessions' default packet_ms)
         self.steady_packet_frames = frames_for_ms(SessionConfig().packet_ms)
@@ -326,7 +316,8 @@ class ModelRunner:
         return make(*tries[-1])
 
     def _memory_dtype(self) -> Optional[torch.dtype]:
-        return text_memory_dtype(self.low_precision, self.device)
+        """The text memory's dtype: bfloat16 on a GPU with bf16 matmul weights, else float32 (None)."""
+        return self.low_precision if self.device.type == "cuda" else None
 
     @torch.inference_mode()
     def _warm_up(self, text_tokens: int) -> None:

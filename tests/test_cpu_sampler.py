@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from livespeech.models import compiled, cpu_sampler, guidance
+from livespeech.models import cpu_sampler, guidance
 from livespeech.models.guidance import SamplingSettings, SlotSampling, Temperatures
 
 EPS = 1e-5  # float32 rounding of a CDF of up to ~1,000 terms, with room
@@ -133,7 +133,7 @@ def test_without_numba_the_step_draws_with_torchs_top_k(monkeypatch):
     u = torch.rand(b, 1 + q, generator=gen)
     rows, (kg, ka) = _sampling_rows(b, g, v, [SamplingSettings(0.0, 20)] * b)
     with_kernel, bad = rows.sample(g_logits, a_logits, u, kg, ka, scaled=False)
-    monkeypatch.setattr(compiled, "numba", None)
+    monkeypatch.setattr(cpu_sampler, "numba", None)
     assert not cpu_sampler.applies(a_logits, ka)
     without, bad_without = rows.sample(g_logits, a_logits, u, kg, ka, scaled=False)
     assert torch.equal(bad, bad_without) and torch.equal(with_kernel[:, 0], without[:, 0])

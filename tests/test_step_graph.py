@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-from livespeech.models import cpu_attention
 from livespeech.models.derived import INT8
 from livespeech.models.inference import DecodeState, enrollment_kv
 from livespeech.models.livespeech import LiveSpeech2
@@ -423,17 +422,14 @@ def test_an_int8_matmul_keeps_each_rows_product_its_own():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
-def test_the_captured_step_runs_a_gpus_bf16_weights_and_memory(device, monkeypatch):
+def test_the_captured_step_runs_a_gpus_bf16_weights_and_memory(device):
     """A GPU's bf16 path: the matmuls' dtype is recorded with the step at every batch-size
     bucket (`CapturedStep(matmul_dtype=...)`), the text memory kept in bfloat16. It
     equals the eager step with the same settings along a decode (recorded on CUDA,
-    eagerly elsewhere) and stays near the float32 step, from which it differs. On the CPU
-    the attention runs as a GPU runs it, torch's ops in bfloat16 (not the CPU's compiled
-    loop, which computes in float32)."""
+    eagerly elsewhere) and stays near the float32 step, from which it differs."""
     torch.manual_seed(0)
     model = LiveSpeech2(small_cfg(), device=device).to(device).eval()
     bf16 = torch.bfloat16
-    monkeypatch.setattr(cpu_attention, "applies", lambda mem_k, mem_v: False)
     states = [_state(model, device, memory_dtype=bf16), _state(model, device, memory_dtype=bf16), _state(model, device)]
     assert states[0].mem_k.dtype == states[0].mem_v.dtype == bf16 and states[0].ssm.dtype == torch.float32
     capture = device == "cuda"
