@@ -294,9 +294,12 @@ class EngineConfig:
     max_text_piece_chars: int = ServerConfig.max_text_piece_chars
     max_session_text_chars: int = ServerConfig.max_session_text_chars
     idle_poll_s: float = 0.01
-    # while a session's packets ramp up to packet_ms, a shorter one goes out as soon as
-    # its listener has less than this many step periods of audio left
-    low_water_steps: float = 3.0
+    # a session's first packet holds at least this many step periods of audio, and while
+    # its packets ramp up to packet_ms a shorter one goes out as soon as its listener has
+    # less than that left. 6, not 3: with 3 the first packet was 2 frames (27 ms) under
+    # load and nearly every listener's least audio in hand, 0-7 ms (p1), was just before
+    # the second packet; most failing levels failed there (docs/loadtest.md, "Measured choices")
+    low_water_steps: float = 6.0
     # the model step and the codec's steady packets replayed from CUDA graphs, one per
     # batch-size bucket (models/step_graph.py)
     cuda_graphs: bool = ServerConfig.cuda_graphs

@@ -27,6 +27,13 @@ class PacketDecision(NamedTuple):
     plan: Optional[PacketPlan]  # the packet to decode now, if any
 
 
+# The packet ramp's bound in full packets' worth of frames (`PacketPolicy.ramp_over`):
+# a ramp packet takes a codec call of its own, and while a session ramps others well
+# ahead sit out (server/scheduler.py), so a listener that never fills (a client that
+# stopped reading) must not keep it ramping for good
+RAMP_MAX_PACKETS = 8
+
+
 def frames_for_ms(ms: int) -> int:
     return max(1, math.ceil(ms * FRAME_RATE / 1000))
 
@@ -121,12 +128,14 @@ class PacketPolicy:
         at the clock's ticks only, see `due`). After two full packets' worth, and then
         only once its listener holds a clocked packet's longest wait (2 x full steps; at
         the hand-off it is `full` steps, but the step period measured in the ramp, while
-        others sit out, is shorter than after it), or after four: a listener left with
-        less at the ramp's end ran dry before its first clocked packet (the N=1 stalls
-        0.16-0.19 s into the audio, docs/loadtest.md "Measured choices")."""
+        others sit out, is shorter than after it), or after `RAMP_MAX_PACKETS`: a
+        listener left with less at the ramp's end ran dry before its first clocked packet
+        (the N=1 stalls 0.16-0.19 s into the audio; at 18-22 sessions, with the ramp
+        bounded at four packets, those at 0.32-0.45 s: docs/loadtest.md "Measured choices")."""
         if s.frames_done < 2 * full:
             return False
-        return s.frames_done >= 4 * full or s.audio_ahead_s(now) >= 2 * full * self.clock.period_s
+        return (s.frames_done >= RAMP_MAX_PACKETS * full
+                or s.audio_ahead_s(now) >= 2 * full * self.clock.period_s)
 
     def on_clock(self, full: int) -> bool:
         """Whether steady sessions' full packets are decoded at this step: every `full`

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from livespeech.server.packets import PacketPlan, PacketPolicy, StepClock, frames_for_ms
+from livespeech.server.packets import RAMP_MAX_PACKETS, PacketPlan, PacketPolicy, StepClock, frames_for_ms
 from livespeech.server.session import Phase
 
 FULL = 6  # 80 ms at 75 Hz
@@ -82,11 +82,11 @@ def test_the_ramp_hands_off_at_a_tick_with_all_pending_frames():
     assert policy(steps=FULL).due(Stub(2, frames_done=2 * FULL, ahead_s=0.25), 0.0) == (True, None)  # under the shortest
 
 
-def test_the_ramp_lasts_while_the_listener_holds_less_up_to_four_packets():
+def test_the_ramp_lasts_while_the_listener_holds_less_up_to_its_bound():
     short = lambda done: Stub(4, frames_done=done, ahead_s=0.2)  # noqa: E731  under 0.24 s
     assert policy(steps=FULL).due(short(2 * FULL), 0.0).clocked is False
-    assert policy(steps=FULL).due(short(4 * FULL - 1), 0.0).clocked is False
-    assert policy(steps=FULL).due(short(4 * FULL), 0.0) == (True, PacketPlan(4, True))
+    assert policy(steps=FULL).due(short(RAMP_MAX_PACKETS * FULL - 1), 0.0).clocked is False
+    assert policy(steps=FULL).due(short(RAMP_MAX_PACKETS * FULL), 0.0) == (True, PacketPlan(4, True))
     # under two packets' worth, even a full listener stays in the ramp
     assert policy(steps=FULL).due(Stub(4, frames_done=2 * FULL - 1, ahead_s=50.0), 0.0).clocked is False
     # measured slower steps need more in hand
