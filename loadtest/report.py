@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .driver import SENTENCE, STREAMING
-from .sweep import steps_where_stalls_began
+from .sweep import stall_positions, steps_where_stalls_began
 
 
 def _ms(v: Optional[float]) -> str:
@@ -168,6 +168,14 @@ def _stall_steps_text(st: Optional[dict]) -> str:
             f"{lv['batch']:.1f})")
 
 
+def _stall_positions_text(bins: list[tuple[float, float, int]]) -> str:
+    """`sweep.stall_positions` as text: "0.0-0.1 s 3, 0.3-0.4 s 5"."""
+    if not bins:
+        return ""
+    return "; stalls by position in a session's audio: " + ", ".join(
+        f"{lo:.1f}-{hi:.1f} s {n}" for lo, hi, n in bins)
+
+
 def render_markdown(result: dict, plots: list[str]) -> str:
     L: list[str] = []
     host = result.get("host", {})
@@ -220,7 +228,8 @@ def render_markdown(result: dict, plots: list[str]) -> str:
         L.append("")
         for lv in fails:
             st = lv.get("stall_steps") or steps_where_stalls_began(lv.get("records") or [], lv.get("engine_timeline"))
-            L.append(f"- N={lv['n']}: " + "; ".join(lv["fail_reasons"]) + _stall_steps_text(st))
+            L.append(f"- N={lv['n']}: " + "; ".join(lv["fail_reasons"]) + _stall_steps_text(st)
+                     + _stall_positions_text(stall_positions(lv.get("records") or [])))
     if by.get(SENTENCE):
         L.append("\n## Sentence-level baseline (same model, same texts and upstream timing)\n")
         L.append("Each sentence waits for its last token, then is synthesised offline (n_past_chunks=-1, sent at once); "

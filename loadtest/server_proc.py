@@ -1,6 +1,7 @@
 """Loopback-only targets, and a server subprocess the load test starts and stops itself."""
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import signal
@@ -51,10 +52,15 @@ def check_loopback(target: str) -> tuple[str, int]:
     return host, port
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports free now: their sockets are held open together while they are
+    picked (one at a time, the second could be the first again: a spawned server once
+    found its metrics port taken by its own gRPC port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def proc_cpu_seconds(pid: Optional[int]) -> Optional[float]:
@@ -127,7 +133,7 @@ class SpawnedServer:
         return cmd + list(self.extra_args)
 
     def start(self, timeout_s: float = 300.0) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port = free_ports(2)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         repo = Path(__file__).resolve().parent.parent

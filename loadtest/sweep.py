@@ -64,6 +64,20 @@ def steps_where_stalls_began(records: Iterable[dict], timeline: Optional[list[li
             "where_stalls_began": rates(hit) if hit else None}
 
 
+def stall_positions(records: Iterable[dict], bin_s: float = 0.1) -> list[tuple[float, float, int]]:
+    """Where in their audio the listeners ran dry: the stalls recorded (`stalls`:
+    [position s, length s]) counted in bins of `bin_s` seconds of a session's audio,
+    (from, to, count) for the bins with any, in order. Which packet came late shows
+    there: the second (right after the first packet's audio), the first after the ramp
+    hands off to the packet clock, or a clocked one."""
+    counts: dict[int, int] = {}
+    for rec in records:
+        for at, _ in rec.get("stalls") or []:
+            k = int(at // bin_s)
+            counts[k] = counts.get(k, 0) + 1
+    return [(k * bin_s, (k + 1) * bin_s, counts[k]) for k in sorted(counts)]
+
+
 def select_rated(levels: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """levels: dicts with "n" and "passed". Returns rated_n (None if the smallest N
     failed), largest_passing_n, first_failing_n, monotone."""
