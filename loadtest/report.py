@@ -7,6 +7,7 @@ Plots need matplotlib (`pip install matplotlib`); without it the report is text 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -173,7 +174,7 @@ def _stall_positions_text(bins: list[tuple[float, float, int]]) -> str:
     if not bins:
         return ""
     return "; stalls by position in a session's audio: " + ", ".join(
-        f"{lo:.1f}-{hi:.1f} s {n}" for lo, hi, n in bins)
+        f"{lo:.1f}-{hi:.1f} s {n}" if math.isfinite(hi) else f"from {lo:.1f} s {n}" for lo, hi, n in bins)
 
 
 def render_markdown(result: dict, plots: list[str]) -> str:

@@ -12,6 +12,8 @@ trusted, since on a shared machine it usually means the failure was noise.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Iterable, Optional
 
 
@@ -64,18 +66,21 @@ def steps_where_stalls_began(records: Iterable[dict], timeline: Optional[list[li
             "where_stalls_began": rates(hit) if hit else None}
 
 
-def stall_positions(records: Iterable[dict], bin_s: float = 0.1) -> list[tuple[float, float, int]]:
+def stall_positions(records: Iterable[dict], bin_s: float = 0.1, until_s: float = 1.0
+                    ) -> list[tuple[float, float, int]]:
     """Where in their audio the listeners ran dry: the stalls recorded (`stalls`:
-    [position s, length s]) counted in bins of `bin_s` seconds of a session's audio,
-    (from, to, count) for the bins with any, in order. Which packet came late shows
-    there: the second (right after the first packet's audio), the first after the ramp
-    hands off to the packet clock, or a clocked one."""
+    [position s, length s]) counted in bins of `bin_s` seconds of a session's audio up to
+    `until_s`, and all later ones in one bin (to infinity): (from, to, count) for the bins
+    with any, in order. Which packet came late shows there: the second (right after the
+    first packet's audio), the first after the ramp hands off to the packet clock, or a
+    clocked one (later: the engine does not keep up)."""
+    last = round(until_s / bin_s)
     counts: dict[int, int] = {}
     for rec in records:
         for at, _ in rec.get("stalls") or []:
-            k = int(at // bin_s)
+            k = min(int(at // bin_s), last)
             counts[k] = counts.get(k, 0) + 1
-    return [(k * bin_s, (k + 1) * bin_s, counts[k]) for k in sorted(counts)]
+    return [(k * bin_s, (k + 1) * bin_s if k < last else math.inf, counts[k]) for k in sorted(counts)]
 
 
 def select_rated(levels: Iterable[dict[str, Any]]) -> dict[str, Any]:

@@ -356,10 +356,12 @@ def test_stalls_are_counted_by_their_position_in_a_sessions_audio():
     from livespeech.loadtest.report import _stall_positions_text
     from livespeech.loadtest.sweep import stall_positions
 
-    records = [{"stalls": [[0.027, 0.002], [0.36, 0.03]]}, {"stalls": [[0.32, 0.01]]}, {"stalls": []}, {}]
+    records = [{"stalls": [[0.027, 0.002], [0.36, 0.03], [1.4, 0.02]]}, {"stalls": [[0.32, 0.01], [7.0, 0.1]]},
+               {"stalls": []}, {}]
     bins = stall_positions(records)
-    assert [(round(lo, 1), round(hi, 1), n) for lo, hi, n in bins] == [(0.0, 0.1, 1), (0.3, 0.4, 2)]
-    assert _stall_positions_text(bins) == "; stalls by position in a session's audio: 0.0-0.1 s 1, 0.3-0.4 s 2"
+    assert [(round(lo, 1), round(hi, 1), n) for lo, hi, n in bins] == [(0.0, 0.1, 1), (0.3, 0.4, 2), (1.0, math.inf, 2)]
+    assert (_stall_positions_text(bins)
+            == "; stalls by position in a session's audio: 0.0-0.1 s 1, 0.3-0.4 s 2, from 1.0 s 2")
     assert stall_positions([{"stalls": []}]) == [] and _stall_positions_text([]) == ""
 
 
