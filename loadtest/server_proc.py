@@ -54,8 +54,8 @@ def check_loopback(target: str) -> tuple[str, int]:
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """`n` distinct ports free now: their sockets are held open together while they are
-    picked (one at a time, the second could be the first again: a spawned server once
-    found its metrics port taken by its own gRPC port)."""
+    picked (picked one at a time, the second can be the first again, and a spawned
+    server's two listeners would then collide)."""
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
         for s in socks:

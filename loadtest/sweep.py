@@ -13,7 +13,6 @@ trusted, since on a shared machine it usually means the failure was noise.
 from __future__ import annotations
 
 import math
-
 from typing import Any, Iterable, Optional
 
 

@@ -296,9 +296,10 @@ class EngineConfig:
     idle_poll_s: float = 0.01
     # a session's first packet holds at least this many step periods of audio, and while
     # its packets ramp up to packet_ms a shorter one goes out as soon as its listener has
-    # less than that left. 6, not 3: with 3 the first packet was 2 frames (27 ms) under
-    # load and nearly every listener's least audio in hand, 0-7 ms (p1), was just before
-    # the second packet; most failing levels failed there (docs/loadtest.md, "Measured choices")
+    # less than that left. 6, not 3: with 3 the first packet was mostly 2 frames (27 ms)
+    # and nearly every listener's least audio in hand came just before the second packet
+    # (p1 -2 to 5 ms at 10-16 sessions on 2 cores), where levels failed with one underrun
+    # (docs/loadtest.md, "Measured choices")
     low_water_steps: float = 6.0
     # the model step and the codec's steady packets replayed from CUDA graphs, one per
     # batch-size bucket (models/step_graph.py)

@@ -131,7 +131,7 @@ class PacketPolicy:
         others sit out, is shorter than after it), or after `RAMP_MAX_PACKETS`: a
         listener left with less at the ramp's end ran dry before its first clocked packet
         (the N=1 stalls 0.16-0.19 s into the audio; at 18-22 sessions, with the ramp
-        bounded at four packets, those at 0.32-0.45 s: docs/loadtest.md "Measured choices")."""
+        bounded at four packets, those at 0.28-0.45 s: docs/loadtest.md "Measured choices")."""
         if s.frames_done < 2 * full:
             return False
         return (s.frames_done >= RAMP_MAX_PACKETS * full

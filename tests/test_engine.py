@@ -283,8 +283,9 @@ def test_the_packet_ramp_lasts_until_the_listener_holds_a_clocked_packets_wait(v
     """Packets ramp up for two full packets' worth of frames, then follow the packet clock
     if the listener holds a clocked packet's longest wait (2 x packet steps); a listener
     with less keeps the ramp (packets as soon as frames are in) up to its bound
-    (`RAMP_MAX_PACKETS` packets' worth). The listener's buffer is pinned, so this machine's timing plays no part, and
-    the clock ticks at every step, so the ramp may end at any step."""
+    (`RAMP_MAX_PACKETS` packets' worth). The listener's buffer is pinned, so this
+    machine's timing plays no part, and the clock ticks at every step, so the ramp may end
+    at any step."""
     torch.set_num_threads(1)
     monkeypatch.setattr(PacketPolicy, "on_clock", lambda self, full: True)
     clocked_at = {}
