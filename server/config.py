@@ -301,6 +301,12 @@ class EngineConfig:
     # (p1 -2 to 5 ms at 10-16 sessions on 2 cores), where levels failed with one underrun
     # (docs/loadtest.md, "Measured choices")
     low_water_steps: float = 6.0
+    # ... and at least this much audio whatever the step period: the wait for the second
+    # packet is also its codec call and its delivery, which do not shrink with the step.
+    # A 2-frame (27 ms) first packet left listeners 13-19 ms to spare at 10-16 sessions
+    # through gRPC (p10 to median), down to -1 ms: the only underrun of levels passing
+    # above it; 3 frames left 21-28 ms (docs/loadtest.md, "Measured choices")
+    first_packet_min_ms: float = 40.0
     # the model step and the codec's steady packets replayed from CUDA graphs, one per
     # batch-size bucket (models/step_graph.py)
     cuda_graphs: bool = ServerConfig.cuda_graphs
@@ -348,6 +354,8 @@ class EngineConfig:
             raise ConfigError(f"text_cfg_scale must be in [0, 10], got {self.text_cfg_scale}")
         if not 0 <= self.low_water_steps <= 100:
             raise ConfigError("low_water_steps must be in [0, 100]")
+        if not 0 <= self.first_packet_min_ms <= 1000:
+            raise ConfigError("first_packet_min_ms must be in [0, 1000]")
         if self.warm_text_tokens < 0:
             raise ConfigError("warm_text_tokens must be >= 0")
         if self.matmul_weights not in MATMUL_WEIGHTS[1:]:

@@ -59,7 +59,8 @@ class Engine:
                                   text_cfg_scale=config.text_cfg_scale,
                                   low_precision_from_batch=config.low_precision_from_batch)
         self.clock = StepClock()
-        self.packets = PacketPolicy(self.clock, config.low_water_steps, self.runner.min_first_frames)
+        self.packets = PacketPolicy(self.clock, config.low_water_steps, self.runner.min_first_frames,
+                                    config.first_packet_min_ms)
         self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,
                                  threaded=config.codec_thread)
         self.memory = TextMemory(self.runner, bundle.tokenizer, bundle.model.cfg.max_text_tokens, self.metrics)

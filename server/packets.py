@@ -60,13 +60,16 @@ class StepClock:
 
 
 class PacketPolicy:
-    def __init__(self, clock: StepClock, low_water_steps: float, min_first_frames: int):
+    def __init__(self, clock: StepClock, low_water_steps: float, min_first_frames: int,
+                 first_packet_min_ms: float = 0.0):
         self.clock = clock
         # while a session's packets ramp up, a shorter one goes out as soon as its
         # listener has less than this many step periods of audio left
         self.low_water_steps = low_water_steps
         # a reflect-padded codec reads this far ahead at a stream's start
         self.min_first_frames = min_first_frames
+        # the first packet's audio whatever the step period (`EngineConfig.first_packet_min_ms`)
+        self.first_packet_min_frames = math.ceil(first_packet_min_ms * FRAME_RATE / 1000)
 
     @property
     def low_water_s(self) -> float:
@@ -81,7 +84,8 @@ class PacketPolicy:
         on the shared packet clock (`on_clock`). Shorter ones (at least min_packet_ms)
         only where they buy latency without costing capacity (every codec call has a
         fixed cost, ~2 ms on the CPU default model): the first audio (at least
-        `low_water_steps` step periods of it, so it lasts until the next); the ramp after
+        `low_water_steps` step periods of it, and first_packet_min_ms, so it lasts until
+        the next); the ramp after
         it (a packet may be as long as all the audio sent before it, so the listener's
         buffer covers its making; sooner if it would run dry first), which ends as
         `ramp_over` says, at a tick, with all pending frames: the first clocked packet
@@ -115,7 +119,8 @@ class PacketPolicy:
             return PacketPlan(n, waiting)  # when waiting, frames held for the clock go out too
         if s.frames_done == 0:
             # the first packet must also last until the next one is made: longer under load
-            shortest = max(shortest, self.min_first_frames, math.ceil(self.low_water_s * FRAME_RATE))
+            shortest = max(shortest, self.min_first_frames, self.first_packet_min_frames,
+                           math.ceil(self.low_water_s * FRAME_RATE))
         if n < shortest:
             return None
         if (s.frames_done == 0 or waiting

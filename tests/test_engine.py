@@ -22,8 +22,9 @@ from livespeech.api.session import (AudioPacket, CapacityError, ConfigError, Enc
 def engine():
     torch.set_num_threads(1)
     # low_water_steps=0: packet sizes must not depend on how fast this machine steps (the
-    # first packet covers low_water_steps measured step periods; a slow CI runner made it 3 frames)
-    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3, low_water_steps=0))
+    # first packet covers low_water_steps measured step periods; a slow CI runner made it 3
+    # frames); first_packet_min_ms=0: the first packet as short as the session asks
+    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3, low_water_steps=0, first_packet_min_ms=0))
     eng.start()
     yield eng
     eng.stop()
@@ -110,6 +111,15 @@ def test_first_packet_is_short_then_packets_grow(engine, voice):
         assert p.start_s == pytest.approx(t)
         t += p.duration_s
     assert c.of(Finished)[0].summary.audio_s == pytest.approx(t)
+
+
+def test_the_first_packet_holds_the_engines_floor_of_audio(voice):
+    """`EngineConfig.first_packet_min_ms` (40 ms: 3 frames) over the session's shorter
+    min_packet_ms (20 ms); the packets after it as before."""
+    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0))
+    ms = packet_ms(speak_alone(eng, voice, "The first packet holds three frames.", min_packet_ms=20).of(AudioPacket))
+    assert ms[0] == pytest.approx(3000 / 75, abs=0.01)
+    assert all(20 <= m <= 80 for m in ms[:-1]) and 80 in ms
 
 
 def speak_alone(eng: Engine, voice, text: str, **cfg) -> Collector:

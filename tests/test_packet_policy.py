@@ -29,10 +29,11 @@ class Stub:
         return self.ahead_s
 
 
-def policy(steps: int = 1, period_s: float = 0.02, low_water_steps: float = 0.0, min_first_frames: int = 1):
+def policy(steps: int = 1, period_s: float = 0.02, low_water_steps: float = 0.0, min_first_frames: int = 1,
+           first_packet_min_ms: float = 0.0):
     clock = StepClock()
     clock.steps, clock.period_s = steps, period_s
-    return PacketPolicy(clock, low_water_steps, min_first_frames)
+    return PacketPolicy(clock, low_water_steps, min_first_frames, first_packet_min_ms)
 
 
 def test_frames_for_ms_rounds_up_to_at_least_one_frame():
@@ -56,6 +57,22 @@ def test_the_first_packet_covers_the_shortest_the_codecs_start_and_the_low_water
     assert policy(low_water_steps=1, period_s=0.02).due(Stub(3), 0.0).plan == PacketPlan(3, True)
     assert policy(low_water_steps=1, period_s=0.05).due(Stub(3), 0.0).plan is None
     assert policy(low_water_steps=1, period_s=0.05).due(Stub(4), 0.0).plan == PacketPlan(4, True)
+
+
+def test_the_first_packet_holds_its_floor_of_audio_when_the_steps_are_fast():
+    def stub(pending, frames_done=0, ahead_s=50.0):
+        s = Stub(pending, frames_done, ahead_s=ahead_s)
+        s.config.min_packet_ms = 20  # the sessions' default: 2 frames
+        return s
+    fast = dict(low_water_steps=6, period_s=0.002)  # six 2 ms steps: 12 ms, one frame
+    assert policy(**fast).due(stub(2), 0.0).plan == PacketPlan(2, True)
+    # 40 ms: 3 frames, for the first packet only
+    assert policy(first_packet_min_ms=40, **fast).due(stub(2), 0.0).plan is None
+    assert policy(first_packet_min_ms=40, **fast).due(stub(3), 0.0).plan == PacketPlan(3, True)
+    # a ramp packet to a listener under the low water is not held to it
+    assert policy(first_packet_min_ms=40, **fast).due(stub(2, frames_done=3, ahead_s=0.0), 0.0).plan == PacketPlan(2, True)
+    # the step periods still rule where they ask for more: six 10 ms steps, 4.5 frames -> 5
+    assert policy(first_packet_min_ms=40, low_water_steps=6, period_s=0.01).due(stub(4), 0.0).plan is None
 
 
 def test_ramp_packets_are_as_long_as_the_audio_sent_before_them():
