@@ -305,7 +305,7 @@ class EngineConfig:
     # packet is also its codec call and its delivery, which do not shrink with the step.
     # A 2-frame (27 ms) first packet left listeners 13-19 ms to spare at 10-16 sessions
     # through gRPC (p10 to median), down to -1 ms: the only underrun of levels passing
-    # above it; 3 frames left 21-28 ms (docs/loadtest.md, "Measured choices")
+    # above it; 3 frames left 23-28 ms (docs/loadtest.md, "Measured choices")
     first_packet_min_ms: float = 40.0
     # the model step and the codec's steady packets replayed from CUDA graphs, one per
     # batch-size bucket (models/step_graph.py)

@@ -85,13 +85,13 @@ class PacketPolicy:
         only where they buy latency without costing capacity (every codec call has a
         fixed cost, ~2 ms on the CPU default model): the first audio (at least
         `low_water_steps` step periods of it, and first_packet_min_ms, so it lasts until
-        the next); the ramp after
-        it (a packet may be as long as all the audio sent before it, so the listener's
-        buffer covers its making; sooner if it would run dry first), which ends as
-        `ramp_over` says, at a tick, with all pending frames: the first clocked packet
-        then follows `full` steps later, where ending it between ticks left the listener
-        up to 2 x full - 1 steps to wait (at 16-20 sessions the stalls 0.19 and 0.32 s
-        into the audio, docs/loadtest.md "Measured choices"); and when the text ran dry."""
+        the next); the ramp after it (a packet may be as long as all the audio sent before
+        it, so the listener's buffer covers its making; sooner if it would run dry first),
+        which ends as `ramp_over` says, at a tick, with all pending frames: the first
+        clocked packet then follows `full` steps later, where ending it between ticks left
+        the listener up to 2 x full - 1 steps to wait (at 16-20 sessions the stalls 0.19
+        and 0.32 s into the audio, docs/loadtest.md "Measured choices"); and when the text
+        ran dry."""
         full = frames_for_ms(s.config.packet_ms)
         tick = self.on_clock(full)
         handoff = not s.clocked and tick and self.ramp_over(s, full, now)
