@@ -2,6 +2,7 @@
 
     python -m livespeech.loadtest.profile_step --model-path random:tiny --batch 1 16 --steps 200 --json profile.json
     python -m livespeech.loadtest.profile_step --batch 1 16 --trace runs/trace    # + torch.profiler chrome traces
+    python -m livespeech.loadtest.profile_step --batch 16 --trace runs/trace --trace-shapes   # + ops by input shape
 
 The real engine (server/engine.py) runs B sessions in-process (no gRPC; the sessions
 never yield for playback lead, so every step carries all B, and a finished session is
@@ -214,10 +215,11 @@ TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs back into
 def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_function: bool = False,
                 trace_dir: Optional[Path] = None, text_chars: int = 160, timeout_s: float = 600.0,
                 cuda_graphs: bool = False, frozen_step: bool = True, weights: str = "float32",
-                onnx_codec: bool = False) -> dict:
+                onnx_codec: bool = False, trace_shapes: bool = False) -> dict:
     """Run the engine on `batch` sessions of `text_chars` characters each (all sent at
     once, like an LLM far ahead of the speech; a finished session is replaced at once)
-    and time `steps` steps after `warmup`."""
+    and time `steps` steps after `warmup`. trace_shapes: the trace's op table by input
+    shapes as well (recording them slows the ops it times)."""
     from livespeech.server.engine import Engine, EngineConfig
     from livespeech.api.session import SessionConfig
 
@@ -266,7 +268,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
         acts = [torch.profiler.ProfilerActivity.CPU]
         if bundle.device.type == "cuda":  # the kernels too: how busy the GPU is between launches
             acts.append(torch.profiler.ProfilerActivity.CUDA)
-        prof = torch.profiler.profile(activities=acts, record_shapes=False)
+        prof = torch.profiler.profile(activities=acts, record_shapes=trace_shapes)
     engine._step = counting_step
     finished = [0]
 
@@ -311,6 +313,11 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
         prof.export_chrome_trace(str(trace_dir / f"trace_b{batch}.json"))
         (trace_dir / f"ops_b{batch}.txt").write_text(
             prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+        if trace_shapes:
+            (trace_dir / f"ops_b{batch}_shapes.txt").write_text(
+                prof.key_averages(group_by_input_shape=True).table(
+                    sort_by="self_cpu_time_total", row_limit=80, max_name_column_width=40,
+                    max_shapes_column_width=120))
     return out
 
 
@@ -566,7 +573,8 @@ def roofline(flops: float, nbytes: float, t_s: float, machine: dict, low_flops: 
 
 def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, trace_dir: Optional[Path] = None,
             plain: bool = True, packet_ms: int = 80, text_chars: int = 160, cuda_graphs: bool = False,
-            frozen_step: bool = True, weights: str = "float32", onnx_codec: bool = False) -> dict:
+            frozen_step: bool = True, weights: str = "float32", onnx_codec: bool = False,
+            trace_shapes: bool = False) -> dict:
     from livespeech.models.config import FRAME_RATE
 
     machine = measure_machine(bundle.device, weights=weights)
@@ -582,7 +590,7 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         la = list(os.getloadavg())
         run = _engine_run(bundle, b, steps, warmup, fine=True, record_function=trace_dir is not None,
                           trace_dir=trace_dir, text_chars=text_chars, cuda_graphs=cuda_graphs, frozen_step=frozen_step,
-                          weights=weights, onnx_codec=onnx_codec)
+                          weights=weights, onnx_codec=onnx_codec, trace_shapes=trace_shapes)
         rows, cats = scope_table(run)
         # what the runner made of the request
         out["frozen_step"], out["matmul_weights"] = run["frozen_step"], run["matmul_weights"]
@@ -652,6 +660,9 @@ def main(argv=None) -> int:
                     help="text per session (sent at once); a finished session is replaced (default: ~2 sentences)")
     ap.add_argument("--no-plain", action="store_true", help="skip the uninstrumented comparison run")
     ap.add_argument("--trace", default=None, help="directory for torch.profiler chrome traces and op tables")
+    ap.add_argument("--trace-shapes", action="store_true",
+                    help="with --trace, an op table by input shapes as well (ops_b<N>_shapes.txt); recording "
+                         "the shapes slows the traced ops")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="the model step replayed from a CUDA graph (its time then shows in runner.step)")
     ap.add_argument("--eager-step", action="store_true",
@@ -661,6 +672,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, help="write the tables as markdown here")
     args = ap.parse_args(argv)
+    if args.trace_shapes and not args.trace:
+        ap.error("--trace-shapes needs --trace")
     if args.cuda_graphs and not args.device.startswith("cuda"):
         ap.error("--cuda-graphs needs a cuda device")
     from livespeech.models.loading import load_bundle
@@ -674,7 +687,7 @@ def main(argv=None) -> int:
                   Path(args.trace) if args.trace else None, plain=not args.no_plain, text_chars=args.text_chars,
                   cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
                   weights=matmul_weights(args.matmul_weights, args.device),
-                  onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device))
+                  onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device), trace_shapes=args.trace_shapes)
     res["loadavg"] = list(os.getloadavg())
     from .report import render_profile_markdown
 

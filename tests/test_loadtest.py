@@ -461,6 +461,21 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
         profile_step.main(["--cuda-graphs", "--device", "cpu"])
 
 
+def test_step_profile_traces_the_ops_by_input_shape(tmp_path):
+    """`--trace-shapes` adds the trace's op table grouped by input shapes (the batch of two
+    in its rows); it needs `--trace`."""
+    from livespeech.loadtest import profile_step
+
+    trace = tmp_path / "trace"
+    assert profile_step.main(["--batch", "2", "--steps", "2", "--warmup", "2", "--no-plain", "--trace", str(trace),
+                              "--trace-shapes"]) == 0
+    table = (trace / "ops_b2_shapes.txt").read_text()
+    assert "Input Shapes" in table and "[2, " in table
+    assert (trace / "ops_b2.txt").exists() and (trace / "trace_b2.json").exists()
+    with pytest.raises(SystemExit):
+        profile_step.main(["--trace-shapes"])
+
+
 @pytest.mark.parametrize("arm", ["bfloat16", "int8", "gpu", "decoder"])
 def test_precision_compares_the_lower_precision_step_with_float32_along_a_decode(arm):
     """livespeech.loadtest.precision on a tiny random model: every session finishes, every step
