@@ -69,7 +69,7 @@ class PacketPolicy:
         # a reflect-padded codec reads this far ahead at a stream's start
         self.min_first_frames = min_first_frames
         # the first packet's audio whatever the step period (`EngineConfig.first_packet_min_ms`)
-        self.first_packet_min_frames = math.ceil(first_packet_min_ms * FRAME_RATE / 1000)
+        self.first_packet_min_frames = frames_for_ms(first_packet_min_ms)
 
     @property
     def low_water_s(self) -> float:
