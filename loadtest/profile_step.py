@@ -214,20 +214,20 @@ TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs back into
 
 def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_function: bool = False,
                 trace_dir: Optional[Path] = None, text_chars: int = 160, timeout_s: float = 600.0,
-                cuda_graphs: bool = False, frozen_step: bool = True, weights: str = "float32",
-                onnx_codec: bool = False, trace_shapes: bool = False) -> dict:
+                paths: Optional[dict] = None, trace_shapes: bool = False) -> dict:
     """Run the engine on `batch` sessions of `text_chars` characters each (all sent at
     once, like an LLM far ahead of the speech; a finished session is replaced at once)
-    and time `steps` steps after `warmup`. trace_shapes: the trace's op table by input
-    shapes as well (recording them slows the ops it times)."""
+    and time `steps` steps after `warmup`. paths: `EngineConfig` fields picking the
+    step's paths (cuda_graphs, frozen_step, matmul_weights, onnx_codec, device_guidance).
+    trace_shapes: the trace's op table by input shapes as well (recording them slows the
+    ops it times)."""
     from livespeech.server.engine import Engine, EngineConfig
     from livespeech.api.session import SessionConfig
 
     # the codec on the engine thread, so its share of a step is timed (the server overlaps
     # it with the next steps on a codec thread, where these scopes do not see it)
     engine = Engine(bundle, EngineConfig(max_sessions=batch, max_lead_s=1e6, max_session_s=3600.0,
-                                         cuda_graphs=cuda_graphs, frozen_step=frozen_step, codec_thread=False,
-                                         matmul_weights=weights, onnx_codec=onnx_codec))
+                                         codec_thread=False, **(paths or {})))
     voice = engine.make_voice("profile", noise_reference(), 24000)
     text_chars = text_chars or 160
     text = (TEXT * (text_chars // len(TEXT) + 1))[:text_chars]
@@ -304,7 +304,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     window = step_starts[-1] - step_starts[0]
     out = {"steps": steps, "window_s": window, "iteration_ms": 1000 * window / steps,
            "mean_batch": statistics.fmean(batch_sizes), "sessions_opened": opened, "sessions_finished": finished[0],
-           "frozen_step": frozen, "matmul_weights": weights,
+           "frozen_step": frozen, "matmul_weights": engine.config.matmul_weights,
            "low_precision_from_batch": engine.runner.low_precision_from_batch,
            "incl": dict(scopes.incl), "excl": dict(scopes.excl), "calls": dict(scopes.calls),
            "parent": dict(scopes.parent)}
@@ -572,11 +572,14 @@ def roofline(flops: float, nbytes: float, t_s: float, machine: dict, low_flops: 
 
 
 def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, trace_dir: Optional[Path] = None,
-            plain: bool = True, packet_ms: int = 80, text_chars: int = 160, cuda_graphs: bool = False,
-            frozen_step: bool = True, weights: str = "float32", onnx_codec: bool = False,
+            plain: bool = True, packet_ms: int = 80, text_chars: int = 160, paths: Optional[dict] = None,
             trace_shapes: bool = False) -> dict:
+    """`_engine_run` at each batch size, and the step against the machine's limits.
+    paths: as `_engine_run`'s."""
     from livespeech.models.config import FRAME_RATE
 
+    paths = dict(paths or {})
+    weights = paths.setdefault("matmul_weights", "float32")
     machine = measure_machine(bundle.device, weights=weights)
     cost = analytic_cost(bundle.model, cuda=bundle.device.type == "cuda")
     ccost = codec_cost(bundle.codec)
@@ -584,21 +587,19 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
     out: dict[str, Any] = {"model": bundle.source, "device": str(bundle.device), "threads": threads,
                            "torch": torch.__version__, "machine": machine, "analytic": cost,
                            "codec": ccost, "packet_frames": pf, "text_chars": text_chars, "steps": steps,
-                           "cuda_graphs": cuda_graphs, "onnx_codec": onnx_codec,
+                           **{k: paths.get(k, False) for k in ("cuda_graphs", "onnx_codec", "device_guidance")},
                            "warmup": warmup, "batches": []}
     for b in batches:
         la = list(os.getloadavg())
         run = _engine_run(bundle, b, steps, warmup, fine=True, record_function=trace_dir is not None,
-                          trace_dir=trace_dir, text_chars=text_chars, cuda_graphs=cuda_graphs, frozen_step=frozen_step,
-                          weights=weights, onnx_codec=onnx_codec, trace_shapes=trace_shapes)
+                          trace_dir=trace_dir, text_chars=text_chars, paths=paths, trace_shapes=trace_shapes)
         rows, cats = scope_table(run)
         # what the runner made of the request
         out["frozen_step"], out["matmul_weights"] = run["frozen_step"], run["matmul_weights"]
         out["low_precision_from_batch"] = run["low_precision_from_batch"]
         plain_ms = None
         if plain:
-            pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, cuda_graphs=cuda_graphs,
-                             frozen_step=frozen_step, weights=weights, onnx_codec=onnx_codec)
+            pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, paths=paths)
             plain_ms = pr["iteration_ms"]
         counted = counted_cost(bundle, b, pf)
         step_s = run["window_s"] / steps
@@ -668,6 +669,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eager-step", action="store_true",
                     help="the eager model step on the CPU, whose layers are timed one by one (default: the frozen "
                          "graph the server runs, timed as one scope)")
+    ap.add_argument("--device-guidance", action="store_true",
+                    help="every session's guidance as tensors on the device (the server's --device-guidance)")
     add_path_arguments(ap)
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, help="write the tables as markdown here")
@@ -685,9 +688,11 @@ def main(argv=None) -> int:
     bundle = load_bundle(None if args.model_path in ("", "default") else args.model_path, device=args.device)
     res = profile(bundle, args.batch, args.steps, args.warmup, torch.get_num_threads(),
                   Path(args.trace) if args.trace else None, plain=not args.no_plain, text_chars=args.text_chars,
-                  cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
-                  weights=matmul_weights(args.matmul_weights, args.device),
-                  onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device), trace_shapes=args.trace_shapes)
+                  paths=dict(cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
+                             matmul_weights=matmul_weights(args.matmul_weights, args.device),
+                             onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device),
+                             device_guidance=args.device_guidance),
+                  trace_shapes=args.trace_shapes)
     res["loadavg"] = list(os.getloadavg())
     from .report import render_profile_markdown
 
