@@ -381,7 +381,13 @@ class DecodeState(DecodeStateView):
         positions: list[float] = []
         for slot, (lo, hi) in zip(slots, windows):
             pending = self.unrotated[slot]
-            for chunk in [c for c in pending if lo <= c <= hi]:
+            if not pending:
+                continue
+            # the window's chunks, or the pending ones, whichever are fewer (text sent far
+            # ahead leaves hundreds pending); the order is immaterial: distinct columns
+            near = ([c for c in range(lo, hi + 1) if c in pending] if hi - lo < len(pending)
+                    else [c for c in pending if lo <= c <= hi])
+            for chunk in near:
                 first_position = pending.pop(chunk)
                 span = self._chunk_span(slot, chunk)
                 if span is not None:

@@ -169,6 +169,9 @@ class EngineSession(SessionInput):
         self.words: list[Word] = []
         # words end, and are sent, in order: the ones before these indices are done with
         self._first_open_word = 0
+        # the progress and word count `track_words` last ran with: with neither changed, a
+        # run changes nothing (each mark is set once, from the progress alone)
+        self._words_tracked_at = (-1, 0)
         self._first_unsent_word = 0
         self.n_chars = 0  # collapsed transcript length so far
         self.input_ended = False  # engine's view (after the queued command ran)
@@ -436,6 +439,9 @@ class EngineSession(SessionInput):
         once it reaches the next word (its start, after the space)."""
         progress = self.guidance.progress
         words = self.words
+        if (progress, len(words)) == self._words_tracked_at:
+            return
+        self._words_tracked_at = (progress, len(words))
         while self._first_open_word < len(words) and words[self._first_open_word].end_frame is not None:
             self._first_open_word += 1
         for i in range(self._first_open_word, len(words)):

@@ -36,7 +36,8 @@ class SpeechTimeline:
     far ahead (a whole LLM answer at once) is not walked at every step."""
     frames_per_char: float = DEFAULT_FRAMES_PER_CHAR
     client_speech_time: bool = False
-    chunks: list[PlacedChunk] = field(default_factory=list)
+    chunks: list[PlacedChunk] = field(init=False, default_factory=list)
+    _starts: list[int] = field(init=False, default_factory=list)  # each chunk's char_start, for bisection
     _fixed_below: int = field(init=False, default=0)  # every chunk before this index is fixed
     # the running maximum of those chunks' taus (a fixed chunk's tau never changes)
     _fixed_tau_max: list[int] = field(init=False, default_factory=list)
@@ -52,6 +53,7 @@ class SpeechTimeline:
         if self.client_speech_time and client_time_s is not None:
             tau = max(int(round(client_time_s * FRAME_RATE)), self.chunks[-1].tau if self.chunks else 0)
             self.chunks.append(PlacedChunk(start, n_chars, tau, fixed=True))
+            self._starts.append(start)
             return tau
         natural_end = 0
         if self.chunks:
@@ -59,6 +61,7 @@ class SpeechTimeline:
             natural_end = prev.tau + int(round(prev.n_chars * self.frames_per_char))
         tau = max(arrival_frame, natural_end) if self.chunks else 0
         self.chunks.append(PlacedChunk(start, n_chars, tau))
+        self._starts.append(start)
         return tau
 
     def current_chunk(self, frame: int) -> int:
@@ -88,37 +91,42 @@ class SpeechTimeline:
         transcript characters were spoken by `frame`: the next `horizon` chunks that move
         (the np/nf window needs at most nf + 1 of them; later ones are placed when they
         come within reach). Returns [(chunk, new_tau)]."""
-        if not self.chunks:
+        chunks = self.chunks
+        if not chunks:
             return []
+        fpc = self.frames_per_char
         if spoken_chars > 0 and frame > 0:
             # running estimate of the speaking rate, kept within a sane range
-            rate = frame / spoken_chars
-            self.frames_per_char = min(12.0, max(3.0, 0.9 * self.frames_per_char + 0.1 * rate))
+            fpc = self.frames_per_char = min(12.0, max(3.0, 0.9 * fpc + 0.1 * (frame / spoken_chars)))
         changed = []
         # the chunk being spoken: the last whose first character was reached
-        cur = max(0, bisect.bisect_right(self.chunks, spoken_chars, key=lambda ch: ch.char_start) - 1)
+        cur = max(0, bisect.bisect_right(self._starts, spoken_chars) - 1)
         for i in range(self._fixed_below, cur + 1):
-            ch = self.chunks[i]
+            ch = chunks[i]
             if not ch.fixed and i > 0 and ch.tau > frame:
                 ch.tau = frame  # speech reached it early: it starts now
                 changed.append((i, frame))
             ch.fixed = ch.fixed or ch.tau <= frame
-        while self._fixed_below < len(self.chunks) and self.chunks[self._fixed_below].fixed:
-            tau = self.chunks[self._fixed_below].tau
+        while self._fixed_below < len(chunks) and chunks[self._fixed_below].fixed:
+            tau = chunks[self._fixed_below].tau
             self._fixed_tau_max.append(max(tau, self._fixed_tau_max[-1]) if self._fixed_tau_max else tau)
             self._fixed_below += 1
-        expected = frame + max(0, self.chunks[cur].char_start + self.chunks[cur].n_chars - spoken_chars) * self.frames_per_char
-        i, moving = cur + 1, 0
-        while i < len(self.chunks) and moving < horizon:
-            ch = self.chunks[i]
+        ch = chunks[cur]
+        expected = frame + max(0, ch.char_start + ch.n_chars - spoken_chars) * fpc
+        # the walk below runs for every session at every step: kept to plain locals
+        i, moving, n, earliest = cur + 1, 0, len(chunks), frame + 1
+        while i < n and moving < horizon:
+            ch = chunks[i]
             if ch.fixed:
-                expected = ch.tau + ch.n_chars * self.frames_per_char
+                expected = ch.tau + ch.n_chars * fpc
             else:
-                tau = max(frame + 1, int(round(expected)))
+                tau = int(round(expected))
+                if tau < earliest:
+                    tau = earliest
                 if tau != ch.tau:
                     ch.tau = tau
                     changed.append((i, tau))
-                expected = tau + ch.n_chars * self.frames_per_char
+                expected = tau + ch.n_chars * fpc
                 moving += 1
             i += 1
         self._placed_through = i - 1
