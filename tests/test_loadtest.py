@@ -421,16 +421,18 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
     """The step profiler (livespeech.loadtest.profile_step) on a tiny random model: every scope it
     reports lies inside the engine step, and the model and sampling scopes are there; the
     eager step's layers are scopes of their own, the frozen graph (the default) is one; it
-    runs the server's torch threads unless told otherwise."""
+    runs the server's torch threads unless told otherwise; with --device-guidance the
+    guidance runs as the batch's tensors, not as each session's Python."""
     from livespeech.loadtest import profile_step
     from livespeech.server.app import available_cpus, torch_threads
     from livespeech.server.config import ServerConfig
 
     threads = torch_threads(ServerConfig(), available_cpus())
-    for eager, weights in ((False, "bfloat16"), (False, "int8"), (True, "float32")):
+    for eager, weights, on_device in ((False, "bfloat16", False), (False, "int8", True), (True, "float32", False)):
         out = tmp_path / f"p{eager}{weights}.json"
         assert profile_step.main(["--batch", "2", "--steps", "3", "--warmup", "2", "--no-plain",
-                                  "--matmul-weights", weights, "--json", str(out)] + ["--eager-step"] * eager) == 0
+                                  "--matmul-weights", weights, "--json", str(out)] + ["--eager-step"] * eager
+                                 + ["--device-guidance"] * on_device) == 0
         res = json.loads(out.read_text())
         row = res["batches"][0]
         scopes = {r["name"]: r for r in row["scopes"]}
@@ -440,6 +442,7 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
         assert ("mamba" in scopes) is eager and res["frozen_step"] is not eager
         assert res["matmul_weights"] == weights
         assert res["cuda_graphs"] is False
+        assert res["device_guidance"] is on_device and ("guidance.observe" in scopes) is not on_device
         assert res["threads"] == threads  # the server's choice on this machine
         # the roofline: a bf16 (int8) step's heads and Mamba projections at the bf16 gemm's
         # (the int8 linear's) rate and 2 (1) bytes a weight; everything at sgemm's rate and
