@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--spawn: the server replays its decode step from a CUDA graph (CUDA devices)")
     g.add_argument("--server-eager-step", action="store_true",
                    help="--spawn: the server runs its CPU decode step eagerly, not as a frozen graph")
+    g.add_argument("--server-device-guidance", action="store_true",
+                   help="--spawn: the server keeps every session's guidance as tensors on its device")
     g.add_argument("--server-engine-processes", type=int, default=-1,
                    help="--spawn: the server's engine processes (0: one per CPU; default: the server's default)")
     g.add_argument("--metrics-port", type=int, default=9464,
@@ -389,9 +391,25 @@ def profile_batches(args: argparse.Namespace, sweep: dict) -> list[int]:
     return sorted({1, loaded})
 
 
+def step_paths(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The spawned server's step paths (`--server-cuda-graphs`, `--server-eager-step`,
+    `--server-device-guidance`) as the server's flags and as profile_step's, so that the
+    profile after a sweep steps as the server did."""
+    server: list[str] = []
+    profile: list[str] = []
+    for on, server_flag, profile_flag in ((args.server_cuda_graphs, ["--cuda-graphs", "true"], "--cuda-graphs"),
+                                          (args.server_eager_step, ["--frozen-step", "false"], "--eager-step"),
+                                          (args.server_device_guidance, ["--device-guidance", "true"],
+                                           "--device-guidance")):
+        if on:
+            server += server_flag
+            profile.append(profile_flag)
+    return server, profile
+
+
 def run_profile(args: argparse.Namespace, out: Path, batches: list[int]) -> Optional[dict]:
     cmd = [sys.executable, "-m", "livespeech.loadtest.profile_step", "--steps", str(args.profile_steps),
-           "--json", str(out / "profile.json"), "--batch", *map(str, batches)]
+           "--json", str(out / "profile.json"), "--batch", *map(str, batches), *step_paths(args)[1]]
     cmd += ["--model-path", args.model_path or "default"]  # the same model the server ran
     if args.device:
         cmd += ["--device", args.device]
@@ -459,8 +477,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.spawn:
             server = SpawnedServer(args.model_path, max_sessions=args.server_max_sessions or max(ns),
                                    log_path=out / "server.log", device=args.device, torch_threads=args.server_threads,
-                                   extra_args=(["--cuda-graphs", "true"] if args.server_cuda_graphs else [])
-                                   + (["--frozen-step", "false"] if args.server_eager_step else [])
+                                   extra_args=step_paths(args)[0]
                                    + (["--engine-processes", str(args.server_engine_processes)]
                                       if args.server_engine_processes >= 0 else []))
             t = time.monotonic()

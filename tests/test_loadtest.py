@@ -604,3 +604,24 @@ def test_bench_step_gives_each_batch_the_model_steps_bound_from_rates_measured_i
         bytes_ms = 1e3 * m["bytes"] / (res["machine"]["memcpy_gbs"] * 1e9)
         assert row["step_bound_ms"] >= bytes_ms * (1 - 1e-9) and row["step_bytes_mb"] == pytest.approx(m["bytes"] / 1e6)
         assert row["model_step_over_bound"] == pytest.approx(row["model_step_ms"] / row["step_bound_ms"])
+
+
+def test_the_profile_after_a_sweep_steps_as_the_spawned_server_did(tmp_path, monkeypatch):
+    """`--server-cuda-graphs`, `--server-eager-step` and `--server-device-guidance` reach the
+    spawned server as flags its configuration reads, and the step profile after the sweep
+    as profile_step's."""
+    import subprocess
+
+    from livespeech.loadtest import run
+    from livespeech.server.config import ServerConfig
+
+    args = run.build_parser().parse_args(["--spawn", "--server-eager-step", "--server-device-guidance",
+                                          "--server-cuda-graphs", "--device", "cuda"])
+    server, profile = run.step_paths(args)
+    config = ServerConfig.from_args(server + ["--device", "cuda"])
+    assert config.cuda_graphs and not config.frozen_step and config.device_guidance
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd) or subprocess.CompletedProcess(cmd, 1))
+    assert run.run_profile(args, tmp_path, [1, 16]) is None  # the stub wrote no profile
+    assert profile == ["--cuda-graphs", "--eager-step", "--device-guidance"] and set(profile) <= set(seen[0])
+    assert run.step_paths(run.build_parser().parse_args(["--spawn"])) == ([], [])

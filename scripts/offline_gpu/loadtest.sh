@@ -19,7 +19,10 @@
 # then livespeech.loadtest.bench_step with and without --device-guidance, then its
 # --first-calls: each batch size's first step). Knobs: DURATION (20 s a level), MODEL
 # (random:paper/encodec_24khz), DEVICE (cuda), PY (python3), SITE, PROFILE (1; 0: no
-# profiles), PROFILE_BATCH ("1 16 64"), EAGER (1; 0: only the CUDA-graph runs).
+# profiles), PROFILE_BATCH ("1 16 64"), EAGER (1; 0: only the CUDA-graph runs),
+# DEVICE_GUIDANCE (unset; 1: the servers keep every session's guidance on the device).
+# Issue 29's 256 sessions, the step at 1 and 256 against the card's bound in the same call:
+#   DEVICE_GUIDANCE=1 EAGER=0 PROFILE_BATCH="1 256" bash scripts/offline_gpu/loadtest.sh 64,128,192,256
 set -uo pipefail
 D=${BUNDLE:-.dev}; OUT=${OUT:-$PWD/gpu_out}; SITE=${SITE:-/root/mamba_site}; PY=${PY:-python3}
 SWEEP=${1:-8,16,32,64}; W=$(mktemp -d)
@@ -33,7 +36,8 @@ run() {  # $1: the run's name; $2: PYTHONPATH; then livespeech.loadtest.run's ow
   local name=$1 path=$2; shift 2
   PYTHONPATH=$path $PY -m livespeech.loadtest.run --spawn --model-path "${MODEL:-random:paper/encodec_24khz}" \
     --device "${DEVICE:-cuda}" --sweep "$SWEEP" --duration "${DURATION:-20}" --sentences-per-turn 1 \
-    --no-baseline --no-plots --max-failures 2 --out "$W/$name" "$@" 2>&1 | tee "$OUT/loadtest-$name.log"
+    --no-baseline --no-plots --max-failures 2 --out "$W/$name" ${DEVICE_GUIDANCE:+--server-device-guidance} "$@" \
+    2>&1 | tee "$OUT/loadtest-$name.log"
 }
 graphs_ok() {  # $1: PYTHONPATH. The replay against the eager step, before it is measured
   PYTHONPATH=$1 $PY -m pytest -q -p no:cacheprovider tests/test_step_graph.py 2>&1 | tail -n 3 | tee -a "$OUT/step_graph_test.log"
@@ -44,7 +48,8 @@ profile() {  # $1: the run's name; $2: PYTHONPATH; then profile_step's own flags
   mkdir -p "$W/$1"
   PYTHONPATH=$2 $PY -m livespeech.loadtest.profile_step --model-path "${MODEL:-random:paper/encodec_24khz}" \
     --device "${DEVICE:-cuda}" --batch ${PROFILE_BATCH:-1 16 64} --steps 100 --json "$W/$1/profile.json" \
-    --markdown "$W/$1/profile.md" "${@:3}" > "$W/$1/profile.log" 2>&1 || tail -n 5 "$W/$1/profile.log"
+    --markdown "$W/$1/profile.md" ${DEVICE_GUIDANCE:+--device-guidance} "${@:3}" > "$W/$1/profile.log" 2>&1 \
+    || tail -n 5 "$W/$1/profile.log"
 }
 reads() {  # $1: the run's name; $2: PYTHONPATH. Host reads per engine step (should be 1 at any batch)
   mkdir -p "$W/$1"
