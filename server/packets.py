@@ -33,9 +33,6 @@ class PacketDecision(NamedTuple):
 # stopped reading) must not keep it ramping for good
 RAMP_MAX_PACKETS = 8
 
-# a clocked session between the clock's ticks: most of every session's steps
-_HOLD_FOR_TICK = PacketDecision(True, None)
-
 
 def frames_for_ms(ms: int) -> int:
     return max(1, math.ceil(ms * FRAME_RATE / 1000))
@@ -97,8 +94,6 @@ class PacketPolicy:
         ran dry."""
         full = frames_for_ms(s.config.packet_ms)
         tick = self.on_clock(full)
-        if s.clocked and not tick and s.phase is Phase.RUNNING and not s.done_decoding:
-            return _HOLD_FOR_TICK  # what `_plan` decides there, without walking it
         handoff = not s.clocked and tick and self.ramp_over(s, full, now)
         clocked = s.clocked or handoff
         return PacketDecision(clocked, self._plan(s, now, full, tick, handoff, clocked))

@@ -85,5 +85,4 @@ class TextMemory:
         lo = s.window()[0]
         if lo > 0 and self.runner.tokens_before(s.slot, lo) >= EVICT_MIN_TOKENS:
             self.runner.evict_chunks_before(s.slot, lo)
-        if s.n_in_memory < len(s.chunks):  # (every session, every step: no call when all are in)
-            self.fill(s)
+        self.fill(s)

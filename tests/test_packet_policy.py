@@ -147,20 +147,3 @@ def test_the_step_clock_counts_steps_and_averages_their_period_not_after_idling(
         clock.steps = step
         ticks.append(p.on_clock(FULL))
     assert ticks == [step % FULL == 0 for step in range(5, 14)]  # every packet's worth of steps
-
-
-def test_a_clocked_session_between_ticks_gets_what_the_full_decision_gives():
-    """`due` answers a clocked, running session between the clock's ticks without walking
-    `_plan`: the answer is the walk's, for every pending count, history and listener."""
-    seen = 0
-    for steps in range(1, 3 * FULL + 1):
-        p = policy(steps=steps, low_water_steps=3, min_first_frames=7, first_packet_min_ms=40)
-        tick = p.on_clock(FULL)
-        for pending in range(0, 3 * FULL):
-            for frames_done in (0, 1, FULL, 2 * FULL, RAMP_MAX_PACKETS * FULL):
-                for ahead_s in (0.0, 0.05, 1.0):
-                    s = Stub(pending, frames_done, ahead_s, clocked=True)
-                    full = p._plan(s, 0.0, FULL, tick, False, True)
-                    assert p.due(s, 0.0) == (True, full)
-                    seen += not tick
-    assert seen > 0
