@@ -190,8 +190,11 @@ class Engine:
                 self._apply_commands()
                 now = time.monotonic()
                 for s in list(self._sessions.values()):
-                    with self._isolated(s, "releasing text"):
-                        self._release_held_text(s, now)
+                    # a running session holding no words has nothing to release: its memory
+                    # was filled after its step (`TextMemory.evict_past`)
+                    if s.phase is Phase.WAITING or s.chunker.pending_words:
+                        with self._isolated(s, "releasing text"):
+                            self._release_held_text(s, now)
                 self.runner.flush_transcripts()
                 batch = self.scheduler.select(list(self._sessions.values()), now)
                 if batch:
