@@ -32,7 +32,10 @@ behaves the same. Each scope's exclusive time is reported per step:
     engine.commands/select the loop's command queue and scheduler
     engine.loop-other      the rest of the loop iteration (chunk timers, idle checks)
 
-Run once without the fine wrappers too (`step_ms_plain`), so their overhead is visible.
+Run once without the fine wrappers too (`step_ms_plain`), so their overhead is visible;
+that run times the runner's step and the codec's calls only, and the step less those is
+the engine's own work (`engine_own_ms_plain`: its per-session Python, the text memory's
+calls and the audio's delivery).
 
 Cost model: FLOPs and bytes of one step are counted from the model's parameter shapes
 (weights read once per step; per-session MACs; per-session state read/written),
@@ -169,13 +172,15 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
 
     p = Patches()
     p.wrap(scopes, "engine.step", engine, "_step")
+    r = engine.runner
+    # a few calls a step even uninstrumented: the engine step less these two is the
+    # engine's own work (`engine_own_ms_plain`)
+    p.wrap(scopes, "runner.step", r, "step")
+    p.wrap(scopes, "codec", r, "decode")
     if not fine:
         return p
     p.wrap(scopes, "engine.commands", engine, "_apply_commands")
     p.wrap(scopes, "engine.select", engine.scheduler, "select")
-    r = engine.runner
-    p.wrap(scopes, "runner.step", r, "step")
-    p.wrap(scopes, "codec", r, "decode")
     p.wrap(scopes, "codec.decode_step", r, "codec_step")  # the frozen graph or `decode_step`
     p.wrap(scopes, "text.add", r, "add_chunk")
     p.wrap(scopes, "text.place", r, "place_chunk")
@@ -597,10 +602,12 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         # what the runner made of the request
         out["frozen_step"], out["matmul_weights"] = run["frozen_step"], run["matmul_weights"]
         out["low_precision_from_batch"] = run["low_precision_from_batch"]
-        plain_ms = None
+        plain_ms = own_ms = None
         if plain:
             pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, paths=paths)
             plain_ms = pr["iteration_ms"]
+            # the host's per-session bookkeeping (issue 29's item 1), audio delivery included
+            own_ms = plain_ms - 1000 * (pr["incl"].get("runner.step", 0.0) + pr["incl"].get("codec", 0.0)) / steps
         counted = counted_cost(bundle, b, pf)
         step_s = run["window_s"] / steps
         model_s = run["incl"].get("model.step", 0.0) / steps
@@ -618,6 +625,7 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         runner_s = run["incl"].get("runner.step", 0.0) / steps
         out["batches"].append({
             "batch": b, "loadavg": la, "step_ms": 1000 * step_s, "step_ms_plain": plain_ms,
+            "engine_own_ms_plain": own_ms,
             "mean_batch": run["mean_batch"], "model_step_ms": 1000 * model_s,
             "runner_step_ms": 1000 * runner_s,
             "aten_ops_per_step": ops, "aten_ops_model_step": counted["aten_ops_model_step"],

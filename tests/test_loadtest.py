@@ -422,7 +422,8 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
     reports lies inside the engine step, and the model and sampling scopes are there; the
     eager step's layers are scopes of their own, the frozen graph (the default) is one; it
     runs the server's torch threads unless told otherwise; with --device-guidance the
-    guidance runs as the batch's tensors, not as each session's Python."""
+    guidance runs as the batch's tensors, not as each session's Python; its uninstrumented
+    run gives the engine's own work, the step less the runner's step and the codec's calls."""
     from livespeech.loadtest import profile_step
     from livespeech.server.app import available_cpus, torch_threads
     from livespeech.server.config import ServerConfig
@@ -430,11 +431,16 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
     threads = torch_threads(ServerConfig(), available_cpus())
     for eager, weights, on_device in ((False, "bfloat16", False), (False, "int8", True), (True, "float32", False)):
         out = tmp_path / f"p{eager}{weights}.json"
-        assert profile_step.main(["--batch", "2", "--steps", "3", "--warmup", "2", "--no-plain",
-                                  "--matmul-weights", weights, "--json", str(out)] + ["--eager-step"] * eager
+        plain = weights == "int8"  # one uninstrumented run is enough
+        assert profile_step.main(["--batch", "2", "--steps", "3", "--warmup", "2", "--matmul-weights", weights,
+                                  "--json", str(out)] + ["--no-plain"] * (not plain) + ["--eager-step"] * eager
                                  + ["--device-guidance"] * on_device) == 0
         res = json.loads(out.read_text())
         row = res["batches"][0]
+        if plain:
+            assert 0 < row["engine_own_ms_plain"] < row["step_ms_plain"]
+        else:
+            assert row["engine_own_ms_plain"] is None
         scopes = {r["name"]: r for r in row["scopes"]}
         assert {"engine.step", "runner.step", "model.step", "sampling"} <= set(scopes)
         assert 0 < scopes["model.step"]["incl_ms_per_step"] <= scopes["runner.step"]["incl_ms_per_step"]
