@@ -606,7 +606,7 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         if plain:
             pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, paths=paths)
             plain_ms = pr["iteration_ms"]
-            # the host's per-session bookkeeping (issue 29's item 1), audio delivery included
+            # the host's per-session bookkeeping, audio delivery included
             own_ms = plain_ms - 1000 * (pr["incl"].get("runner.step", 0.0) + pr["incl"].get("codec", 0.0)) / steps
         counted = counted_cost(bundle, b, pf)
         step_s = run["window_s"] / steps
