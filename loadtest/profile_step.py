@@ -23,7 +23,7 @@ behaves the same. Each scope's exclusive time is reported per step:
           guidance.set     GuidanceState.guiding_set (Python)
         state.*            DecodeState view / window_mask / commit / write_back
       guidance.observe     GuidanceState.observe (Python)
-      words/timeline       EngineSession.track_words, SpeechTimeline.replace (Python)
+      words/timeline       EngineSession.track_words (Python), SpeechTimelines.replace (the batch's)
       text.add/place/evict ModelRunner.add_chunk (projects a chunk's K/V) / place_chunk
                            (re-rotates cached keys) / evict_chunks_before, via the
                            engine's TextMemory.fill / evict_past
@@ -168,7 +168,7 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
     from livespeech.models.guidance import GuidanceState, SamplingRows
     from livespeech.server.audio import AudioEncoder
     from livespeech.server.session import EngineSession
-    from livespeech.server.timeline import SpeechTimeline
+    from livespeech.server.timeline import SpeechTimelines
 
     p = Patches()
     p.wrap(scopes, "engine.step", engine, "_step")
@@ -189,7 +189,7 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
     p.wrap(scopes, "engine.evict_past", engine.memory, "evict_past")
     p.wrap(scopes, "engine.emit_audio", EngineSession, "send_audio")
     p.wrap(scopes, "words.track", EngineSession, "track_words")
-    p.wrap(scopes, "timeline.replace", SpeechTimeline, "replace")
+    p.wrap(scopes, "timeline.replace", SpeechTimelines, "replace")
     for name in ("view", "window_mask", "commit", "write_back"):
         p.wrap(scopes, f"state.{name}", r.state, name)
     m = r.model

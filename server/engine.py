@@ -33,6 +33,7 @@ from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
 from .session import EngineSession, Phase, SessionLimits, new_session_id
 from .text_memory import TextMemory
+from .timeline import SpeechTimelines
 
 log = logging.getLogger("livespeech.engine")
 
@@ -64,6 +65,7 @@ class Engine:
         self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,
                                  threaded=config.codec_thread)
         self.memory = TextMemory(self.runner, bundle.tokenizer, bundle.model.cfg.max_text_tokens, self.metrics)
+        self.timelines = SpeechTimelines(config.max_sessions)  # a row a slot: its session's timeline
         self.scheduler = Scheduler(config.max_lead_s, config.yield_lead_s)
         self._session_limits = SessionLimits(config.max_text_piece_chars, config.max_session_text_chars,
                                              config.max_session_s, config.max_overrun_s)
@@ -290,6 +292,7 @@ class Engine:
         slot = self._free_slots.pop(0)
         self.codec.settle({slot})  # the slot's codec state is reset below: no call may hold it
         s.slot = slot
+        s.timeline = self.timelines.bind(slot, client_speech_time=s.config.timestamps_are_speech_time)
         self._sessions[slot] = s
         s.guidance = self.runner.admit(slot, s.voice, s.config.seed, s.guidance, s.sampling)
         if self.bundle.front_end is not None and self.config.letter_schedule:
@@ -303,7 +306,10 @@ class Engine:
         for s in batch:
             if (waited := s.begin_step(now)) is not None:
                 self.metrics.lookahead_wait_seconds.observe(waited)
-        windows, force = [s.window() for s in batch], [s.must_end() for s in batch]
+        current = self.timelines.current_chunks(np.fromiter((s.slot for s in batch), np.int64, len(batch)),
+                                                np.fromiter((s.step_count for s in batch), np.int64, len(batch)))
+        windows = [s.window(c) for s, c in zip(batch, current.tolist())]
+        force = [s.must_end() for s in batch]
         letters = [s.letters for s in batch]
         forced = [s.forced_grapheme() for s in batch] if any(x is not None for x in letters) else None
         d1 = self.bundle.model.cfg.delays[1]  # codebook 1 at this step carries frame step - d1
@@ -315,9 +321,9 @@ class Engine:
         step_s = time.perf_counter() - t0
         self.metrics.step_seconds.observe(step_s)
         self.metrics.batch_size.observe(len(batch))
-        to_decode = []
         now = time.monotonic()
         share = step_s / len(batch)
+        stepped = []
         for s, failed, has_frame, done, frame in zip(batch, results.failed.tolist(), results.has_frame.tolist(),
                                                      results.done.tolist(), results.frames):
             if s.phase is Phase.ENDED:  # its audio failed on the codec thread during the step
@@ -326,25 +332,35 @@ class Engine:
             if failed:
                 self._fail(s, "INTERNAL", "numerical error in the decoder (non-finite logits)")
                 continue
+            stepped.append((s, frame if has_frame else None, done))
+        # the stepped sessions' timelines move on with their progress, in one pass over them
+        sessions = [s for s, _, _ in stepped]
+        slots = np.fromiter((s.slot for s in sessions), np.int64, len(sessions))
+        frames = np.fromiter((s.step_count + 1 for s in sessions), np.int64, len(sessions))
+        self.memory.replace(sessions, frames)
+        to_decode = []
+        for (s, frame, done), current in zip(stepped, self.timelines.current_chunks(slots, frames).tolist()):
+            if s.phase is Phase.ENDED:  # ended as another session's ending delivered its audio
+                continue
             with self._isolated(s, "decoding"):
-                if plan := self._after_step(s, frame if has_frame else None, done, now):
+                if plan := self._after_step(s, frame, done, current, now):
                     to_decode.append((s, plan))
         self.codec.decode(to_decode)
 
-    def _after_step(self, s: EngineSession, frame: Optional[np.ndarray], done: bool,
+    def _after_step(self, s: EngineSession, frame: Optional[np.ndarray], done: bool, current: int,
                     now: float) -> Optional[PacketPlan]:
         """Book one step's result for a session (its completed frame's codes, if one
-        completed; whether its last frame was emitted); returns the packet to decode now,
-        if any."""
+        completed; whether its last frame was emitted), its timeline already re-placed
+        (`TextMemory.replace`) and `current` its current chunk at its next step; returns
+        the packet to decode now, if any."""
         s.note_progress()  # the runner's step has observed the grapheme
         s.track_words(s.step_count)  # words are sent once their audio is (`EngineSession.send_words`)
         s.step_count += 1
-        self.memory.replace(s)
         if frame is not None:
             s.pending_frames.append(frame)
         if done:
             s.done_decoding = True
-        self.memory.evict_past(s)
+        self.memory.evict_past(s, current)
         if not s.done_decoding and not s.lookahead_ready():
             s.phase = Phase.WAITING  # text ran dry: wait for more
         s.clocked, plan = self.packets.due(s, now)

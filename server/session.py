@@ -246,18 +246,19 @@ class EngineSession(SessionInput):
     def text_complete(self) -> bool:
         return self.input_ended and self.chunker.pending_words == 0
 
-    def window(self) -> tuple[int, int]:
+    def window(self, current: Optional[int] = None) -> tuple[int, int]:
         """First and last chunk of the np/nf window at this step, among the chunks in the
         model's text memory: the words of the np text chunks before the current word's
-        and of the nf after it."""
+        and of the nf after it. current: the current chunk at this step where the caller
+        has it (`SpeechTimelines.current_chunks`)."""
         if not self.chunks:
             return 0, -1
-        lo, hi = self._window_text_chunks()
+        lo, hi = self._window_text_chunks(current)
         return self.text_chunk_starts[lo], min(self._text_chunk_end(hi), self.n_in_memory) - 1
 
-    def _window_text_chunks(self) -> tuple[int, int]:
+    def _window_text_chunks(self, current: Optional[int] = None) -> tuple[int, int]:
         """First and last text chunk of the np/nf window at this step (chunks exist)."""
-        c = self.timeline.current_chunk(self.step_count)
+        c = self.timeline.current_chunk(self.step_count) if current is None else current
         n_past = None if self.config.n_past_chunks < 0 else self.config.n_past_chunks
         return window_chunk_range(self.chunks[c].text_chunk, n_past, self.config.n_future_chunks,
                                   len(self.text_chunk_starts))

@@ -3,6 +3,10 @@ a word a chunk, placed on the session's speech timeline, moved in oldest first,
 re-placed as the timeline moves and evicted once they left the np window."""
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
+
 from .metrics import Metrics
 from .session import EngineSession, Phase
 
@@ -63,26 +67,38 @@ class TextMemory:
                     self.runner.evict_chunks_before(s.slot, cur)
                 if self.runner.text_room(s.slot) < len(ch.token_ids):
                     return  # wait until the speech moves on
-            ch.placed_tau = s.timeline.chunks[ch.index].tau
+            ch.placed_tau = s.timeline.tau(ch.index)
             self.runner.add_chunk(s.slot, ch.token_ids, ch.placed_tau, ch.index)
             s.n_in_memory += 1
 
-    def replace(self, s: EngineSession) -> None:
-        """Re-place the chunks the timeline moved (after a step)."""
+    def replace(self, sessions: list[EngineSession], frames: np.ndarray) -> None:
+        """Re-place the chunks the timelines of `sessions` (rows of one `SpeechTimelines`)
+        moved after a step, at their `frames` (each one's step count after that step), and
+        the cached chunks among them in the model's memory."""
+        if not sessions:
+            return
+        n = len(sessions)
+        slots = np.fromiter((s.timeline.slot for s in sessions), np.int64, n)
+        spoken = np.fromiter((s.guidance.progress for s in sessions), np.int64, n)
         # the window reaches nf text chunks past the current one and one more may become
         # current: the words of at most nf + 2 text chunks
-        horizon = (s.config.n_future_chunks + 2) * s.config.chunking.max_words
-        for chunk, tau in s.timeline.replace(s.guidance.progress, s.step_count, horizon=horizon):
-            ch = s.chunks[chunk]
+        horizon = np.fromiter(((s.config.n_future_chunks + 2) * s.config.chunking.max_words for s in sessions),
+                              np.int64, n)
+        moved = sessions[0].timeline.table.replace(slots, spoken, frames, horizon)
+        cached = moved.chunk < np.fromiter((s.n_in_memory for s in sessions), np.int64, n)[moved.at]
+        for at, chunk, tau in zip(moved.at[cached].tolist(), moved.chunk[cached].tolist(), moved.tau[cached].tolist()):
+            s, ch = sessions[at], sessions[at].chunks[chunk]
             # re-rotating keys costs a call per layer: skip sub-frame-scale drift
-            if chunk < s.n_in_memory and abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:
+            if abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:
                 self.runner.place_chunk(s.slot, chunk, tau)
                 ch.placed_tau = tau
 
-    def evict_past(self, s: EngineSession) -> None:
+    def evict_past(self, s: EngineSession, current: Optional[int] = None) -> None:
+        """Evict the chunks that left the np window for good (`EVICT_MIN_TOKENS` at a time),
+        then fill; current: the session's current chunk, where the caller has it."""
         if s.phase is Phase.ENDED or s.config.n_past_chunks < 0:
             return
-        lo = s.window()[0]
+        lo = s.window(current)[0]
         if lo > 0 and self.runner.tokens_before(s.slot, lo) >= EVICT_MIN_TOKENS:
             self.runner.evict_chunks_before(s.slot, lo)
         self.fill(s)

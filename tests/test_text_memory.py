@@ -62,7 +62,7 @@ def test_each_word_is_a_chunk_of_the_memory_at_its_own_frame():
 def test_the_window_counts_released_text_chunks_not_words():
     s = session(n_past=1, n_future=1)
     release(s, TextMemory(MemoryRecorder(), get_tokenizer(), 64, Metrics()), TEXT_CHUNKS)
-    tau = [ch.tau for ch in s.timeline.chunks]
+    tau = s.timeline.taus
     seen = {}
     for word in (0, 4, 5, 8):  # "Hello", "friend,", "how", "today?"
         s.step_count = tau[word]
@@ -116,7 +116,7 @@ def test_text_far_ahead_of_the_speech_is_evicted_in_batches_and_the_window_alway
     memory = TextMemory(runner, get_tokenizer(), 64, Metrics())
     release(s, memory, [[w] for w in words])  # the whole text at once, as an LLM far ahead sends it
     assert len(s.chunks) == len(words) and 0 < s.n_in_memory < len(words)
-    tau = [ch.tau for ch in s.timeline.chunks]
+    tau = s.timeline.taus
     for frame in range(tau[-1] + 1):  # the speech moves along every frame of the text
         s.step_count = frame
         memory.evict_past(s)

@@ -23,14 +23,14 @@ def test_progress_replaces_future_chunks():
     tl.add(10, 0)
     # speech reached the second chunk early, at frame 30
     changed = dict(tl.replace(spoken_chars=11, frame=30))
-    assert tl.chunks[1].tau == 30 and changed[1] == 30
+    assert tl.tau(1) == 30 and changed[1] == 30
     assert tl.current_chunk(30) == 1
     # the third follows from the rate measured so far, never in the past
-    assert tl.chunks[2].tau > 30
+    assert tl.tau(2) > 30
     # speech lagging: chunk 2 is pushed later, not started early
-    before = tl.chunks[2].tau
+    before = tl.tau(2)
     tl.replace(spoken_chars=12, frame=before + 5)
-    assert tl.chunks[2].tau > before + 5
+    assert tl.tau(2) > before + 5
 
 
 def test_client_speech_time_is_honoured():
@@ -38,7 +38,7 @@ def test_client_speech_time_is_honoured():
     assert tl.add(5, 0, client_time_s=0.0) == 0
     assert tl.add(5, 0, client_time_s=2.0) == 150
     tl.replace(spoken_chars=1, frame=10)
-    assert tl.chunks[1].tau == 150
+    assert tl.tau(1) == 150
 
 
 def _timeline(sizes, frames_per_char=5.0):
@@ -60,12 +60,12 @@ def test_replace_within_its_horizon_equals_a_full_replace():
         spoken = min(sum(sizes), max(0, spoken + rng.choice((-1, 0, 1, 1, 2))))
         near.replace(spoken, frame, horizon=4)
         full.replace(spoken, frame, horizon=10**9)
-        upto = near._placed_through
-        assert [c.tau for c in near.chunks[: upto + 1]] == [c.tau for c in full.chunks[: upto + 1]]
+        upto = near.placed_through
+        assert near.taus[: upto + 1] == full.taus[: upto + 1]
         assert near.frames_per_char == full.frames_per_char
         for t in (frame, frame - 8):
             assert near.current_chunk(t) == full.current_chunk(t)
-        assert near.last_tau() in (None, full.chunks[-1].tau)
+        assert near.last_tau() in (None, full.taus[-1])
 
 
 def test_text_far_ahead_is_not_walked_at_every_step():
@@ -76,7 +76,7 @@ def test_text_far_ahead_is_not_walked_at_every_step():
     assert changed and max(i for i, _ in changed) <= 2 + 4
     assert tl.last_tau() is None  # the runaway guard cannot see the end as passed
     near_end = tl.replace(spoken_chars=6 * 4998, frame=90000, horizon=4)
-    assert near_end and tl.last_tau() == tl.chunks[-1].tau > 90000
+    assert near_end and tl.last_tau() == tl.taus[-1] > 90000
 
 
 def test_current_chunk_equals_the_walk_over_every_chunk():
@@ -96,8 +96,111 @@ def test_current_chunk_equals_the_walk_over_every_chunk():
             if rng.random() < 0.08:
                 t = rng.uniform(0, frame / 75 + 2) if rng.random() < 0.5 else None
                 tl.add(rng.randint(1, 12), frame, t)
-            if tl.chunks:
+            if tl.n_chars:
                 spoken = min(tl.n_chars, max(0, spoken + rng.choice((-1, 0, 0, 1, 1, 2))))
                 tl.replace(spoken, frame, horizon=rng.choice((2, 4, 10**9)))
             for t in (frame, max(0, frame - 8), frame + 3):
-                assert tl.current_chunk(t) == current_chunk(t, (ch.tau for ch in tl.chunks)), (seed, frame, t)
+                assert tl.current_chunk(t) == current_chunk(t, tl.taus), (seed, frame, t)
+
+
+class _Reference:
+    """The placement rule chunk by chunk in plain Python, as the module docstring states
+    it, for one timeline: what `SpeechTimelines` computes for a batch of rows."""
+
+    def __init__(self, fpc: float, client: bool):
+        self.fpc, self.client, self.tau, self.start, self.n, self.fixed = fpc, client, [], [], [], []
+        self.placed_through = -1
+
+    def add(self, n_chars, frame, t=None):
+        start = self.start[-1] + self.n[-1] if self.tau else 0
+        if self.client and t is not None:
+            tau, fixed = max(int(round(t * 75)), self.tau[-1] if self.tau else 0), True
+        else:
+            tau = max(frame, self.tau[-1] + int(round(self.n[-1] * self.fpc))) if self.tau else 0
+            fixed = False
+        self.tau.append(tau), self.start.append(start), self.n.append(n_chars), self.fixed.append(fixed)
+        return tau
+
+    def current_chunk(self, frame):
+        c = 0
+        for i, tau in enumerate(self.tau):
+            if tau > frame:
+                break
+            c = i
+        return c
+
+    def replace(self, spoken, frame, horizon):
+        if not self.tau:
+            return []
+        if spoken > 0 and frame > 0:
+            self.fpc = min(12.0, max(3.0, 0.9 * self.fpc + 0.1 * (frame / spoken)))
+        changed = []
+        cur = max(i for i in range(len(self.tau)) if self.start[i] <= spoken) if self.start[0] <= spoken else 0
+        for i in range(cur + 1):
+            if not self.fixed[i] and i > 0 and self.tau[i] > frame:
+                self.tau[i] = frame
+                changed.append((i, frame))
+            self.fixed[i] = self.fixed[i] or self.tau[i] <= frame
+        expected = frame + max(0, self.start[cur] + self.n[cur] - spoken) * self.fpc
+        i, moving = cur + 1, 0
+        while i < len(self.tau) and moving < horizon:
+            if not self.fixed[i]:
+                tau = max(int(round(expected)), frame + 1)
+                if tau != self.tau[i]:
+                    self.tau[i] = tau
+                    changed.append((i, tau))
+                moving += 1
+            expected = self.tau[i] + self.n[i] * self.fpc
+            i += 1
+        self.placed_through = i - 1
+        return changed
+
+
+def test_a_batch_of_timelines_replaced_together_follows_the_rule_chunk_by_chunk():
+    """Rows re-placed in one `SpeechTimelines.replace` each get what the rule gives it alone
+    (`_Reference`): the same taus, speaking rate, chunks moved (in order), current chunks
+    and last tau, while chunks arrive (some with the client's speech time, some with no
+    characters), progress moves on, stalls and steps back, rows sit steps out, and the
+    table grows its rows."""
+    import random
+
+    import numpy as np
+
+    from livespeech.server.timeline import SpeechTimelines
+
+    rng = random.Random(3)
+    slots = 9
+    table = SpeechTimelines(slots, chunks=4)
+    refs, views, spoken = [], [], [0] * slots
+    for s in range(slots):
+        fpc, client = rng.choice((2.0, 4.3, 9.0)), s % 3 == 0
+        views.append(table.bind(s, client_speech_time=client, frames_per_char=fpc))
+        refs.append(_Reference(fpc, client))
+    for frame in range(0, 900):
+        for s in range(slots):
+            if rng.random() < 0.06:
+                n, t = rng.choice((0, 1, 3, 5, 12)), (rng.uniform(0, frame / 75 + 2) if rng.random() < 0.3 else None)
+                assert views[s].add(n, frame, t) == refs[s].add(n, frame, t)
+        rows = [s for s in range(slots) if rng.random() < 0.8]
+        for s in rows:
+            total = refs[s].start[-1] + refs[s].n[-1] if refs[s].tau else 0
+            spoken[s] = min(total, max(0, spoken[s] + rng.choice((-2, 0, 0, 1, 1, 2, 5))))
+        horizon = [rng.choice((1, 4, 10**9)) for _ in rows]
+        moved = table.replace(np.array(rows, np.int64), np.array([spoken[s] for s in rows], np.int64),
+                              np.full(len(rows), frame, np.int64), np.array(horizon, np.int64))
+        got = [[] for _ in rows]
+        for at, chunk, tau in zip(moved.at.tolist(), moved.chunk.tolist(), moved.tau.tolist()):
+            got[at].append((chunk, tau))
+        for k, s in enumerate(rows):
+            assert got[k] == refs[s].replace(spoken[s], frame, horizon[k]), (frame, s)
+        for s in range(slots):
+            ref, view = refs[s], views[s]
+            assert view.taus == ref.tau and view.frames_per_char == ref.fpc, (frame, s)
+            for t in (frame, max(0, frame - 8)):
+                assert view.current_chunk(t) == ref.current_chunk(t)
+            if s in rows:
+                assert view.placed_through == ref.placed_through
+        frames = np.array([max(0, frame - rng.choice((0, 8))) for _ in range(slots)], np.int64)
+        assert table.current_chunks(np.arange(slots), frames).tolist() == [
+            refs[s].current_chunk(int(frames[s])) for s in range(slots)]
+    assert table.width > 4  # the rows grew
