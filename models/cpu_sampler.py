@@ -16,18 +16,10 @@ sampler runs; the two agree token for token up to float rounding of the CDF
 """
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
-log = logging.getLogger("livespeech.models")
-
-try:
-    import numba
-except Exception as exc:  # noqa: BLE001 - not installed, or no build for this platform
-    numba = None
-    log.warning("top-k sampling runs on torch's top-k: numba is unavailable (%s)", exc)
+from .compiled import compiled, numba
 
 BLOCK = 8  # scores a block: a block is read again only if its maximum reaches the bound
 GROUP = 4  # blocks a group: the bound is the k-th largest group maximum
@@ -146,18 +138,9 @@ def _draw_rows(scores, k, u, out):
         out[r] = ci[min(j, kk - 1)]
 
 
-def _jit(fn, **options):
-    """`fn` compiled at its first call, the machine code kept for the next process where
-    a cache directory is writable (beside this file, else XDG_CACHE_HOME)."""
-    try:
-        return numba.njit(nogil=True, cache=True, **options)(fn)
-    except RuntimeError:  # nowhere to keep it (a read-only image): compiled at each start, ~1 s
-        return numba.njit(nogil=True, **options)(fn)
-
-
-if numba is not None:
+if numba is not None:  # without it `applies` leaves the rows to torch's top-k
     # fast-math lets the block maxima vectorise; a NaN (a failing row) may then be taken
     # or not, which moves that row's token only within the vocabulary
-    _block_maxima = _jit(_block_maxima, fastmath=True)
-    _collect = _jit(_collect, inline="always")
-    _draw_rows = _jit(_draw_rows)
+    _block_maxima = compiled(_block_maxima, fastmath=True)
+    _collect = compiled(_collect, inline="always")
+    _draw_rows = compiled(_draw_rows)

@@ -12,26 +12,103 @@ set the positions themselves.
 
 The timelines of an engine's slots are rows of per-chunk arrays (`SpeechTimelines`), so
 that a step re-places the chunks of all the sessions it stepped, and finds their current
-chunks, in a few numpy passes over the batch instead of a walk in Python a session. A
-session holds its row as a `SpeechTimeline`; one made on its own has a table of one row.
+chunks, in one compiled loop over the batch (models/compiled.py) instead of a walk in
+Python a session. A session holds its row as a `SpeechTimeline`; one made on its own
+has a table of one row.
 """
 from __future__ import annotations
 
-import bisect
 from typing import NamedTuple, Optional
 
 import numpy as np
 
+from livespeech.models.compiled import compiled
 from livespeech.models.config import FRAME_RATE
 
 DEFAULT_FRAMES_PER_CHAR = FRAME_RATE / 14.0  # ~14 characters/s of conversational speech
-MIN_FRAMES_PER_CHAR, MAX_FRAMES_PER_CHAR = 3.0, 12.0  # the speaking rate's sane range
 
-# Each row's sorted values (its chunks' first characters, its fixed chunks' running tau
-# maximum) are searched for all rows at once in one flat array: row r's keys are
-# r * _SPAN + value, and the columns past the row's end hold its largest key.
-_SPAN = 1 << 32
-_PAD = _SPAN - 1
+
+def _current_chunk(tau, fixed_tau_max, fixed_below, n, frame):
+    """`models.attention.current_chunk` of one row at `frame` (the last chunk whose tau <=
+    frame, the walk stopping at the first later one; 0 before the first), without walking
+    the chunks already spoken: the walk passes fixed chunk i iff the running maximum of
+    the fixed taus through i is <= frame, so a bisection finds how far it gets through
+    the fixed chunks, and only the few chunks after those are walked."""
+    lo, hi = 0, fixed_below
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fixed_tau_max[mid] <= frame:
+            lo = mid + 1
+        else:
+            hi = mid
+    k, current = lo, max(lo - 1, 0)
+    while k < n and tau[k] <= frame:
+        current, k = k, k + 1
+    return current
+
+
+def _current_chunks(slots, frames, count, fixed_below, fixed_tau_max, tau, out):
+    for r in range(len(slots)):
+        s = slots[r]
+        out[r] = _current_chunk(tau[s], fixed_tau_max[s], fixed_below[s], count[s], frames[r])
+
+
+def _replace_rows(slots, spoken, frames, horizon, count, frames_per_char, fixed_below, placed_through,
+                  char_start, n_chars, tau, fixed, fixed_tau_max, moved):
+    """`SpeechTimelines.replace`, row after row: the chunks it moves go to `moved` (rows of
+    position in `slots`, chunk, new tau), whose count it returns."""
+    m = 0
+    for r in range(len(slots)):
+        s, spoken_chars, frame = slots[r], spoken[r], frames[r]
+        n = count[s]
+        if n == 0:
+            continue
+        fpc = frames_per_char[s]
+        if spoken_chars > 0 and frame > 0:
+            # running estimate of the speaking rate, kept within a sane range
+            fpc = min(12.0, max(3.0, 0.9 * fpc + 0.1 * (frame / spoken_chars)))
+            frames_per_char[s] = fpc
+        # the chunk being spoken: the last whose first character was reached
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if char_start[s, mid] <= spoken_chars:
+                lo = mid + 1
+            else:
+                hi = mid
+        cur = max(lo - 1, 0)
+        for i in range(fixed_below[s], cur + 1):
+            if not fixed[s, i] and i > 0 and tau[s, i] > frame:
+                tau[s, i] = frame  # speech reached it early: it starts now
+                moved[m, 0], moved[m, 1], moved[m, 2] = r, i, frame
+                m += 1
+            fixed[s, i] = fixed[s, i] or tau[s, i] <= frame
+        b = fixed_below[s]
+        while b < n and fixed[s, b]:
+            fixed_tau_max[s, b] = tau[s, b] if b == 0 else max(tau[s, b], fixed_tau_max[s, b - 1])
+            b += 1
+        fixed_below[s] = b
+        expected = frame + max(0, char_start[s, cur] + n_chars[s, cur] - spoken_chars) * fpc
+        i, moving = cur + 1, 0
+        while i < n and moving < horizon[r]:
+            if fixed[s, i]:
+                expected = tau[s, i] + n_chars[s, i] * fpc
+            else:
+                t = max(int(round(expected)), frame + 1)
+                if t != tau[s, i]:
+                    tau[s, i] = t
+                    moved[m, 0], moved[m, 1], moved[m, 2] = r, i, t
+                    m += 1
+                expected = t + n_chars[s, i] * fpc
+                moving += 1
+            i += 1
+        placed_through[s] = i - 1
+    return m
+
+
+_current_chunk = compiled(_current_chunk, inline="always")
+_current_chunks = compiled(_current_chunks)
+_replace_rows = compiled(_replace_rows)
 
 
 class Replaced(NamedTuple):
@@ -46,39 +123,31 @@ class SpeechTimelines:
     """The chunks' first frames of `slots` timelines, a row each (see the module docstring).
 
     Per chunk: its first character in the (collapsed) transcript, its characters, its tau,
-    and whether it is fixed (client-supplied speech time, or already being spoken). Per
-    row: its chunk count, the speaking rate measured so far, the first chunk not fixed
-    (every one before it is), the last chunk the last `replace` brought up to date, and the
-    running maximum of the fixed chunks' taus (a fixed chunk's tau never changes). The rows
-    are as wide as the longest needs: when one fills, all double."""
+    whether it is fixed (client-supplied speech time, or already being spoken), and the
+    running maximum of the fixed chunks' taus through it (a fixed chunk's tau never
+    changes). Per row: its chunk count, the speaking rate measured so far, the first chunk
+    not fixed (every one before it is), and the last chunk the last `replace` brought up
+    to date. The rows are as wide as the longest needs: when one fills, all double."""
 
     def __init__(self, slots: int, chunks: int = 64) -> None:
         self.count = np.zeros(slots, np.int64)
-        # each row's running maximum of its fixed chunks' taus, for one slot's bisection
-        # (its rows of `_fixed_keys` serve a batch's)
-        self._fixed_tau_max: list[list[int]] = [[] for _ in range(slots)]
         self.frames_per_char = np.full(slots, DEFAULT_FRAMES_PER_CHAR)
         self.client_speech_time = np.zeros(slots, bool)
         self.fixed_below = np.zeros(slots, np.int64)
         self.placed_through = np.full(slots, -1, np.int64)
+        self.width = 0
         self._allocate(slots, chunks)
+        self._moved = np.zeros((64, 3), np.int64)
 
     def _allocate(self, slots: int, width: int) -> None:
         """Rows `width` chunks wide, keeping the chunks there are."""
-        kept = getattr(self, "width", 0)
-        self.width = width
-        for name, dtype in (("char_start", np.int64), ("n_chars", np.int64), ("tau", np.int64), ("fixed", bool)):
+        kept, self.width = self.width, width
+        for name, dtype in (("char_start", np.int64), ("n_chars", np.int64), ("tau", np.int64), ("fixed", bool),
+                            ("fixed_tau_max", np.int64)):
             a = np.zeros((slots, width), dtype)
             if kept:
                 a[:, :kept] = getattr(self, name)
             setattr(self, name, a)
-        rows = np.arange(slots, dtype=np.int64)[:, None] * _SPAN
-        cols = np.arange(width)
-        self._start_keys = np.where(cols < self.count[:, None], rows + self.char_start, rows + _PAD)
-        fixed_keys = np.full((slots, width), _PAD, np.int64)
-        for slot, top in enumerate(self._fixed_tau_max):
-            fixed_keys[slot, : len(top)] = top
-        self._fixed_keys = rows + fixed_keys
 
     def bind(self, slot: int, client_speech_time: bool = False,
              frames_per_char: float = DEFAULT_FRAMES_PER_CHAR) -> "SpeechTimeline":
@@ -88,8 +157,6 @@ class SpeechTimelines:
         self.frames_per_char[slot] = frames_per_char
         self.client_speech_time[slot] = client_speech_time
         self.fixed[slot] = False
-        self._fixed_tau_max[slot] = []
-        self._start_keys[slot] = self._fixed_keys[slot] = slot * _SPAN + _PAD
         return SpeechTimeline(table=self, slot=slot)
 
     # --- one slot ----------------------------------------------------------------------
@@ -116,19 +183,13 @@ class SpeechTimelines:
             tau = 0
         self.char_start[slot, n], self.n_chars[slot, n], self.tau[slot, n] = start, n_chars, tau
         self.fixed[slot, n] = fixed
-        self._start_keys[slot, n] = slot * _SPAN + start
         self.count[slot] = n + 1
         return tau
 
     def current_chunk(self, slot: int, frame: int) -> int:
         """`current_chunks` of one slot."""
-        k = bisect.bisect_right(self._fixed_tau_max[slot], frame)
-        current, n = max(k - 1, 0), int(self.count[slot])
-        if k < n:
-            tau = self.tau[slot]
-            while k < n and tau[k] <= frame:
-                current, k = k, k + 1
-        return current
+        return _current_chunk(self.tau[slot], self.fixed_tau_max[slot], int(self.fixed_below[slot]),
+                              int(self.count[slot]), frame)
 
     def last_tau(self, slot: int) -> Optional[int]:
         """The last chunk's tau if it is up to date (fixed, or re-placed by the last
@@ -140,99 +201,27 @@ class SpeechTimelines:
         return int(self.tau[slot, last])
 
     # --- a batch of slots --------------------------------------------------------------
-    def _search(self, keys: np.ndarray, slots: np.ndarray, values: np.ndarray) -> np.ndarray:
-        """For each of `slots`, how many of its row's keys are <= the value (a bisection)."""
-        return np.searchsorted(keys.reshape(-1), slots * _SPAN + values, side="right") - slots * self.width
-
     def current_chunks(self, slots: np.ndarray, frames: np.ndarray) -> np.ndarray:
-        """`models.attention.current_chunk` of each slot at its frame (the last chunk whose
-        tau <= frame, the walk stopping at the first later one; 0 before the first),
-        without walking the chunks already spoken: the walk passes fixed chunk i iff the
-        running maximum of the fixed taus through i is <= frame, so a bisection finds how
-        far it gets through the fixed chunks, and only the few chunks after those are walked."""
-        k = self._search(self._fixed_keys, slots, frames)
-        current = np.maximum(k - 1, 0)
-        n = self.count[slots]
-        walking = np.nonzero(k < n)[0]
-        while len(walking):
-            i = k[walking]
-            on = self.tau[slots[walking], i] <= frames[walking]
-            walking = walking[on]
-            current[walking] = i[on]
-            k[walking] += 1
-            walking = walking[k[walking] < n[walking]]
-        return current
+        """Each slot's current chunk at its frame (`_current_chunk`)."""
+        out = np.empty(len(slots), np.int64)
+        _current_chunks(slots, frames, self.count, self.fixed_below, self.fixed_tau_max, self.tau, out)
+        return out
 
     def replace(self, slots: np.ndarray, spoken: np.ndarray, frames: np.ndarray,
                 horizon: np.ndarray) -> Replaced:
         """Re-place the chunks the speech has not reached, in each of `slots`, given that
         `spoken` transcript characters were spoken by `frames`: the next `horizon` chunks
         that move (the np/nf window needs at most nf + 1 of them; later ones are placed
-        when they come within reach). A row without chunks is left as it is."""
-        at = np.nonzero(self.count[slots] > 0)[0]
-        slots, spoken, frames, horizon = slots[at], spoken[at], frames[at], horizon[at]
-        moved: list[tuple[np.ndarray, ...]] = []
-        # the running estimate of the speaking rate, kept within its range
-        fpc = self.frames_per_char[slots]
-        rate = (spoken > 0) & (frames > 0)
-        measured = frames[rate] / spoken[rate]
-        fpc[rate] = np.minimum(MAX_FRAMES_PER_CHAR, np.maximum(MIN_FRAMES_PER_CHAR, 0.9 * fpc[rate] + 0.1 * measured))
-        self.frames_per_char[slots] = fpc
-        # the chunk being spoken: the last whose first character was reached
-        cur = np.maximum(self._search(self._start_keys, slots, spoken) - 1, 0)
-        # chunks reached: one the speech reached before its tau starts now; all are fixed
-        i = self.fixed_below[slots].copy()
-        rows = np.nonzero(i <= cur)[0]
-        while len(rows):
-            s, c, f = slots[rows], i[rows], frames[rows]
-            early = ~self.fixed[s, c] & (c > 0) & (self.tau[s, c] > f)
-            self.tau[s[early], c[early]] = f[early]
-            moved.append((at[rows[early]], c[early], f[early]))
-            self.fixed[s, c] |= self.tau[s, c] <= f
-            i[rows] += 1
-            rows = rows[i[rows] <= cur[rows]]
-        self._advance_fixed(slots)
-        # the next `horizon` chunks that move, from where the current one's characters end
-        n = self.count[slots]
-        expected = frames + np.maximum(0, self.char_start[slots, cur] + self.n_chars[slots, cur] - spoken) * fpc
-        i, moving, earliest = cur + 1, np.zeros_like(cur), frames + 1
-        rows = np.nonzero((i < n) & (moving < horizon))[0]
-        while len(rows):
-            s, c = slots[rows], i[rows]
-            fixed, old = self.fixed[s, c], self.tau[s, c]
-            tau = np.where(fixed, old, np.maximum(np.rint(expected[rows]).astype(np.int64), earliest[rows]))
-            changed = tau != old
-            self.tau[s[changed], c[changed]] = tau[changed]
-            moved.append((at[rows[changed]], c[changed], tau[changed]))
-            expected[rows] = tau + self.n_chars[s, c] * fpc[rows]
-            moving[rows] += ~fixed
-            i[rows] += 1
-            rows = rows[(i[rows] < n[rows]) & (moving[rows] < horizon[rows])]
-        self.placed_through[slots] = i - 1
-        if not moved:
-            return Replaced(*(np.zeros(0, np.int64) for _ in range(3)))
-        out = [np.concatenate(parts) for parts in zip(*moved)]
-        order = np.lexsort((out[1], out[0]))  # each row's chunks in order
-        return Replaced(*(a[order] for a in out))
-
-    def _advance_fixed(self, slots: np.ndarray) -> None:
-        """Move each row's first chunk not fixed past the chunks fixed since, keeping the
-        running maximum of their taus."""
-        b = self.fixed_below[slots]
-        n = self.count[slots]
-        rows = np.nonzero(b < n)[0]
-        rows = rows[self.fixed[slots[rows], b[rows]]]
-        while len(rows):
-            s, j = slots[rows], b[rows]
-            key = s * _SPAN + self.tau[s, j]
-            key = np.where(j > 0, np.maximum(key, self._fixed_keys[s, np.maximum(j - 1, 0)]), key)
-            self._fixed_keys[s, j] = key
-            for slot, top in zip(s.tolist(), (key - s * _SPAN).tolist()):
-                self._fixed_tau_max[slot].append(top)
-            b[rows] += 1
-            rows = rows[b[rows] < n[rows]]
-            rows = rows[self.fixed[slots[rows], b[rows]]]
-        self.fixed_below[slots] = b
+        when they come within reach). A chunk the speech reached early starts at once; a
+        chunk being spoken is fixed. A row without chunks is left as it is."""
+        most = int((self.count[slots] - self.fixed_below[slots]).sum())  # each chunk moves once at most
+        if most > len(self._moved):
+            self._moved = np.zeros((max(most, 2 * len(self._moved)), 3), np.int64)
+        m = _replace_rows(slots, spoken, frames, horizon, self.count, self.frames_per_char, self.fixed_below,
+                          self.placed_through, self.char_start, self.n_chars, self.tau, self.fixed,
+                          self.fixed_tau_max, self._moved)
+        moved = self._moved[:m]
+        return Replaced(moved[:, 0].copy(), moved[:, 1].copy(), moved[:, 2].copy())
 
 
 class SpeechTimeline:

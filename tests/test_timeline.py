@@ -1,4 +1,6 @@
 """Chunk placement on the speech timeline (docs/design.md, "Chunks to speech time")."""
+import pytest
+
 from livespeech.server.timeline import SpeechTimeline
 
 
@@ -156,17 +158,23 @@ class _Reference:
         return changed
 
 
-def test_a_batch_of_timelines_replaced_together_follows_the_rule_chunk_by_chunk():
+@pytest.mark.parametrize("loops", ["compiled", "python"])
+def test_a_batch_of_timelines_replaced_together_follows_the_rule_chunk_by_chunk(loops, monkeypatch):
     """Rows re-placed in one `SpeechTimelines.replace` each get what the rule gives it alone
     (`_Reference`): the same taus, speaking rate, chunks moved (in order), current chunks
     and last tau, while chunks arrive (some with the client's speech time, some with no
     characters), progress moves on, stalls and steps back, rows sit steps out, and the
-    table grows its rows."""
+    table grows its rows; with the loops compiled (numba) and as Python (without it)."""
     import random
 
     import numpy as np
 
+    from livespeech.server import timeline
     from livespeech.server.timeline import SpeechTimelines
+
+    if loops == "python":
+        for name in ("_current_chunk", "_current_chunks", "_replace_rows"):
+            monkeypatch.setattr(timeline, name, getattr(getattr(timeline, name), "py_func", getattr(timeline, name)))
 
     rng = random.Random(3)
     slots = 9
