@@ -24,7 +24,7 @@ behaves the same. Each scope's exclusive time is reported per step:
         state.*            DecodeState view / window_mask / commit / write_back
       guidance.observe     GuidanceState.observe (Python)
       words/timeline       EngineSession.track_words (Python), SpeechTimelines.replace (the batch's)
-      text.add/place/evict ModelRunner.add_chunk (projects a chunk's K/V) / place_chunk
+      text.add/place/evict ModelRunner.add_chunk (projects a chunk's K/V) / place_chunks
                            (re-rotates cached keys) / evict_chunks_before, via the
                            engine's TextMemory.fill / evict_past
       codec                ModelRunner.decode (tensor prep) > codec.decode_step (the codec)
@@ -183,7 +183,7 @@ def install(scopes: Scopes, engine, fine: bool) -> Patches:
     p.wrap(scopes, "engine.select", engine.scheduler, "select")
     p.wrap(scopes, "codec.decode_step", r, "codec_step")  # the frozen graph or `decode_step`
     p.wrap(scopes, "text.add", r, "add_chunk")
-    p.wrap(scopes, "text.place", r, "place_chunk")
+    p.wrap(scopes, "text.place", r, "place_chunks")
     p.wrap(scopes, "text.evict", r, "evict_chunks_before")
     p.wrap(scopes, "engine.fill_memory", engine.memory, "fill")
     p.wrap(scopes, "engine.evict_past", engine.memory, "evict_past")

@@ -397,8 +397,10 @@ class ModelRunner:
     def add_chunk(self, slot: int, token_ids: Sequence[int], tau: int, chunk: int) -> None:
         self.state.append_chunk(slot, token_ids, float(tau), chunk)
 
-    def place_chunk(self, slot: int, chunk: int, tau: int) -> None:
-        self.state.set_chunk_positions(slot, chunk, float(tau))
+    def place_chunks(self, slots: Sequence[int], chunks: Sequence[int], taus: Sequence[int]) -> None:
+        """Re-place cached chunks: chunks[i] of slots[i] at taus[i]."""
+        for slot, chunk, tau in zip(slots, chunks, taus):
+            self.state.set_chunk_positions(slot, chunk, float(tau))
 
     def evict_chunks_before(self, slot: int, chunk: int) -> None:
         self.state.evict_chunks_before(slot, chunk)

@@ -74,7 +74,6 @@ class Chunk:
     text_chunk: int  # the released text chunk it belongs to
     token_ids: list[int]
     n_chars: int
-    placed_tau: int = 0  # position its cached keys are rotated to
 
 
 def new_session_id() -> str:

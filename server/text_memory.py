@@ -67,8 +67,9 @@ class TextMemory:
                     self.runner.evict_chunks_before(s.slot, cur)
                 if self.runner.text_room(s.slot) < len(ch.token_ids):
                     return  # wait until the speech moves on
-            ch.placed_tau = s.timeline.tau(ch.index)
-            self.runner.add_chunk(s.slot, ch.token_ids, ch.placed_tau, ch.index)
+            tau = s.timeline.tau(ch.index)
+            s.timeline.set_memory_tau(ch.index, tau)
+            self.runner.add_chunk(s.slot, ch.token_ids, tau, ch.index)
             s.n_in_memory += 1
 
     def replace(self, sessions: list[EngineSession], frames: np.ndarray) -> None:
@@ -78,20 +79,21 @@ class TextMemory:
         if not sessions:
             return
         n = len(sessions)
+        table = sessions[0].timeline.table
         slots = np.fromiter((s.timeline.slot for s in sessions), np.int64, n)
         spoken = np.fromiter((s.guidance.progress for s in sessions), np.int64, n)
         # the window reaches nf text chunks past the current one and one more may become
         # current: the words of at most nf + 2 text chunks
         horizon = np.fromiter(((s.config.n_future_chunks + 2) * s.config.chunking.max_words for s in sessions),
                               np.int64, n)
-        moved = sessions[0].timeline.table.replace(slots, spoken, frames, horizon)
+        moved = table.replace(slots, spoken, frames, horizon)
+        rows = slots[moved.at]
         cached = moved.chunk < np.fromiter((s.n_in_memory for s in sessions), np.int64, n)[moved.at]
-        for at, chunk, tau in zip(moved.at[cached].tolist(), moved.chunk[cached].tolist(), moved.tau[cached].tolist()):
-            s, ch = sessions[at], sessions[at].chunks[chunk]
-            # re-rotating keys costs a call per layer: skip sub-frame-scale drift
-            if abs(tau - ch.placed_tau) >= REPLACE_MIN_FRAMES:
-                self.runner.place_chunk(s.slot, chunk, tau)
-                ch.placed_tau = tau
+        # re-rotating keys costs a call per layer: skip sub-frame-scale drift
+        far = cached & (np.abs(moved.tau - table.memory_tau[rows, moved.chunk]) >= REPLACE_MIN_FRAMES)
+        if far.any():
+            table.memory_tau[rows[far], moved.chunk[far]] = moved.tau[far]
+            self.runner.place_chunks(rows[far].tolist(), moved.chunk[far].tolist(), moved.tau[far].tolist())
 
     def evict_past(self, s: EngineSession, current: Optional[int] = None) -> None:
         """Evict the chunks that left the np window for good (`EVICT_MIN_TOKENS` at a time),

@@ -123,9 +123,10 @@ class SpeechTimelines:
     """The chunks' first frames of `slots` timelines, a row each (see the module docstring).
 
     Per chunk: its first character in the (collapsed) transcript, its characters, its tau,
-    whether it is fixed (client-supplied speech time, or already being spoken), and the
+    whether it is fixed (client-supplied speech time, or already being spoken), the
     running maximum of the fixed chunks' taus through it (a fixed chunk's tau never
-    changes). Per row: its chunk count, the speaking rate measured so far, the first chunk
+    changes), and the tau the model's text memory last placed its keys at (`memory_tau`,
+    server/text_memory.py's). Per row: its chunk count, the speaking rate measured so far, the first chunk
     not fixed (every one before it is), and the last chunk the last `replace` brought up
     to date. The rows are as wide as the longest needs: when one fills, all double."""
 
@@ -143,7 +144,7 @@ class SpeechTimelines:
         """Rows `width` chunks wide, keeping the chunks there are."""
         kept, self.width = self.width, width
         for name, dtype in (("char_start", np.int64), ("n_chars", np.int64), ("tau", np.int64), ("fixed", bool),
-                            ("fixed_tau_max", np.int64)):
+                            ("fixed_tau_max", np.int64), ("memory_tau", np.int64)):
             a = np.zeros((slots, width), dtype)
             if kept:
                 a[:, :kept] = getattr(self, name)
@@ -253,6 +254,9 @@ class SpeechTimeline:
 
     def tau(self, chunk: int) -> int:
         return int(self.table.tau[self.slot, chunk])
+
+    def set_memory_tau(self, chunk: int, tau: int) -> None:
+        self.table.memory_tau[self.slot, chunk] = tau
 
     def add(self, n_chars: int, arrival_frame: int, client_time_s: Optional[float] = None) -> int:
         return self.table.add(self.slot, n_chars, arrival_frame, client_time_s)

@@ -22,7 +22,7 @@ class MemoryRecorder:
     def add_chunk(self, slot, token_ids, tau, chunk):
         self.added.append((list(token_ids), tau, chunk))
 
-    def place_chunk(self, slot, chunk, tau):
+    def place_chunks(self, slots, chunks, taus):
         pass
 
     def evict_chunks_before(self, slot, chunk):
