@@ -136,24 +136,31 @@ class SpeechTimelines:
         self.client_speech_time = np.zeros(slots, bool)
         self.fixed_below = np.zeros(slots, np.int64)
         self.placed_through = np.full(slots, -1, np.int64)
-        self.width = 0
+        self.width, self._min_width = 0, chunks
         self._allocate(slots, chunks)
         self._moved = np.zeros((64, 3), np.int64)
 
     def _allocate(self, slots: int, width: int) -> None:
-        """Rows `width` chunks wide, keeping the chunks there are."""
-        kept, self.width = self.width, width
-        for name, dtype in (("char_start", np.int64), ("n_chars", np.int64), ("tau", np.int64), ("fixed", bool),
-                            ("fixed_tau_max", np.int64), ("memory_tau", np.int64)):
+        """Rows `width` chunks wide, keeping the chunks there are (fewer than `width`)."""
+        kept, self.width = min(self.width, width), width
+        # 21 bytes a chunk a row, every row as wide as the most chunks a session has had: a
+        # session of 100,000 characters (the default limit; ~20,000 words) widens 16 rows
+        # to ~11 MB, 256 rows to ~176 MB
+        for name, dtype in (("char_start", np.int32), ("n_chars", np.int32), ("tau", np.int32), ("fixed", bool),
+                            ("fixed_tau_max", np.int32), ("memory_tau", np.int32)):
             a = np.zeros((slots, width), dtype)
             if kept:
-                a[:, :kept] = getattr(self, name)
+                a[:, :kept] = getattr(self, name)[:, :kept]
             setattr(self, name, a)
 
     def bind(self, slot: int, client_speech_time: bool = False,
              frames_per_char: float = DEFAULT_FRAMES_PER_CHAR) -> "SpeechTimeline":
-        """Slot `slot`'s row, emptied, for a new session."""
+        """Slot `slot`'s row, emptied, for a new session. Rows a long session widened
+        narrow again once no row needs a quarter of their width."""
         self.count[slot] = self.fixed_below[slot] = 0
+        most = int(self.count.max())
+        if self.width > self._min_width and 4 * most <= self.width:
+            self._allocate(len(self.count), max(self._min_width, 1 << max(most - 1, 0).bit_length()))
         self.placed_through[slot] = -1
         self.frames_per_char[slot] = frames_per_char
         self.client_speech_time[slot] = client_speech_time

@@ -212,3 +212,24 @@ def test_a_batch_of_timelines_replaced_together_follows_the_rule_chunk_by_chunk(
         assert table.current_chunks(np.arange(slots), frames).tolist() == [
             refs[s].current_chunk(int(frames[s])) for s in range(slots)]
     assert table.width > 4  # the rows grew
+
+
+def test_rows_a_long_session_widened_narrow_once_it_has_left():
+    """One session's long text widens every row of the table; the next session bound
+    where no row needs a quarter of that width narrows them again, the other rows'
+    chunks kept."""
+    from livespeech.server.timeline import SpeechTimelines
+
+    table = SpeechTimelines(4, chunks=8)
+    short, long = table.bind(0), table.bind(1)
+    for n in (3, 4, 5):
+        short.add(n, 0)
+    before = short.taus
+    for _ in range(1000):
+        long.add(2, 0)
+    assert table.width == 1024
+    table.bind(2)  # the long session still speaks: nothing narrows
+    assert table.width == 1024
+    table.bind(1)  # it ended; its slot takes a new session
+    assert table.width == 8 and short.taus == before and short.n_chars == 12
+    assert short.add(1, 0) == before[-1] + round(5 * short.frames_per_char)
