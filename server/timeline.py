@@ -126,9 +126,10 @@ class SpeechTimelines:
     whether it is fixed (client-supplied speech time, or already being spoken), the
     running maximum of the fixed chunks' taus through it (a fixed chunk's tau never
     changes), and the tau the model's text memory last placed its keys at (`memory_tau`,
-    server/text_memory.py's). Per row: its chunk count, the speaking rate measured so far, the first chunk
-    not fixed (every one before it is), and the last chunk the last `replace` brought up
-    to date. The rows are as wide as the longest needs: when one fills, all double."""
+    server/text_memory.py's). Per row: its chunk count, the speaking rate measured so
+    far, the first chunk not fixed (every one before it is), and the last chunk the last
+    `replace` brought up to date. The rows are as wide as the longest needs: when one
+    fills, all double (`bind` narrows them again)."""
 
     def __init__(self, slots: int, chunks: int = 64) -> None:
         self.count = np.zeros(slots, np.int64)
