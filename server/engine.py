@@ -337,7 +337,7 @@ class Engine:
         sessions = [s for s, _, _ in stepped]
         slots = np.fromiter((s.slot for s in sessions), np.int64, len(sessions))
         frames = np.fromiter((s.step_count + 1 for s in sessions), np.int64, len(sessions))
-        self.memory.replace(sessions, frames)
+        self.memory.replace(sessions, slots, frames)
         to_decode = []
         for (s, frame, done), current in zip(stepped, self.timelines.current_chunks(slots, frames).tolist()):
             if s.phase is Phase.ENDED:  # ended as another session's ending delivered its audio

@@ -72,15 +72,14 @@ class TextMemory:
             self.runner.add_chunk(s.slot, ch.token_ids, tau, ch.index)
             s.n_in_memory += 1
 
-    def replace(self, sessions: list[EngineSession], frames: np.ndarray) -> None:
-        """Re-place the chunks the timelines of `sessions` (rows of one `SpeechTimelines`)
-        moved after a step, at their `frames` (each one's step count after that step), and
-        the cached chunks among them in the model's memory."""
+    def replace(self, sessions: list[EngineSession], slots: np.ndarray, frames: np.ndarray) -> None:
+        """Re-place the chunks the timelines of `sessions` (rows `slots` of one
+        `SpeechTimelines`) moved after a step, at their `frames` (each one's step count
+        after that step), and the cached chunks among them in the model's memory."""
         if not sessions:
             return
         n = len(sessions)
         table = sessions[0].timeline.table
-        slots = np.fromiter((s.timeline.slot for s in sessions), np.int64, n)
         spoken = np.fromiter((s.guidance.progress for s in sessions), np.int64, n)
         # the window reaches nf text chunks past the current one and one more may become
         # current: the words of at most nf + 2 text chunks
