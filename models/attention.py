@@ -138,8 +138,9 @@ class CrossAttention(nn.Module):
 
 def window_chunk_range(c: int, n_past: Optional[int], n_future: int, n_chunks: int) -> tuple[int, int]:
     """Chunks visible at a frame whose current chunk is c: c-np .. c+nf, clipped to the
-    chunks that exist (n_past None = unbounded, the paper's offline mode np=inf)."""
-    lo = 0 if n_past is None else max(0, c - n_past)
+    chunks that exist (n_past None or negative = unbounded, the paper's offline mode
+    np=inf)."""
+    lo = 0 if n_past is None or n_past < 0 else max(0, c - n_past)
     hi = min(n_chunks - 1, c + n_future)
     return lo, hi
 

@@ -213,8 +213,13 @@ class DecodeState(DecodeStateView):
             dst.index_copy_(1 if name in DecodeStateView.LAYERED else 0, idx, getattr(view, name))
 
     # --- text memory ----------------------------------------------------------------
+    @property
+    def text_capacity(self) -> int:
+        """The tokens a slot's text memory holds."""
+        return self.txt_chunk.shape[1]
+
     def text_room(self, slot: int) -> int:
-        return self.txt_chunk.shape[1] - len(self.chunk_ids[slot])
+        return self.text_capacity - len(self.chunk_ids[slot])
 
     def _rotate(self, rows: Sequence[int], cols: Sequence[int], positions: Sequence[float]) -> None:
         """Give text keys (rows[i], cols[i]) = (slot, token) their positions and refresh

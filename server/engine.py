@@ -292,7 +292,8 @@ class Engine:
         slot = self._free_slots.pop(0)
         self.codec.settle({slot})  # the slot's codec state is reset below: no call may hold it
         s.slot = slot
-        s.timeline = self.timelines.bind(slot, client_speech_time=s.config.timestamps_are_speech_time)
+        s.timeline = self.timelines.bind(slot, client_speech_time=s.config.timestamps_are_speech_time,
+                                         n_past=s.config.n_past_chunks, n_future=s.config.n_future_chunks)
         self._sessions[slot] = s
         s.guidance = self.runner.admit(slot, s.voice, s.config.seed, s.guidance, s.sampling)
         if self.bundle.front_end is not None and self.config.letter_schedule:
@@ -306,9 +307,10 @@ class Engine:
         for s in batch:
             if (waited := s.begin_step(now)) is not None:
                 self.metrics.lookahead_wait_seconds.observe(waited)
-        current = self.timelines.current_chunks(np.fromiter((s.slot for s in batch), np.int64, len(batch)),
-                                                np.fromiter((s.step_count for s in batch), np.int64, len(batch)))
-        windows = [s.window(c) for s, c in zip(batch, current.tolist())]
+        slots = np.fromiter((s.slot for s in batch), np.int64, len(batch))
+        win = self.timelines.windows(slots, self.timelines.current_chunks(
+            slots, np.fromiter((s.step_count for s in batch), np.int64, len(batch))))
+        windows = list(zip(win.lo.tolist(), win.hi.tolist()))
         force = [s.must_end() for s in batch]
         letters = [s.letters for s in batch]
         forced = [s.forced_grapheme() for s in batch] if any(x is not None for x in letters) else None
@@ -316,7 +318,7 @@ class Engine:
         bias_rows = [-1 if x is None else x.bias_row(s.step_count - d1) for s, x in zip(batch, letters)] if forced else None
         self.codec.deliver_done()
         with self.codec.may_deliver():
-            results = self.runner.step([s.slot for s in batch], windows, [s.guidance for s in batch], force, forced,
+            results = self.runner.step(slots.tolist(), windows, [s.guidance for s in batch], force, forced,
                                        bias_rows)
         step_s = time.perf_counter() - t0
         self.metrics.step_seconds.observe(step_s)
@@ -338,20 +340,24 @@ class Engine:
         slots = np.fromiter((s.slot for s in sessions), np.int64, len(sessions))
         frames = np.fromiter((s.step_count + 1 for s in sessions), np.int64, len(sessions))
         self.memory.replace(sessions, slots, frames)
+        # where the text memory has work to do, from the windows at each one's next step
+        win = self.timelines.windows(slots, self.timelines.current_chunks(slots, frames))
+        memory_lo = np.where(self.memory.due(self.timelines, slots, win), win.lo, -1)
         to_decode = []
-        for (s, frame, done), current in zip(stepped, self.timelines.current_chunks(slots, frames).tolist()):
+        for (s, frame, done), lo in zip(stepped, memory_lo.tolist()):
             if s.phase is Phase.ENDED:  # ended as another session's ending delivered its audio
                 continue
             with self._isolated(s, "decoding"):
-                if plan := self._after_step(s, frame, done, current, now):
+                if plan := self._after_step(s, frame, done, lo, now):
                     to_decode.append((s, plan))
         self.codec.decode(to_decode)
 
-    def _after_step(self, s: EngineSession, frame: Optional[np.ndarray], done: bool, current: int,
+    def _after_step(self, s: EngineSession, frame: Optional[np.ndarray], done: bool, memory_lo: int,
                     now: float) -> Optional[PacketPlan]:
         """Book one step's result for a session (its completed frame's codes, if one
         completed; whether its last frame was emitted), its timeline already re-placed
-        (`TextMemory.replace`) and `current` its current chunk at its next step; returns
+        (`TextMemory.replace`) and `memory_lo` the first chunk of its window at its next
+        step where its text memory has work to do (`TextMemory.due`; -1: none); returns
         the packet to decode now, if any."""
         s.note_progress()  # the runner's step has observed the grapheme
         s.track_words(s.step_count)  # words are sent once their audio is (`EngineSession.send_words`)
@@ -360,7 +366,8 @@ class Engine:
             s.pending_frames.append(frame)
         if done:
             s.done_decoding = True
-        self.memory.evict_past(s, current)
+        if memory_lo >= 0:
+            self.memory.evict_past(s, memory_lo)
         if not s.done_decoding and not s.lookahead_ready():
             s.phase = Phase.WAITING  # text ran dry: wait for more
         s.clocked, plan = self.packets.due(s, now)

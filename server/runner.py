@@ -405,11 +405,11 @@ class ModelRunner:
     def evict_chunks_before(self, slot: int, chunk: int) -> None:
         self.state.evict_chunks_before(slot, chunk)
 
-    def text_room(self, slot: int) -> int:
-        return self.state.text_room(slot)
-
-    def tokens_before(self, slot: int, chunk: int) -> int:
-        return self.state.tokens_before(slot, chunk)
+    @property
+    def text_capacity(self) -> int:
+        """The tokens a slot's text memory holds (the server counts them itself:
+        server/text_memory.py)."""
+        return self.state.text_capacity
 
     # --- one decode step for a batch of sessions ------------------------------------------
     @torch.inference_mode()

@@ -24,7 +24,6 @@ from typing import Callable, Optional
 from livespeech.api.session import (AudioPacket, ConfigError, LimitError, SessionConfig, Sink, StateError, Summary,
                                     WordTiming)
 from livespeech.models import graphemes
-from livespeech.models.attention import window_chunk_range
 from livespeech.models.front_end import LetterSchedule
 from livespeech.models.config import FRAME_RATE
 from livespeech.models.guidance import GuidanceState, SamplingSettings, Temperatures
@@ -151,7 +150,8 @@ class EngineSession(SessionInput):
         self.slot: Optional[int] = None
         # engine-side state (the engine thread)
         self.chunker = Chunker(config.chunking)
-        self.timeline = SpeechTimeline(client_speech_time=config.timestamps_are_speech_time)
+        self.timeline = SpeechTimeline(client_speech_time=config.timestamps_are_speech_time,
+                                       n_past=config.n_past_chunks, n_future=config.n_future_chunks)
         self.guidance = GuidanceState()
         # the text's letters on predicted frames (models/front_end.py), when the model has
         # a front end and the letter schedule is on: the engine sets it at open
@@ -162,9 +162,6 @@ class EngineSession(SessionInput):
         self.chunks: list[Chunk] = []
         # the index in `chunks` of each released text chunk's first word
         self.text_chunk_starts: list[int] = []
-        # chunks move into the model's text memory oldest first (`TextMemory.fill`): the
-        # first n_in_memory of them are there (or were, and left the np window)
-        self.n_in_memory = 0
         self.words: list[Word] = []
         # words end, and are sent, in order: the ones before these indices are done with
         self._first_open_word = 0
@@ -221,6 +218,13 @@ class EngineSession(SessionInput):
     def begin_text_chunk(self) -> None:
         """The chunks registered next belong to a new text chunk."""
         self.text_chunk_starts.append(len(self.chunks))
+        self.timeline.begin_text_chunk()
+
+    @property
+    def n_in_memory(self) -> int:
+        """Chunks move into the model's text memory oldest first (`TextMemory.fill`): the
+        first n_in_memory of them are there (or were, and left the np window)."""
+        return self.timeline.in_memory
 
     def register_chunk(self, word: Optional[str], token_ids: list[int]) -> Chunk:
         """Account a word (None: the end of the text) of the current text chunk in the
@@ -245,27 +249,18 @@ class EngineSession(SessionInput):
     def text_complete(self) -> bool:
         return self.input_ended and self.chunker.pending_words == 0
 
-    def window(self, current: Optional[int] = None) -> tuple[int, int]:
+    def window(self) -> tuple[int, int]:
         """First and last chunk of the np/nf window at this step, among the chunks in the
         model's text memory: the words of the np text chunks before the current word's
-        and of the nf after it. current: the current chunk at this step where the caller
-        has it (`SpeechTimelines.current_chunks`)."""
-        if not self.chunks:
-            return 0, -1
-        lo, hi = self._window_text_chunks(current)
-        return self.text_chunk_starts[lo], min(self._text_chunk_end(hi), self.n_in_memory) - 1
-
-    def _window_text_chunks(self, current: Optional[int] = None) -> tuple[int, int]:
-        """First and last text chunk of the np/nf window at this step (chunks exist)."""
-        c = self.timeline.current_chunk(self.step_count) if current is None else current
-        n_past = None if self.config.n_past_chunks < 0 else self.config.n_past_chunks
-        return window_chunk_range(self.chunks[c].text_chunk, n_past, self.config.n_future_chunks,
-                                  len(self.text_chunk_starts))
+        and of the nf after it (`SpeechTimelines.windows`, which the engine asks for its
+        whole batch)."""
+        lo, hi, _ = self.timeline.window(self.timeline.current_chunk(self.step_count))
+        return lo, hi
 
     def window_needs(self, chunk: Chunk) -> bool:
         """Whether the np/nf window shows `chunk` at this step or may at the next (a text
         chunk further on)."""
-        return chunk.text_chunk <= self._window_text_chunks()[1] + 1
+        return chunk.text_chunk <= self.timeline.window(self.timeline.current_chunk(self.step_count))[2] + 1
 
     def _text_chunk_end(self, k: int) -> int:
         """One past the last of `chunks` of text chunk k."""

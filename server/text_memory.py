@@ -1,14 +1,21 @@
 """A session's text in the model's text memory (`ModelRunner`): released chunks tokenized
 a word a chunk, placed on the session's speech timeline, moved in oldest first,
-re-placed as the timeline moves and evicted once they left the np window."""
+re-placed as the timeline moves and evicted once they left the np window.
+
+What the memory holds of each session is counted in the rows of the speech timelines
+(server/timeline.py), so that after a step one compiled pass over the batch finds the
+few sessions whose memory has work to do (`TextMemory.due`)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import numpy as np
 
+from livespeech.models.compiled import compiled
+
 from .metrics import Metrics
 from .session import EngineSession, Phase
+from .timeline import SpeechTimelines, Windows, cached_tokens_before
 
 # a cached chunk is re-placed when its timeline position moved at least this far
 REPLACE_MIN_FRAMES = 3
@@ -19,9 +26,31 @@ REPLACE_MIN_FRAMES = 3
 EVICT_MIN_TOKENS = 16
 
 
+def _due(slots, lo, last_text_chunk, count, n_past, in_memory, first_cached, token_start, tokens, n_tokens,
+         text_chunk, capacity, evict_min, out):
+    """`TextMemory.due`, row after row."""
+    for r in range(len(slots)):
+        s = slots[r]
+        if n_past[s] < 0:
+            out[r] = False
+            continue
+        n, moved = count[s], in_memory[s]
+        evict = lo[r] > 0 and cached_tokens_before(token_start[s], n, tokens[s], first_cached[s], moved,
+                                                   lo[r]) >= evict_min
+        fill = False
+        if moved < n:
+            room = capacity - cached_tokens_before(token_start[s], n, tokens[s], first_cached[s], moved, moved)
+            fill = room >= n_tokens[s, moved] or text_chunk[s, moved] <= last_text_chunk[r] + 1
+        out[r] = evict or fill
+
+
+_due = compiled(_due)
+
+
 class TextMemory:
     def __init__(self, runner, tokenizer, max_text_tokens: int, metrics: Metrics):
         self.runner = runner
+        self._capacity = runner.text_capacity  # tokens a slot
         self._tokenizer = tokenizer
         self._max_text_tokens = max_text_tokens
         self.metrics = metrics
@@ -36,7 +65,7 @@ class TextMemory:
                 self.metrics.text_tokens_total.inc(len(ids))
                 # a client's timestamp is its chunk's first word's; the timeline spaces
                 # the words after it
-                s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s if i == 0 else None)
+                s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s if i == 0 else None, len(ids))
         self.fill(s)
 
     def add_eos(self, s: EngineSession) -> None:
@@ -44,7 +73,7 @@ class TextMemory:
         if s.text_complete and not s.eos_added and s.chunks:
             s.begin_text_chunk()
             eos = s.register_chunk(None, [self._tokenizer.eos_id])
-            s.timeline.add(eos.n_chars, s.step_count)
+            s.timeline.add(eos.n_chars, s.step_count, n_tokens=len(eos.token_ids))
             s.guidance.input_complete = True
             s.eos_added = True
             self.fill(s)
@@ -55,22 +84,29 @@ class TextMemory:
         window needs (`EngineSession.window_needs`); otherwise `evict_past` frees them
         EVICT_MIN_TOKENS at a time: text far ahead of the speech kept memory full, and
         each word the window passed cost an eviction of its own."""
+        timeline = s.timeline
         while s.n_in_memory < len(s.chunks):
             ch = s.chunks[s.n_in_memory]
-            if self.runner.text_room(s.slot) < len(ch.token_ids):
+            if self._room(s) < len(ch.token_ids):
                 if not s.window_needs(ch):
                     return  # `evict_past` makes room as the speech moves on
-                self.runner.evict_chunks_before(s.slot, s.window()[0])
-                if self.runner.text_room(s.slot) < len(ch.token_ids):
+                self._evict_before(s, s.window()[0])
+                if self._room(s) < len(ch.token_ids):
                     # keep at least the current chunk: drop older ones beyond np
-                    cur = s.timeline.current_chunk(s.step_count)
-                    self.runner.evict_chunks_before(s.slot, cur)
-                if self.runner.text_room(s.slot) < len(ch.token_ids):
+                    self._evict_before(s, timeline.current_chunk(s.step_count))
+                if self._room(s) < len(ch.token_ids):
                     return  # wait until the speech moves on
-            tau = s.timeline.tau(ch.index)
-            s.timeline.set_memory_tau(ch.index, tau)
+            tau = timeline.tau(ch.index)
+            timeline.set_memory_tau(ch.index, tau)
             self.runner.add_chunk(s.slot, ch.token_ids, tau, ch.index)
-            s.n_in_memory += 1
+            timeline.moved_in()
+
+    def _room(self, s: EngineSession) -> int:
+        return self._capacity - s.timeline.cached_tokens()
+
+    def _evict_before(self, s: EngineSession, chunk: int) -> None:
+        self.runner.evict_chunks_before(s.slot, chunk)
+        s.timeline.evicted_before(chunk)
 
     def replace(self, sessions: list[EngineSession], slots: np.ndarray, frames: np.ndarray) -> None:
         """Re-place the chunks the timelines of `sessions` (rows `slots` of one
@@ -94,12 +130,24 @@ class TextMemory:
             table.memory_tau[rows[far], moved.chunk[far]] = moved.tau[far]
             self.runner.place_chunks(rows[far].tolist(), moved.chunk[far].tolist(), moved.tau[far].tolist())
 
-    def evict_past(self, s: EngineSession, current: Optional[int] = None) -> None:
+    def due(self, table: SpeechTimelines, slots: np.ndarray, windows: Windows) -> np.ndarray:
+        """Whether `evict_past` has work to do for each of `slots` (rows of `table`; one
+        compiled pass) given their np/nf windows at this step: chunks that
+        left the window to evict, or a chunk that `fill` would move in (room for it, or
+        the window needs it). A session for which it is False may skip `evict_past`."""
+        out = np.empty(len(slots), bool)
+        _due(slots, windows.lo, windows.last_text_chunk, table.count, table.n_past, table.in_memory,
+             table.first_cached, table.token_start, table.tokens, table.n_tokens, table.text_chunk,
+             self._capacity, EVICT_MIN_TOKENS, out)
+        return out
+
+    def evict_past(self, s: EngineSession, lo: Optional[int] = None) -> None:
         """Evict the chunks that left the np window for good (`EVICT_MIN_TOKENS` at a time),
-        then fill; current: the session's current chunk, where the caller has it."""
+        then fill; lo: the first chunk of the session's window, where the caller has it."""
         if s.phase is Phase.ENDED or s.config.n_past_chunks < 0:
             return
-        lo = s.window(current)[0]
-        if lo > 0 and self.runner.tokens_before(s.slot, lo) >= EVICT_MIN_TOKENS:
-            self.runner.evict_chunks_before(s.slot, lo)
+        if lo is None:
+            lo = s.window()[0]
+        if lo > 0 and s.timeline.tokens_before(lo) >= EVICT_MIN_TOKENS:
+            self._evict_before(s, lo)
         self.fill(s)

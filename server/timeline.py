@@ -15,6 +15,11 @@ that a step re-places the chunks of all the sessions it stepped, and finds their
 chunks, in one compiled loop over the batch (models/compiled.py) instead of a walk in
 Python a session. A session holds its row as a `SpeechTimeline`; one made on its own
 has a table of one row.
+
+The table also maps each chunk to the released text chunk it belongs to and counts what
+the model's text memory holds of a row, so that the np/nf windows of a batch
+(`SpeechTimelines.windows`) and the text memory's work after a step
+(server/text_memory.py) come from arrays as well.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from livespeech.models.attention import window_chunk_range
 from livespeech.models.compiled import compiled
 from livespeech.models.config import FRAME_RATE
 
@@ -106,9 +112,55 @@ def _replace_rows(slots, spoken, frames, horizon, count, frames_per_char, fixed_
     return m
 
 
+def _first_at_least(values, n, x):
+    """The first i < n with values[i] >= x (n if none), values non-decreasing."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if values[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _window(text_chunk, n, text_chunks, in_memory, n_past, n_future, current):
+    """The np/nf window of one row at its current chunk: (its first chunk, its last chunk
+    in the model's memory, its last text chunk); (0, -1, -1) without chunks. The window
+    shows the chunks of the np text chunks before the current chunk's and of the nf after
+    it (`models.attention.window_chunk_range`; n_past < 0: unbounded)."""
+    if n == 0:
+        return 0, -1, -1
+    first, last = _window_chunk_range(text_chunk[current], n_past, n_future, text_chunks)
+    lo = _first_at_least(text_chunk, n, first)
+    end = _first_at_least(text_chunk, n, last + 1)
+    return lo, min(end, in_memory) - 1, last
+
+
+def _windows(slots, current, count, text_chunks, in_memory, n_past, n_future, text_chunk, lo, hi, last):
+    for r in range(len(slots)):
+        s = slots[r]
+        lo[r], hi[r], last[r] = _window(text_chunk[s], count[s], text_chunks[s], in_memory[s], n_past[s],
+                                        n_future[s], current[r])
+
+
+def cached_tokens_before(token_start, n, tokens, first_cached, in_memory, chunk):
+    """The tokens of one row's cached chunks before `chunk`: the memory holds chunks
+    first_cached .. in_memory - 1, in order."""
+    a, b = first_cached, min(chunk, in_memory)
+    if b <= a:
+        return 0
+    return (token_start[b] if b < n else tokens) - token_start[a]
+
+
 _current_chunk = compiled(_current_chunk, inline="always")
 _current_chunks = compiled(_current_chunks)
 _replace_rows = compiled(_replace_rows)
+_first_at_least = compiled(_first_at_least, inline="always")
+_window_chunk_range = compiled(window_chunk_range, inline="always")
+_window = compiled(_window, inline="always")
+_windows = compiled(_windows)
+cached_tokens_before = compiled(cached_tokens_before, inline="always")
 
 
 class Replaced(NamedTuple):
@@ -119,17 +171,28 @@ class Replaced(NamedTuple):
     tau: np.ndarray
 
 
+class Windows(NamedTuple):
+    """The np/nf windows of a batch's rows (`SpeechTimelines.windows`): each row's first
+    chunk, its last chunk in the model's memory (lo > hi: none) and its last text chunk."""
+    lo: np.ndarray
+    hi: np.ndarray
+    last_text_chunk: np.ndarray
+
+
 class SpeechTimelines:
     """The chunks' first frames of `slots` timelines, a row each (see the module docstring).
 
     Per chunk: its first character in the (collapsed) transcript, its characters, its tau,
     whether it is fixed (client-supplied speech time, or already being spoken), the
     running maximum of the fixed chunks' taus through it (a fixed chunk's tau never
-    changes), and the tau the model's text memory last placed its keys at (`memory_tau`,
-    server/text_memory.py's). Per row: its chunk count, the speaking rate measured so
-    far, the first chunk not fixed (every one before it is), and the last chunk the last
-    `replace` brought up to date. The rows are as wide as the longest needs: when one
-    fills, all double (`bind` narrows them again)."""
+    changes), the tau the model's text memory last placed its keys at (`memory_tau`,
+    server/text_memory.py's), the released text chunk it belongs to, and its tokens
+    (where they start in the row's text, how many). Per row: its chunk count, the speaking
+    rate measured so far, the first chunk not fixed (every one before it is), the last
+    chunk the last `replace` brought up to date, its text chunks and tokens so far, its
+    np/nf window's sizes, and the chunks in the model's memory (those before `in_memory`
+    were moved in, in order; those from `first_cached` on are still there). The rows are
+    as wide as the longest needs: when one fills, all double (`bind` narrows them again)."""
 
     def __init__(self, slots: int, chunks: int = 64) -> None:
         self.count = np.zeros(slots, np.int64)
@@ -137,6 +200,12 @@ class SpeechTimelines:
         self.client_speech_time = np.zeros(slots, bool)
         self.fixed_below = np.zeros(slots, np.int64)
         self.placed_through = np.full(slots, -1, np.int64)
+        self.text_chunks = np.zeros(slots, np.int64)
+        self.tokens = np.zeros(slots, np.int64)
+        self.n_past = np.full(slots, -1, np.int64)  # -1: unbounded
+        self.n_future = np.zeros(slots, np.int64)
+        self.in_memory = np.zeros(slots, np.int64)
+        self.first_cached = np.zeros(slots, np.int64)
         self.width, self._min_width = 0, chunks
         self._allocate(slots, chunks)
         self._moved = np.zeros((64, 3), np.int64)
@@ -144,21 +213,25 @@ class SpeechTimelines:
     def _allocate(self, slots: int, width: int) -> None:
         """Rows `width` chunks wide, keeping the chunks there are (fewer than `width`)."""
         kept, self.width = min(self.width, width), width
-        # 21 bytes a chunk a row, every row as wide as the most chunks a session has had: a
+        # 33 bytes a chunk a row, every row as wide as the most chunks a session has had: a
         # session of 100,000 characters (the default limit; ~20,000 words) widens 16 rows
-        # to ~11 MB, 256 rows to ~176 MB
+        # to ~17 MB, 256 rows to ~280 MB
         for name, dtype in (("char_start", np.int32), ("n_chars", np.int32), ("tau", np.int32), ("fixed", bool),
-                            ("fixed_tau_max", np.int32), ("memory_tau", np.int32)):
+                            ("fixed_tau_max", np.int32), ("memory_tau", np.int32), ("text_chunk", np.int32),
+                            ("token_start", np.int32), ("n_tokens", np.int32)):
             a = np.zeros((slots, width), dtype)
             if kept:
                 a[:, :kept] = getattr(self, name)[:, :kept]
             setattr(self, name, a)
 
     def bind(self, slot: int, client_speech_time: bool = False,
-             frames_per_char: float = DEFAULT_FRAMES_PER_CHAR) -> "SpeechTimeline":
-        """Slot `slot`'s row, emptied, for a new session. Rows a long session widened
-        narrow again once no row needs a quarter of their width."""
+             frames_per_char: float = DEFAULT_FRAMES_PER_CHAR, n_past: int = -1, n_future: int = 0) -> "SpeechTimeline":
+        """Slot `slot`'s row, emptied, for a new session with an np/nf window of `n_past`
+        (-1: unbounded) and `n_future` text chunks. Rows a long session widened narrow
+        again once no row needs a quarter of their width."""
         self.count[slot] = self.fixed_below[slot] = 0
+        self.text_chunks[slot] = self.tokens[slot] = self.in_memory[slot] = self.first_cached[slot] = 0
+        self.n_past[slot], self.n_future[slot] = n_past, n_future
         most = int(self.count.max())
         if self.width > self._min_width and 4 * most <= self.width:
             self._allocate(len(self.count), max(self._min_width, 1 << max(most - 1, 0).bit_length()))
@@ -174,8 +247,14 @@ class SpeechTimelines:
         n = int(self.count[slot])
         return int(self.char_start[slot, n - 1] + self.n_chars[slot, n - 1]) if n else 0
 
-    def add(self, slot: int, n_chars: int, arrival_frame: int, client_time_s: Optional[float] = None) -> int:
-        """Place a new chunk; returns its tau."""
+    def begin_text_chunk(self, slot: int) -> None:
+        """The chunks added next belong to the slot's next released text chunk."""
+        self.text_chunks[slot] += 1
+
+    def add(self, slot: int, n_chars: int, arrival_frame: int, client_time_s: Optional[float] = None,
+            n_tokens: int = 0) -> int:
+        """Place a new chunk of the current text chunk, with `n_tokens` tokens in the model's
+        memory; returns its tau."""
         n = int(self.count[slot])
         if n == self.width:
             self._allocate(len(self.count), 2 * self.width)
@@ -192,6 +271,9 @@ class SpeechTimelines:
             tau = 0
         self.char_start[slot, n], self.n_chars[slot, n], self.tau[slot, n] = start, n_chars, tau
         self.fixed[slot, n] = fixed
+        self.text_chunk[slot, n] = self.text_chunks[slot] - 1
+        self.token_start[slot, n], self.n_tokens[slot, n] = self.tokens[slot], n_tokens
+        self.tokens[slot] += n_tokens
         self.count[slot] = n + 1
         return tau
 
@@ -199,6 +281,28 @@ class SpeechTimelines:
         """`current_chunks` of one slot."""
         return _current_chunk(self.tau[slot], self.fixed_tau_max[slot], int(self.fixed_below[slot]),
                               int(self.count[slot]), frame)
+
+    def window(self, slot: int, current: int) -> tuple[int, int, int]:
+        """`windows` of one slot."""
+        return _window(self.text_chunk[slot], int(self.count[slot]), int(self.text_chunks[slot]),
+                       int(self.in_memory[slot]), int(self.n_past[slot]), int(self.n_future[slot]), current)
+
+    def tokens_before(self, slot: int, chunk: int) -> int:
+        """The tokens of the slot's chunks before `chunk` still in the model's memory."""
+        return int(cached_tokens_before(self.token_start[slot], int(self.count[slot]), int(self.tokens[slot]),
+                                  int(self.first_cached[slot]), int(self.in_memory[slot]), chunk))
+
+    def cached_tokens(self, slot: int) -> int:
+        """The tokens of the slot's chunks in the model's memory."""
+        return self.tokens_before(slot, int(self.in_memory[slot]))
+
+    def moved_in(self, slot: int) -> None:
+        """The slot's next chunk went into the model's memory."""
+        self.in_memory[slot] += 1
+
+    def evicted_before(self, slot: int, chunk: int) -> None:
+        """The model's memory dropped the slot's chunks before `chunk`."""
+        self.first_cached[slot] = max(self.first_cached[slot], min(chunk, self.in_memory[slot]))
 
     def last_tau(self, slot: int) -> Optional[int]:
         """The last chunk's tau if it is up to date (fixed, or re-placed by the last
@@ -215,6 +319,13 @@ class SpeechTimelines:
         out = np.empty(len(slots), np.int64)
         _current_chunks(slots, frames, self.count, self.fixed_below, self.fixed_tau_max, self.tau, out)
         return out
+
+    def windows(self, slots: np.ndarray, current: np.ndarray) -> Windows:
+        """Each slot's np/nf window at its current chunk (`_window`)."""
+        lo, hi, last = (np.empty(len(slots), np.int64) for _ in range(3))
+        _windows(slots, current, self.count, self.text_chunks, self.in_memory, self.n_past, self.n_future,
+                 self.text_chunk, lo, hi, last)
+        return Windows(lo, hi, last)
 
     def replace(self, slots: np.ndarray, spoken: np.ndarray, frames: np.ndarray,
                 horizon: np.ndarray) -> Replaced:
@@ -238,10 +349,11 @@ class SpeechTimeline:
     made on its own, the one row of a table of its own."""
 
     def __init__(self, frames_per_char: float = DEFAULT_FRAMES_PER_CHAR, client_speech_time: bool = False,
-                 *, table: Optional[SpeechTimelines] = None, slot: int = 0) -> None:
+                 n_past: int = -1, n_future: int = 0, *, table: Optional[SpeechTimelines] = None,
+                 slot: int = 0) -> None:
         if table is None:
             table = SpeechTimelines(1, chunks=8)
-            table.bind(0, client_speech_time, frames_per_char)
+            table.bind(0, client_speech_time, frames_per_char, n_past, n_future)
         self.table, self.slot = table, slot
 
     @property
@@ -266,8 +378,30 @@ class SpeechTimeline:
     def set_memory_tau(self, chunk: int, tau: int) -> None:
         self.table.memory_tau[self.slot, chunk] = tau
 
-    def add(self, n_chars: int, arrival_frame: int, client_time_s: Optional[float] = None) -> int:
-        return self.table.add(self.slot, n_chars, arrival_frame, client_time_s)
+    @property
+    def in_memory(self) -> int:
+        return int(self.table.in_memory[self.slot])
+
+    def begin_text_chunk(self) -> None:
+        self.table.begin_text_chunk(self.slot)
+
+    def add(self, n_chars: int, arrival_frame: int, client_time_s: Optional[float] = None, n_tokens: int = 0) -> int:
+        return self.table.add(self.slot, n_chars, arrival_frame, client_time_s, n_tokens)
+
+    def window(self, current: int) -> tuple[int, int, int]:
+        return self.table.window(self.slot, current)
+
+    def tokens_before(self, chunk: int) -> int:
+        return self.table.tokens_before(self.slot, chunk)
+
+    def cached_tokens(self) -> int:
+        return self.table.cached_tokens(self.slot)
+
+    def moved_in(self) -> None:
+        self.table.moved_in(self.slot)
+
+    def evicted_before(self, chunk: int) -> None:
+        self.table.evicted_before(self.slot, chunk)
 
     def current_chunk(self, frame: int) -> int:
         return self.table.current_chunk(self.slot, frame)

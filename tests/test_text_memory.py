@@ -1,5 +1,7 @@
 """Released text chunks in the model's memory: a chunk a word, the np/nf window and the
 start policy counted in the text chunks the chunker released."""
+import pytest
+
 from livespeech.api.session import ChunkingConfig, SessionConfig
 from livespeech.models.tokenizer import get_tokenizer
 from livespeech.server.chunker import TextChunk
@@ -13,11 +15,10 @@ TEXT_CHUNKS = [["Hello", "there", "my"], ["good", "friend,"], ["how", "are", "yo
 class MemoryRecorder:
     """The part of `ModelRunner` the text memory calls: records the chunks added."""
 
+    text_capacity = 10_000
+
     def __init__(self):
         self.added: list[tuple[list[int], int, int]] = []  # (token ids, tau, chunk)
-
-    def text_room(self, slot):
-        return 10_000
 
     def add_chunk(self, slot, token_ids, tau, chunk):
         self.added.append((list(token_ids), tau, chunk))
@@ -28,8 +29,6 @@ class MemoryRecorder:
     def evict_chunks_before(self, slot, chunk):
         pass
 
-    def tokens_before(self, slot, chunk):
-        return 0
 
 
 def session(n_past: int, n_future: int, start_future: int = 0) -> EngineSession:
@@ -86,12 +85,12 @@ class RoomRecorder(MemoryRecorder):
 
     def __init__(self, capacity: int):
         super().__init__()
-        self.capacity = capacity
+        self.text_capacity = capacity
         self.cached: list[tuple[int, int]] = []  # (chunk, tokens)
         self.evicted: list[int] = []  # tokens freed by each eviction that freed any
 
     def text_room(self, slot):
-        return self.capacity - sum(n for _, n in self.cached)
+        return self.text_capacity - sum(n for _, n in self.cached)
 
     def add_chunk(self, slot, token_ids, tau, chunk):
         super().add_chunk(slot, token_ids, tau, chunk)
@@ -127,3 +126,32 @@ def test_text_far_ahead_of_the_speech_is_evicted_in_batches_and_the_window_alway
     assert [c for _, _, c in runner.added] == list(range(len(words)))
     # a word the window passed did not cost an eviction of its own
     assert runner.evicted and min(runner.evicted) >= EVICT_MIN_TOKENS
+
+
+@pytest.mark.parametrize("capacity", [64, 14])
+def test_a_session_whose_memory_has_no_work_is_told_so(capacity):
+    """`TextMemory.due` says, from the timeline's counts, which sessions `evict_past` has
+    work for: where it says none, `evict_past` would neither evict nor move a chunk in;
+    with text far ahead of the speech that is most steps, and the counts agree with
+    the memory's own. At 14 tokens the memory holds little more than the window, and
+    chunks are evicted for the window's next one before EVICT_MIN_TOKENS of them left."""
+    import numpy as np
+
+    words = [f"word{i}" for i in range(200)]
+    runner = RoomRecorder(capacity=capacity)
+    s = session(n_past=2, n_future=2)
+    memory = TextMemory(runner, get_tokenizer(), 64, Metrics())
+    release(s, memory, [[w] for w in words])
+    table, rows = s.timeline.table, np.array([s.timeline.slot])
+    tau, due_at = s.timeline.taus, []
+    for frame in range(tau[-1] + 1):
+        s.step_count = frame
+        due = memory.due(table, rows, table.windows(rows, table.current_chunks(rows, np.array([frame]))))[0]
+        before = (len(runner.added), len(runner.evicted), list(runner.cached))
+        memory.evict_past(s)
+        if not due:
+            assert (len(runner.added), len(runner.evicted), runner.cached) == before, frame
+        due_at += [frame] * bool(due)
+        assert s.timeline.cached_tokens() == sum(n for _, n in runner.cached)
+        assert s.n_in_memory == len(runner.added)
+    assert 0 < len(due_at) < (tau[-1] + 1) / 4

@@ -233,3 +233,55 @@ def test_rows_a_long_session_widened_narrow_once_it_has_left():
     table.bind(1)  # it ended; its slot takes a new session
     assert table.width == 8 and short.taus == before and short.n_chars == 12
     assert short.add(1, 0) == before[-1] + round(5 * short.frames_per_char)
+
+
+@pytest.mark.parametrize("loops", ["compiled", "python"])
+def test_a_batch_of_windows_shows_the_np_and_nf_text_chunks_around_each_current_chunk(loops, monkeypatch):
+    """`SpeechTimelines.windows` of a batch: for each row, the first chunk of the text
+    chunk np before its current chunk's, the last chunk in memory of the text chunk nf
+    after it, and that text chunk, as the text chunks' first chunks give them (text
+    chunks without a chunk among them, unbounded np, rows without chunks); compiled and
+    as Python."""
+    import random
+
+    import numpy as np
+
+    from livespeech.models.attention import window_chunk_range
+    from livespeech.server import timeline
+    from livespeech.server.timeline import SpeechTimelines
+
+    if loops == "python":
+        for name in ("_window", "_windows", "_first_at_least", "_window_chunk_range"):
+            monkeypatch.setattr(timeline, name, getattr(getattr(timeline, name), "py_func", getattr(timeline, name)))
+
+    rng = random.Random(5)
+    slots = 12
+    for trial in range(40):
+        table = SpeechTimelines(slots, chunks=4)
+        starts = [[] for _ in range(slots)]  # each text chunk's first chunk
+        for s in range(slots):
+            table.bind(s, n_past=rng.choice((-1, 0, 1, 4)), n_future=rng.choice((0, 1, 3)))
+            n = 0
+            for _ in range(rng.choice((0, 1, 5, 20))):
+                table.begin_text_chunk(s)
+                starts[s].append(n)
+                for _ in range(rng.choice((0, 1, 1, 2, 4))):
+                    table.add(s, 3, 0)
+                    n += 1
+            table.in_memory[s] = rng.randint(0, n)
+        rows = np.array(rng.sample(range(slots), rng.randint(1, slots)), np.int64)
+        current = np.array([rng.randrange(max(1, int(table.count[s]))) for s in rows], np.int64)
+        got = table.windows(rows, current)
+        for r, s in enumerate(rows.tolist()):
+            n = int(table.count[s])
+            if n == 0:
+                want = (0, -1, -1)
+            else:
+                k = int(table.text_chunk[s, current[r]])
+                past = int(table.n_past[s])
+                first, last = window_chunk_range(k, None if past < 0 else past, int(table.n_future[s]),
+                                                 len(starts[s]))
+                end = starts[s][last + 1] if last + 1 < len(starts[s]) else n
+                want = (starts[s][first], min(end, int(table.in_memory[s])) - 1, last)
+            assert (got.lo[r], got.hi[r], got.last_text_chunk[r]) == want, (trial, s)
+            assert table.window(s, int(current[r])) == want
