@@ -293,7 +293,8 @@ class Engine:
         self.codec.settle({slot})  # the slot's codec state is reset below: no call may hold it
         s.slot = slot
         s.timeline = self.timelines.bind(slot, client_speech_time=s.config.timestamps_are_speech_time,
-                                         n_past=s.config.n_past_chunks, n_future=s.config.n_future_chunks)
+                                         n_past=s.config.n_past_chunks, n_future=s.config.n_future_chunks,
+                                         horizon=TextMemory.replace_horizon(s.config))
         self._sessions[slot] = s
         s.guidance = self.runner.admit(slot, s.voice, s.config.seed, s.guidance, s.sampling)
         if self.bundle.front_end is not None and self.config.letter_schedule:
@@ -325,9 +326,9 @@ class Engine:
         self.metrics.batch_size.observe(len(batch))
         now = time.monotonic()
         share = step_s / len(batch)
-        stepped = []
-        for s, failed, has_frame, done, frame in zip(batch, results.failed.tolist(), results.has_frame.tolist(),
-                                                     results.done.tolist(), results.frames):
+        stepped, rows = [], []
+        for i, (s, failed, has_frame, done, frame) in enumerate(zip(
+                batch, results.failed.tolist(), results.has_frame.tolist(), results.done.tolist(), results.frames)):
             if s.phase is Phase.ENDED:  # its audio failed on the codec thread during the step
                 continue
             s.compute_s += share
@@ -335,11 +336,12 @@ class Engine:
                 self._fail(s, "INTERNAL", "numerical error in the decoder (non-finite logits)")
                 continue
             stepped.append((s, frame if has_frame else None, done))
+            rows.append(i)
         # the stepped sessions' timelines move on with their progress, in one pass over them
         sessions = [s for s, _, _ in stepped]
-        slots = np.fromiter((s.slot for s in sessions), np.int64, len(sessions))
+        slots = slots[rows]
         frames = np.fromiter((s.step_count + 1 for s in sessions), np.int64, len(sessions))
-        self.memory.replace(sessions, slots, frames)
+        self.memory.replace(sessions, slots, frames, results.progress[rows])
         # where the text memory has work to do, from the windows at each one's next step
         win = self.timelines.windows(slots, self.timelines.current_chunks(slots, frames))
         memory_lo = np.where(self.memory.due(self.timelines, slots, win), win.lo, -1)

@@ -119,6 +119,7 @@ class StepResults:
     done: np.ndarray  # [B] bool: all frames before EOS emitted
     failed: np.ndarray  # [B] bool: non-finite logits: the session must end, the others go on
     frames: np.ndarray  # [B, Q] the completed frame's acoustic codes (where has_frame)
+    progress: np.ndarray  # [B] the guidance's progress after the step (transcript characters spoken)
 
     def __len__(self) -> int:
         return len(self.grapheme)
@@ -480,12 +481,15 @@ class ModelRunner:
         res = out.numpy(force=True)
         head = 6 if on_device else 5
         if on_device:
-            for g, p in zip(guidance, res[:, head - 1].tolist()):
+            progress = res[:, head - 1]
+            for g, p in zip(guidance, progress.tolist()):
                 g.progress = p
         else:
             for g, x in zip(guidance, res[:, 0].tolist()):
                 g.observe(x)
-        return StepResults(res[:, 0], res[:, 1], res[:, 2] != 0, res[:, 3] != 0, res[:, 4] != 0, res[:, head:])
+            progress = np.fromiter((g.progress for g in guidance), np.int64, len(guidance))
+        return StepResults(res[:, 0], res[:, 1], res[:, 2] != 0, res[:, 3] != 0, res[:, 4] != 0, res[:, head:],
+                           progress)
 
     def _sample_and_commit_batch(self, slots, idx, view, mask, n_visible, span, sets, kmax, scaled, forced, eos,
                                  bias_rows) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import Optional
 
 import numpy as np
 
+from livespeech.api.session import SessionConfig
 from livespeech.models.compiled import compiled
 
 from .metrics import Metrics
@@ -108,22 +109,25 @@ class TextMemory:
         self.runner.evict_chunks_before(s.slot, chunk)
         s.timeline.evicted_before(chunk)
 
-    def replace(self, sessions: list[EngineSession], slots: np.ndarray, frames: np.ndarray) -> None:
+    @staticmethod
+    def replace_horizon(config: SessionConfig) -> int:
+        """The chunks a session's `replace` re-places at most: the window reaches nf text
+        chunks past the current one and one more may become current, the words of at
+        most nf + 2 text chunks (later ones are placed when they come within reach)."""
+        return (config.n_future_chunks + 2) * config.chunking.max_words
+
+    def replace(self, sessions: list[EngineSession], slots: np.ndarray, frames: np.ndarray,
+                spoken: np.ndarray) -> None:
         """Re-place the chunks the timelines of `sessions` (rows `slots` of one
-        `SpeechTimelines`) moved after a step, at their `frames` (each one's step count
-        after that step), and the cached chunks among them in the model's memory."""
+        `SpeechTimelines`, bound with `replace_horizon`) moved after a step, given their
+        progress (`spoken` transcript characters) by their `frames` (each one's step
+        count after that step), and the cached chunks among them in the model's memory."""
         if not sessions:
             return
-        n = len(sessions)
         table = sessions[0].timeline.table
-        spoken = np.fromiter((s.guidance.progress for s in sessions), np.int64, n)
-        # the window reaches nf text chunks past the current one and one more may become
-        # current: the words of at most nf + 2 text chunks
-        horizon = np.fromiter(((s.config.n_future_chunks + 2) * s.config.chunking.max_words for s in sessions),
-                              np.int64, n)
-        moved = table.replace(slots, spoken, frames, horizon)
+        moved = table.replace(slots, spoken, frames, table.horizon[slots])
         rows = slots[moved.at]
-        cached = moved.chunk < np.fromiter((s.n_in_memory for s in sessions), np.int64, n)[moved.at]
+        cached = moved.chunk < table.in_memory[rows]
         # re-rotating keys costs a call per layer: skip sub-frame-scale drift
         far = cached & (np.abs(moved.tau - table.memory_tau[rows, moved.chunk]) >= REPLACE_MIN_FRAMES)
         if far.any():

@@ -189,10 +189,11 @@ class SpeechTimelines:
     server/text_memory.py's), the released text chunk it belongs to, and its tokens
     (where they start in the row's text, how many). Per row: its chunk count, the speaking
     rate measured so far, the first chunk not fixed (every one before it is), the last
-    chunk the last `replace` brought up to date, its text chunks and tokens so far, its
-    np/nf window's sizes, and the chunks in the model's memory (those before `in_memory`
-    were moved in, in order; those from `first_cached` on are still there). The rows are
-    as wide as the longest needs: when one fills, all double (`bind` narrows them again)."""
+    chunk the last `replace` brought up to date (and the most chunks it moves), its text
+    chunks and tokens so far, its np/nf window's sizes, and the chunks in the model's
+    memory (those before `in_memory` were moved in, in order; those from `first_cached`
+    on are still there). The rows are as wide as the longest needs: when one fills, all
+    double (`bind` narrows them again)."""
 
     def __init__(self, slots: int, chunks: int = 64) -> None:
         self.count = np.zeros(slots, np.int64)
@@ -204,6 +205,7 @@ class SpeechTimelines:
         self.tokens = np.zeros(slots, np.int64)
         self.n_past = np.full(slots, -1, np.int64)  # -1: unbounded
         self.n_future = np.zeros(slots, np.int64)
+        self.horizon = np.full(slots, 10, np.int64)
         self.in_memory = np.zeros(slots, np.int64)
         self.first_cached = np.zeros(slots, np.int64)
         self.width, self._min_width = 0, chunks
@@ -225,13 +227,15 @@ class SpeechTimelines:
             setattr(self, name, a)
 
     def bind(self, slot: int, client_speech_time: bool = False,
-             frames_per_char: float = DEFAULT_FRAMES_PER_CHAR, n_past: int = -1, n_future: int = 0) -> "SpeechTimeline":
+             frames_per_char: float = DEFAULT_FRAMES_PER_CHAR, n_past: int = -1, n_future: int = 0,
+             horizon: int = 10) -> "SpeechTimeline":
         """Slot `slot`'s row, emptied, for a new session with an np/nf window of `n_past`
-        (-1: unbounded) and `n_future` text chunks. Rows a long session widened narrow
-        again once no row needs a quarter of their width."""
+        (-1: unbounded) and `n_future` text chunks, whose `replace` re-places `horizon`
+        chunks at most. Rows a long session widened narrow again once no row needs a
+        quarter of their width."""
         self.count[slot] = self.fixed_below[slot] = 0
         self.text_chunks[slot] = self.tokens[slot] = self.in_memory[slot] = self.first_cached[slot] = 0
-        self.n_past[slot], self.n_future[slot] = n_past, n_future
+        self.n_past[slot], self.n_future[slot], self.horizon[slot] = n_past, n_future, horizon
         most = int(self.count.max())
         if self.width > self._min_width and 4 * most <= self.width:
             self._allocate(len(self.count), max(self._min_width, 1 << max(most - 1, 0).bit_length()))
