@@ -9,16 +9,17 @@ runs on a `view` of any subset of slots (a plain slice when the slots are contig
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Iterator, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from . import graphemes
 from .attention import apply_rope, rope_angles
+from .compiled import compiled
 from .livespeech import LiveSpeech2
 from .scripted import scripted
 from .upload import Upload
@@ -95,17 +96,18 @@ class DecodeState(DecodeStateView):
         st.txt_pos = z(capacity, n_text, dt=torch.float32)
         st.delays = torch.tensor(cfg.delays, device=device)
         st.none = torch.tensor(model.none_ids(), device=device)
-        # the chunk id of each cached text token, mirrored on the host (txt_chunk's used
-        # part), so nothing about the text's layout is read back from the device
-        st.chunk_ids = [[] for _ in range(capacity)]
+        # the chunk id of each cached text token (-1: none), mirrored on the host (txt_chunk),
+        # so nothing about the text's layout is read back from the device; and how many a
+        # slot caches (its first columns). Arrays, so that a step's bookkeeping over its
+        # batch is a few numpy operations rather than a loop in Python a slot
+        st.host_chunk = np.full((capacity, n_text), -1, np.int64)
+        st.n_cached = np.zeros(capacity, np.int64)
+        # each cached token's position where its key awaits rotation (NaN: rotated): a
+        # chunk added (`append_chunk`) or re-placed, rotated by stage_rotations once a
+        # window sees it (until then its keys are masked: a chunk far ahead moves at most
+        # steps)
+        st.unrotated = np.full((capacity, n_text), np.nan)
         st._slot_index = {}  # tuple of slots -> its index tensor (`slot_index`)
-        # chunk added (`append_chunk`) or re-placed -> its first position, applied by
-        # stage_rotations once a window sees it (until then its keys are masked: a chunk
-        # far ahead moves at most steps)
-        st.unrotated = [{} for _ in range(capacity)]
-        # chunk -> its token span, mirrored on the host: finding it in txt_chunk is a device
-        # sync, and chunks are re-placed at almost every step
-        st.spans = [{} for _ in range(capacity)]
         # chunks cached on the host's side but not yet written to the device, as (slot,
         # first column, token ids, chunk): written all at once (`_stage_text`) before
         # anything reads the text memory, so a step's arriving words cost a few writes in
@@ -129,9 +131,9 @@ class DecodeState(DecodeStateView):
         self.mem_v[:, slot, :, :n] = enrollment_kv[:, 1]
         self.txt_chunk[slot] = -1
         self.txt_pos[slot] = 0
-        self.chunk_ids[slot].clear()
-        self.unrotated[slot].clear()
-        self.spans[slot].clear()
+        self.host_chunk[slot] = -1
+        self.n_cached[slot] = 0
+        self.unrotated[slot] = np.nan
         self.pending_text = [p for p in self.pending_text if p[0] != slot]
         self.inputs[slot] = self.none
         self.step[slot] = 0
@@ -219,7 +221,11 @@ class DecodeState(DecodeStateView):
         return self.txt_chunk.shape[1]
 
     def text_room(self, slot: int) -> int:
-        return self.text_capacity - len(self.chunk_ids[slot])
+        return self.text_capacity - int(self.n_cached[slot])
+
+    def cached_chunks(self, slot: int) -> np.ndarray:
+        """The chunk id of each token the slot caches, in order (chunks are cached in order)."""
+        return self.host_chunk[slot, : self.n_cached[slot]]
 
     def _rotate(self, rows: Sequence[int], cols: Sequence[int], positions: Sequence[float]) -> None:
         """Give text keys (rows[i], cols[i]) = (slot, token) their positions and refresh
@@ -298,40 +304,37 @@ class DecodeState(DecodeStateView):
         copy from the host), as a re-placed chunk's are: a server adds text a word at a
         time, mostly far ahead of the speech, where the window's mask hides it, and a
         rotation of its own cost each word a copy and ~10 ops (caller makes room first)."""
-        if chunk in self.spans[slot]:
+        if (self.cached_chunks(slot) == chunk).any():
             raise ValueError(f"chunk {chunk} is cached already: append_text adds to it")
         if token_ids:
-            self._cache_text(slot, token_ids, chunk)
-            self.unrotated[slot][chunk] = first_position
+            a = self._cache_text(slot, token_ids, chunk)
+            self.unrotated[slot, a : a + len(token_ids)] = first_position + np.arange(len(token_ids))
 
     def _cache_text(self, slot: int, token_ids: Sequence[int], chunk: int) -> int:
         """Cache a chunk's tokens after the slot's cached ones (their unrotated keys and
         values written with the other pending chunks': `pending_text`); returns the first
         one's column."""
-        n, a = len(token_ids), len(self.chunk_ids[slot])
+        n, a = len(token_ids), int(self.n_cached[slot])
         if n > self.text_room(slot):
             raise ValueError("text memory full: evict past chunks first")
         self.pending_text.append((slot, a, list(token_ids), chunk))
-        self.chunk_ids[slot] += [chunk] * n
-        first = self.spans[slot].get(chunk, (a, a))[0]
-        self.spans[slot][chunk] = (first, a + n)
+        self.host_chunk[slot, a : a + n] = chunk
+        self.n_cached[slot] = a + n
         return a
 
     def tokens_before(self, slot: int, chunk: int) -> int:
         """Cached tokens of chunks < `chunk` (chunks are cached in order)."""
-        return bisect.bisect_left(self.chunk_ids[slot], chunk)
+        return int(np.searchsorted(self.cached_chunks(slot), chunk))
 
     def evict_chunks_before(self, slot: int, chunk: int) -> None:
         """Drop cached tokens of chunks < `chunk` (they left the np window for good)."""
-        ids = self.chunk_ids[slot]
-        if not ids or ids[0] >= chunk:  # chunks are cached in order: nothing older is here
+        ids = self.cached_chunks(slot)
+        if not len(ids) or ids[0] >= chunk:  # chunks are cached in order: nothing older is here
             return
-        kept = [i for i, c in enumerate(ids) if c >= chunk]
+        kept = np.flatnonzero(ids >= chunk)
         n, e = len(kept), self.n_enroll
-        if n == len(ids):
-            return
         self.write_pending_text()
-        keep = torch.tensor(kept, dtype=torch.long, device=self.txt_chunk.device)
+        keep = torch.from_numpy(kept).to(self.txt_chunk.device)
         self.txt_k[:, slot, :, :n] = self.txt_k[:, slot, :, keep].clone()
         for t in (self.mem_k, self.mem_v):
             t[:, slot, :, e : e + n] = t[:, slot, :, e + keep].clone()
@@ -339,33 +342,32 @@ class DecodeState(DecodeStateView):
         for t, empty in ((self.txt_pos, 0.0), (self.txt_chunk, -1)):
             t[slot, :n] = t[slot, keep].clone()
             t[slot, n:] = empty
-        self.chunk_ids[slot] = [ids[i] for i in kept]
-        self.unrotated[slot] = {c: p for c, p in self.unrotated[slot].items() if c >= chunk}
-        self.spans[slot] = _spans(self.chunk_ids[slot])
+        for host, empty in ((self.host_chunk, -1), (self.unrotated, np.nan)):
+            host[slot, :n] = host[slot, kept]
+            host[slot, n:] = empty
+        self.n_cached[slot] = n
 
     def visible_length(self, slots: Sequence[int], lo: Sequence[int], hi: Sequence[int]) -> int:
         """The text slots a step of `slots` with windows lo..hi must read: up to the last
         slot any row shows (`window_mask`'s last true column + 1), from the host's chunk
         spans, so cutting the mask there reads nothing back from the device."""
-        length = 0
-        for slot, a, b in zip(slots, lo, hi):
-            ids = self.chunk_ids[slot]  # cached in chunk order
-            end = bisect.bisect_right(ids, b)  # past the tokens of chunks <= b
-            if bisect.bisect_left(ids, a) < end:  # one of them is >= a
-                length = max(length, end)
-        return length
+        return int(_visible_length(self.host_chunk, self.n_cached, np.asarray(slots, np.int64),
+                                   np.asarray(lo, np.int64), np.asarray(hi, np.int64)))
 
     def _chunk_span(self, slot: int, chunk: int) -> Optional[tuple[int, int]]:
-        return self.spans[slot].get(chunk)
+        cols = np.flatnonzero(self.cached_chunks(slot) == chunk)
+        return (int(cols[0]), int(cols[-1]) + 1) if len(cols) else None
 
-    def set_chunk_positions(self, slot: int, chunk: int, first_position: float) -> None:
-        """Re-place a cached chunk on the speech timeline. Its positions are written and its
-        keys re-rotated (from the cached unrotated ones, nothing is re-projected) by
-        `stage_rotations` once a step can see it: a chunk far ahead of the speech moves at
-        almost every step, and while it is outside the np/nf window its keys are masked
-        anyway. Here it is a dictionary update."""
-        if chunk in self.spans[slot]:
-            self.unrotated[slot][chunk] = first_position
+    def set_chunk_positions(self, slots: Sequence[int], chunks: Sequence[int],
+                            first_positions: Sequence[float]) -> None:
+        """Re-place cached chunks on the speech timeline: chunks[i] of slots[i] from
+        first_positions[i] on (chunks not cached: nothing). Their positions are written
+        and their keys re-rotated (from the cached unrotated ones, nothing is
+        re-projected) by `stage_rotations` once a step can see them: a chunk far ahead of
+        the speech moves at almost every step, and while it is outside the np/nf window
+        its keys are masked anyway. Here it is a write of host arrays."""
+        _set_positions(self.host_chunk, self.n_cached, self.unrotated, np.asarray(slots, np.int64),
+                       np.asarray(chunks, np.int64), np.asarray(first_positions, np.float64))
 
     def rotate_windows(self, slots: Sequence[int], windows: Sequence[tuple[int, int]]) -> None:
         """Bring the positions and keys of added or re-placed chunks up to date before a step
@@ -381,26 +383,12 @@ class DecodeState(DecodeStateView):
         inputs in one copy: the pending chunks' writes and the added or re-placed chunks'
         keys staged into `up` (each None: none), for `apply_rotations` once it is sent."""
         text = self._stage_text(up)
-        rows: list[int] = []
-        cols: list[int] = []
-        positions: list[float] = []
-        for slot, (lo, hi) in zip(slots, windows):
-            pending = self.unrotated[slot]
-            if not pending:
-                continue
-            # the window's chunks, or the pending ones, whichever are fewer (text sent far
-            # ahead leaves hundreds pending); the order is immaterial: distinct columns
-            near = ([c for c in range(lo, hi + 1) if c in pending] if hi - lo < len(pending)
-                    else [c for c in pending if lo <= c <= hi])
-            for chunk in near:
-                first_position = pending.pop(chunk)
-                span = self._chunk_span(slot, chunk)
-                if span is not None:
-                    a, b = span
-                    rows += [slot] * (b - a)
-                    cols += range(a, b)
-                    positions += [first_position + i for i in range(b - a)]
-        return text, (self._stage_rotation(up, rows, cols, positions) if rows else None)
+        lo, hi = (np.fromiter((w[k] for w in windows), np.int64, len(windows)) for k in (0, 1))
+        rows, cols, positions = _take_unrotated(self.host_chunk, self.n_cached, self.unrotated,
+                                                np.asarray(slots, np.int64), lo, hi)
+        if not len(rows):
+            return text, None
+        return text, self._stage_rotation(up, rows.tolist(), cols.tolist(), positions.tolist())
 
     def window_mask(self, view: DecodeStateView, lo: Union[Sequence[int], torch.Tensor],
                     hi: Union[Sequence[int], torch.Tensor]) -> torch.Tensor:
@@ -462,13 +450,65 @@ def _commit(step: torch.Tensor, eos_frame: torch.Tensor, ring: torch.Tensor, inp
 _scripted_commit = scripted(_commit)
 
 
-def _spans(chunk_ids: Sequence[int]) -> dict[int, tuple[int, int]]:
-    """chunk id -> (first, last + 1) over a slot's token row (-1: empty)."""
-    out: dict[int, tuple[int, int]] = {}
-    for i, c in enumerate(chunk_ids):
-        if c >= 0:
-            out[c] = (out[c][0] if c in out else i, i + 1)
-    return out
+def _first_at_least(row, n, x):
+    """The first i < n with row[i] >= x (n if none): a slot's cached chunk ids are sorted."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if row[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _visible_length(host_chunk, n_cached, slots, lo, hi):
+    """`DecodeState.visible_length`: the most tokens of chunks <= hi cached by a row that
+    shows one of chunks lo..hi."""
+    length = 0
+    for r in range(len(slots)):
+        row, n = host_chunk[slots[r]], n_cached[slots[r]]
+        end = _first_at_least(row, n, hi[r] + 1)
+        if _first_at_least(row, n, lo[r]) < end:
+            length = max(length, end)
+    return length
+
+
+def _take_unrotated(host_chunk, n_cached, unrotated, slots, lo, hi):
+    """The tokens of chunks lo..hi whose keys await rotation, row by row: their slots,
+    columns and positions, cleared from `unrotated`."""
+    total = 0
+    for r in range(len(slots)):
+        row, n = host_chunk[slots[r]], n_cached[slots[r]]
+        total += max(0, _first_at_least(row, n, hi[r] + 1) - _first_at_least(row, n, lo[r]))
+    rows, cols, positions = np.empty(total, np.int64), np.empty(total, np.int64), np.empty(total)
+    m = 0
+    for r in range(len(slots)):
+        s = slots[r]
+        row, n = host_chunk[s], n_cached[s]
+        for c in range(_first_at_least(row, n, lo[r]), _first_at_least(row, n, hi[r] + 1)):
+            p = unrotated[s, c]
+            if p == p:  # not NaN
+                rows[m], cols[m], positions[m] = s, c, p
+                unrotated[s, c] = np.nan
+                m += 1
+    return rows[:m], cols[:m], positions[:m]
+
+
+def _set_positions(host_chunk, n_cached, unrotated, slots, chunks, first_positions):
+    """`DecodeState.set_chunk_positions`, chunk after chunk."""
+    for k in range(len(slots)):
+        s = slots[k]
+        row, n = host_chunk[s], n_cached[s]
+        a, b = _first_at_least(row, n, chunks[k]), _first_at_least(row, n, chunks[k] + 1)
+        for c in range(a, b):
+            unrotated[s, c] = first_positions[k] + (c - a)
+
+
+_first_at_least = compiled(_first_at_least, inline="always")
+_visible_length = compiled(_visible_length)
+_take_unrotated = compiled(_take_unrotated)
+_set_positions = compiled(_set_positions)
 
 
 def _contiguous(slots: Sequence[int]) -> bool:

@@ -400,8 +400,7 @@ class ModelRunner:
 
     def place_chunks(self, slots: Sequence[int], chunks: Sequence[int], taus: Sequence[int]) -> None:
         """Re-place cached chunks: chunks[i] of slots[i] at taus[i]."""
-        for slot, chunk, tau in zip(slots, chunks, taus):
-            self.state.set_chunk_positions(slot, chunk, float(tau))
+        self.state.set_chunk_positions(slots, chunks, taus)
 
     def evict_chunks_before(self, slot: int, chunk: int) -> None:
         self.state.evict_chunks_before(slot, chunk)

@@ -132,7 +132,7 @@ class TextMemory:
         far = cached & (np.abs(moved.tau - table.memory_tau[rows, moved.chunk]) >= REPLACE_MIN_FRAMES)
         if far.any():
             table.memory_tau[rows[far], moved.chunk[far]] = moved.tau[far]
-            self.runner.place_chunks(rows[far].tolist(), moved.chunk[far].tolist(), moved.tau[far].tolist())
+            self.runner.place_chunks(rows[far], moved.chunk[far], moved.tau[far])
 
     def due(self, table: SpeechTimelines, slots: np.ndarray, windows: Windows) -> np.ndarray:
         """Whether `evict_past` has work to do for each of `slots` (rows of `table`; one

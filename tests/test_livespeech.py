@@ -215,9 +215,9 @@ def test_window_mask_selects_chunks(model):
     m = st.window_mask(v, [1], [2])[0]
     assert m.tolist()[:8] == [False, False, True, True, True, True, False, False]
     st.evict_chunks_before(0, 2)
-    assert st.chunk_ids[0] == [2, 3, 3] and st.txt_chunk[0, :3].tolist() == [2, 3, 3]
+    assert st.cached_chunks(0).tolist() == [2, 3, 3] and st.txt_chunk[0, :3].tolist() == [2, 3, 3]
     assert st.txt_pos[0, :3].tolist() == [20.0, 30.0, 31.0]
-    st.set_chunk_positions(0, 3, 40.0)
+    st.set_chunk_positions([0], [3], [40.0])
     assert st.txt_pos[0, :3].tolist() == [20.0, 30.0, 31.0]  # applied when a window sees chunk 3
     st.rotate_windows([0], [(2, 2)])
     assert st.txt_pos[0, :3].tolist() == [20.0, 30.0, 31.0]
@@ -305,8 +305,8 @@ def test_chunk_spans_kept_on_the_host_match_the_text_memory(model):
         for c in range(chunk + 1):
             idx = [i for i, x in enumerate(row) if x == c]
             assert st._chunk_span(1, c) == ((idx[0], idx[-1] + 1) if idx else None)
-        used = len(st.chunk_ids[1])
-        assert st.chunk_ids[1] == row[:used] and set(row[used:]) <= {-1}
+        cached = st.cached_chunks(1).tolist()
+        assert cached == row[: len(cached)] and set(row[len(cached) :]) <= {-1}
         for c in range(chunk + 2):
             assert st.tokens_before(1, c) == sum(0 <= x < c for x in row)
         # the step's visible length, from the host: the window mask's last shown slot + 1
@@ -329,15 +329,14 @@ def test_replaced_chunks_are_rotated_when_a_window_sees_them(model):
         lazy.append_text(0, ids, [10.0 * c + i for i in range(len(ids))], chunk=c)
         tau = new_tau.get(c, 10.0 * c)
         ref.append_text(0, ids, [tau + i for i in range(len(ids))], chunk=c)
-    for c, tau in new_tau.items():
-        lazy.set_chunk_positions(0, c, tau)
+    lazy.set_chunk_positions([0, 0], list(new_tau), list(new_tau.values()))
     n = model.cfg.n_enroll
     assert not torch.equal(lazy.mem_k[:, 0, :, n + 2 : n + 5], ref.mem_k[:, 0, :, n + 2 : n + 5])  # not yet
     lazy.rotate_windows([0], [(0, 2)])  # chunk 1 enters a window; chunk 3 is still outside
     assert torch.allclose(lazy.mem_k[:, 0, :, : n + 6], ref.mem_k[:, 0, :, : n + 6], atol=1e-6)
     assert torch.equal(lazy.txt_pos[0, :6], ref.txt_pos[0, :6])
     assert not torch.allclose(lazy.mem_k[:, 0, :, n + 6 : n + 8], ref.mem_k[:, 0, :, n + 6 : n + 8])
-    assert set(lazy.unrotated[0]) == {3}
+    assert _unrotated(lazy, 0) == {3: 57.0}
     with torch.no_grad():  # what a step with window 0..2 computes is the same
         outs = [model.step(v.inputs, v.step, v, st.window_mask(v, [0], [2]))
                 for st in (lazy, ref) for v in [st.view([0])]]
@@ -345,9 +344,18 @@ def test_replaced_chunks_are_rotated_when_a_window_sees_them(model):
     lazy.rotate_windows([0], [(0, 9)])  # chunk 3 too: the whole memory now equals the reference's
     assert torch.equal(lazy.txt_pos, ref.txt_pos)
     assert torch.allclose(lazy.mem_k, ref.mem_k, atol=1e-6)
-    lazy.set_chunk_positions(0, 1, 30.0)
+    lazy.set_chunk_positions([0], [1], [30.0])
     lazy.evict_chunks_before(0, 2)  # a pending re-placement of an evicted chunk is dropped
-    assert not lazy.unrotated[0]
+    assert _unrotated(lazy, 0) == {}
+
+
+def _unrotated(st: DecodeState, slot: int) -> dict[int, float]:
+    """The slot's chunks whose keys await rotation, with their first positions."""
+    out: dict[int, float] = {}
+    for c, pos in zip(st.cached_chunks(slot).tolist(), st.unrotated[slot].tolist()):
+        if pos == pos and c not in out:  # not NaN
+            out[c] = pos
+    return out
 
 
 def test_delay_pattern_round_trip():
@@ -541,13 +549,11 @@ def test_re_placements_of_many_sessions_are_applied_together(model):
             seen = moves.get(s, {}).get(c) if windows[s][0] <= c <= windows[s][1] else None
             tau = 10.0 * c if seen is None else seen
             ref.append_text(s, ids, [tau + i for i in range(len(ids))], chunk=c)
-    for s, m in moves.items():
-        for c, tau in m.items():
-            lazy.set_chunk_positions(s, c, tau)
+    lazy.set_chunk_positions(*zip(*((s, c, tau) for s, m in moves.items() for c, tau in m.items())))
     lazy.rotate_windows([0, 1, 2], [windows[s] for s in range(3)])
     assert torch.equal(lazy.txt_pos, ref.txt_pos)
     assert torch.allclose(lazy.mem_k, ref.mem_k, atol=1e-6)
-    assert lazy.unrotated == [{3: 57.0}, {}, {}]  # slot 0's chunk 3 is outside its window
+    assert [_unrotated(lazy, s) for s in range(3)] == [{3: 57.0}, {}, {}]  # slot 0's chunk 3 is outside its window
 
 
 def test_text_kv_keeps_each_tokens_projection_and_forgets_the_least_recently_used(model):
