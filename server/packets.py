@@ -27,6 +27,8 @@ class PacketDecision(NamedTuple):
     plan: Optional[PacketPlan]  # the packet to decode now, if any
 
 
+_CLOCKED_BETWEEN_TICKS = PacketDecision(True, None)
+
 # The packet ramp's bound in full packets' worth of frames (`PacketPolicy.ramp_over`):
 # a ramp packet takes a codec call of its own, and while a session ramps others well
 # ahead sit out (server/scheduler.py), so a listener that never fills (a client that
@@ -94,6 +96,8 @@ class PacketPolicy:
         ran dry."""
         full = frames_for_ms(s.config.packet_ms)
         tick = self.on_clock(full)
+        if s.clocked and not tick and s.phase is Phase.RUNNING and s.frames_done and not s.done_decoding:
+            return _CLOCKED_BETWEEN_TICKS  # what `_plan` says there, found sooner: most sessions, most steps
         handoff = not s.clocked and tick and self.ramp_over(s, full, now)
         clocked = s.clocked or handoff
         return PacketDecision(clocked, self._plan(s, now, full, tick, handoff, clocked))
