@@ -3,7 +3,7 @@
 A loop over a batch's rows in Python costs microseconds a row; compiled, it costs
 nanoseconds and one call (models/cpu_sampler.py; the speech timelines,
 server/timeline.py). Where numba is missing, the same function runs as Python: slower,
-the same results.
+the same results. The search they share over sorted rows (`first_at_least`) is here too.
 """
 from __future__ import annotations
 
@@ -31,3 +31,18 @@ def compiled(fn: F, **options) -> F:
         return numba.njit(nogil=True, cache=True, **options)(fn)
     except RuntimeError:  # nowhere to keep it (a read-only image): compiled at each start, ~1 s
         return numba.njit(nogil=True, **options)(fn)
+
+
+def _first_at_least(values, n, x):
+    """The first i < n with values[i] >= x (n if none), values[:n] non-decreasing."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if values[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+first_at_least = compiled(_first_at_least, inline="always")

@@ -19,7 +19,7 @@ import torch
 
 from . import graphemes
 from .attention import apply_rope, rope_angles
-from .compiled import compiled
+from .compiled import compiled, first_at_least
 from .livespeech import LiveSpeech2
 from .scripted import scripted
 from .upload import Upload
@@ -450,26 +450,14 @@ def _commit(step: torch.Tensor, eos_frame: torch.Tensor, ring: torch.Tensor, inp
 _scripted_commit = scripted(_commit)
 
 
-def _first_at_least(row, n, x):
-    """The first i < n with row[i] >= x (n if none): a slot's cached chunk ids are sorted."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if row[mid] < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
 def _visible_length(host_chunk, n_cached, slots, lo, hi):
     """`DecodeState.visible_length`: the most tokens of chunks <= hi cached by a row that
-    shows one of chunks lo..hi."""
+    shows one of chunks lo..hi (a row's cached chunk ids are sorted)."""
     length = 0
     for r in range(len(slots)):
         row, n = host_chunk[slots[r]], n_cached[slots[r]]
-        end = _first_at_least(row, n, hi[r] + 1)
-        if _first_at_least(row, n, lo[r]) < end:
+        end = first_at_least(row, n, hi[r] + 1)
+        if first_at_least(row, n, lo[r]) < end:
             length = max(length, end)
     return length
 
@@ -480,13 +468,13 @@ def _take_unrotated(host_chunk, n_cached, unrotated, slots, lo, hi):
     total = 0
     for r in range(len(slots)):
         row, n = host_chunk[slots[r]], n_cached[slots[r]]
-        total += max(0, _first_at_least(row, n, hi[r] + 1) - _first_at_least(row, n, lo[r]))
+        total += max(0, first_at_least(row, n, hi[r] + 1) - first_at_least(row, n, lo[r]))
     rows, cols, positions = np.empty(total, np.int64), np.empty(total, np.int64), np.empty(total)
     m = 0
     for r in range(len(slots)):
         s = slots[r]
         row, n = host_chunk[s], n_cached[s]
-        for c in range(_first_at_least(row, n, lo[r]), _first_at_least(row, n, hi[r] + 1)):
+        for c in range(first_at_least(row, n, lo[r]), first_at_least(row, n, hi[r] + 1)):
             p = unrotated[s, c]
             if p == p:  # not NaN
                 rows[m], cols[m], positions[m] = s, c, p
@@ -500,12 +488,11 @@ def _set_positions(host_chunk, n_cached, unrotated, slots, chunks, first_positio
     for k in range(len(slots)):
         s = slots[k]
         row, n = host_chunk[s], n_cached[s]
-        a, b = _first_at_least(row, n, chunks[k]), _first_at_least(row, n, chunks[k] + 1)
+        a, b = first_at_least(row, n, chunks[k]), first_at_least(row, n, chunks[k] + 1)
         for c in range(a, b):
             unrotated[s, c] = first_positions[k] + (c - a)
 
 
-_first_at_least = compiled(_first_at_least, inline="always")
 _visible_length = compiled(_visible_length)
 _take_unrotated = compiled(_take_unrotated)
 _set_positions = compiled(_set_positions)

@@ -338,10 +338,9 @@ class Engine:
             stepped.append((s, frame if has_frame else None, done))
             rows.append(i)
         # the stepped sessions' timelines move on with their progress, in one pass over them
-        sessions = [s for s, _, _ in stepped]
         slots = slots[rows]
-        frames = np.fromiter((s.step_count + 1 for s in sessions), np.int64, len(sessions))
-        self.memory.replace(sessions, slots, frames, results.progress[rows])
+        frames = np.fromiter((s.step_count + 1 for s, _, _ in stepped), np.int64, len(stepped))
+        self.memory.replace(self.timelines, slots, frames, results.progress[rows])
         # where the text memory has work to do, from the windows at each one's next step
         win = self.timelines.windows(slots, self.timelines.current_chunks(slots, frames))
         memory_lo = np.where(self.memory.due(self.timelines, slots, win), win.lo, -1)

@@ -116,15 +116,13 @@ class TextMemory:
         most nf + 2 text chunks (later ones are placed when they come within reach)."""
         return (config.n_future_chunks + 2) * config.chunking.max_words
 
-    def replace(self, sessions: list[EngineSession], slots: np.ndarray, frames: np.ndarray,
-                spoken: np.ndarray) -> None:
-        """Re-place the chunks the timelines of `sessions` (rows `slots` of one
-        `SpeechTimelines`, bound with `replace_horizon`) moved after a step, given their
-        progress (`spoken` transcript characters) by their `frames` (each one's step
-        count after that step), and the cached chunks among them in the model's memory."""
-        if not sessions:
+    def replace(self, table: SpeechTimelines, slots: np.ndarray, frames: np.ndarray, spoken: np.ndarray) -> None:
+        """Re-place the chunks that rows `slots` of `table` (bound with `replace_horizon`)
+        moved after a step, given their progress (`spoken` transcript characters) by
+        their `frames` (each one's step count after that step), and the cached chunks
+        among them in the model's memory."""
+        if not len(slots):
             return
-        table = sessions[0].timeline.table
         moved = table.replace(slots, spoken, frames, table.horizon[slots])
         rows = slots[moved.at]
         cached = moved.chunk < table.in_memory[rows]

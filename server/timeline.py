@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from livespeech.models.attention import window_chunk_range
-from livespeech.models.compiled import compiled
+from livespeech.models.compiled import compiled, first_at_least
 from livespeech.models.config import FRAME_RATE
 
 DEFAULT_FRAMES_PER_CHAR = FRAME_RATE / 14.0  # ~14 characters/s of conversational speech
@@ -112,18 +112,6 @@ def _replace_rows(slots, spoken, frames, horizon, count, frames_per_char, fixed_
     return m
 
 
-def _first_at_least(values, n, x):
-    """The first i < n with values[i] >= x (n if none), values non-decreasing."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if values[mid] < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
 def _window(text_chunk, n, text_chunks, in_memory, n_past, n_future, current):
     """The np/nf window of one row at its current chunk: (its first chunk, its last chunk
     in the model's memory, its last text chunk); (0, -1, -1) without chunks. The window
@@ -132,8 +120,8 @@ def _window(text_chunk, n, text_chunks, in_memory, n_past, n_future, current):
     if n == 0:
         return 0, -1, -1
     first, last = _window_chunk_range(text_chunk[current], n_past, n_future, text_chunks)
-    lo = _first_at_least(text_chunk, n, first)
-    end = _first_at_least(text_chunk, n, last + 1)
+    lo = first_at_least(text_chunk, n, first)
+    end = first_at_least(text_chunk, n, last + 1)
     return lo, min(end, in_memory) - 1, last
 
 
@@ -156,7 +144,6 @@ def cached_tokens_before(token_start, n, tokens, first_cached, in_memory, chunk)
 _current_chunk = compiled(_current_chunk, inline="always")
 _current_chunks = compiled(_current_chunks)
 _replace_rows = compiled(_replace_rows)
-_first_at_least = compiled(_first_at_least, inline="always")
 _window_chunk_range = compiled(window_chunk_range, inline="always")
 _window = compiled(_window, inline="always")
 _windows = compiled(_windows)

@@ -251,7 +251,7 @@ def test_a_batch_of_windows_shows_the_np_and_nf_text_chunks_around_each_current_
     from livespeech.server.timeline import SpeechTimelines
 
     if loops == "python":
-        for name in ("_window", "_windows", "_first_at_least", "_window_chunk_range"):
+        for name in ("_window", "_windows", "first_at_least", "_window_chunk_range"):
             monkeypatch.setattr(timeline, name, getattr(getattr(timeline, name), "py_func", getattr(timeline, name)))
 
     rng = random.Random(5)
