@@ -160,8 +160,6 @@ class EngineSession(SessionInput):
                                          Temperatures(config.grapheme_temperature, config.first_codebook_temperature,
                                                       config.acoustic_temperature))
         self.chunks: list[Chunk] = []
-        # the index in `chunks` of each released text chunk's first word
-        self.text_chunk_starts: list[int] = []
         self.words: list[Word] = []
         # words end, and are sent, in order: the ones before these indices are done with
         self._first_open_word = 0
@@ -217,7 +215,6 @@ class EngineSession(SessionInput):
 
     def begin_text_chunk(self) -> None:
         """The chunks registered next belong to a new text chunk."""
-        self.text_chunk_starts.append(len(self.chunks))
         self.timeline.begin_text_chunk()
 
     @property
@@ -239,7 +236,7 @@ class EngineSession(SessionInput):
             self.words.append(Word(word, self.n_chars + len(ids) - len(g), self.n_chars + len(ids)))
             if self.letters is not None:
                 self.letters.add_word(letters)
-        chunk = Chunk(len(self.chunks), len(self.text_chunk_starts) - 1, token_ids, len(ids))
+        chunk = Chunk(len(self.chunks), self.timeline.text_chunks - 1, token_ids, len(ids))
         self.guidance.extend_transcript(ids)
         self.n_chars += len(ids)
         self.chunks.append(chunk)
@@ -261,10 +258,6 @@ class EngineSession(SessionInput):
         """Whether the np/nf window shows `chunk` at this step or may at the next (a text
         chunk further on)."""
         return chunk.text_chunk <= self.timeline.window(self.timeline.current_chunk(self.step_count))[2] + 1
-
-    def _text_chunk_end(self, k: int) -> int:
-        """One past the last of `chunks` of text chunk k."""
-        return self.text_chunk_starts[k + 1] if k + 1 < len(self.text_chunk_starts) else len(self.chunks)
 
     def lookahead_ready(self) -> bool:
         """The start policy: current chunk c is spoken once min(nf, start_future_chunks + c)
@@ -295,7 +288,8 @@ class EngineSession(SessionInput):
         c = self.timeline.current_chunk(max(0, self.step_count - self.audio_lag_frames))
         k = self.chunks[c].text_chunk
         last = self.chunks[n - 1].text_chunk
-        in_memory = last + (self._text_chunk_end(last) == n)  # text chunks wholly in memory
+        # the text chunks wholly in memory
+        in_memory = last + (n == len(self.chunks) or self.chunks[n].text_chunk != last)
         if c > self.lookahead_waived_through and \
                 in_memory - 1 < k + min(self.config.n_future_chunks, self.config.start_future_chunks + k):
             return False

@@ -373,6 +373,10 @@ class SpeechTimeline:
     def in_memory(self) -> int:
         return int(self.table.in_memory[self.slot])
 
+    @property
+    def text_chunks(self) -> int:
+        return int(self.table.text_chunks[self.slot])
+
     def begin_text_chunk(self) -> None:
         self.table.begin_text_chunk(self.slot)
 

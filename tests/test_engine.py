@@ -860,7 +860,7 @@ def test_a_session_waiting_for_lookahead_has_sent_the_audio_before_that_chunk(en
         if s is not None and s.waiting_for_text() and s.frames_sent == sent:
             break
         sent = -1 if s is None else s.frames_sent
-    tau_1, progress = s.timeline.tau(s.text_chunk_starts[1]), s.guidance.progress
+    tau_1, progress = s.timeline.tau(next(c.index for c in s.chunks if c.text_chunk == 1)), s.guidance.progress
     words = [w.word for w in c.of(WordTiming)]
     audio_s = sum(p.duration_s for p in c.of(AudioPacket))
     h.push_text("and goodbye.")

@@ -42,7 +42,7 @@ def session(n_past: int, n_future: int, start_future: int = 0) -> EngineSession:
 
 
 def release(s: EngineSession, memory: TextMemory, text_chunks) -> None:
-    memory.release(s, [TextChunk(len(s.text_chunk_starts) + i, words, 0.0) for i, words in enumerate(text_chunks)])
+    memory.release(s, [TextChunk(s.timeline.text_chunks + i, words, 0.0) for i, words in enumerate(text_chunks)])
 
 
 def test_each_word_is_a_chunk_of_the_memory_at_its_own_frame():
