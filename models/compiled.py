@@ -45,4 +45,6 @@ def _first_at_least(values, n, x):
     return lo
 
 
+# inlined into its callers' machine code, which numba's cache keeps keyed by their own
+# files: a change here needs those caches (__pycache__/*.nbi, *.nbc) cleared
 first_at_least = compiled(_first_at_least, inline="always")

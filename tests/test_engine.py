@@ -1337,3 +1337,55 @@ def test_a_warm_up_session_still_speaking_at_the_timeout_is_cancelled_and_not_co
             assert not registry.get_sample_value("livespeech_sessions_total", {"outcome": outcome})
     finally:
         eng.stop()
+
+
+def test_a_steps_windows_and_text_memory_checks_are_the_batchs_not_each_sessions(voice, monkeypatch):
+    """The np/nf windows of a step's sessions and the text memory's checks after it are
+    worked out for the whole batch (`SpeechTimelines.windows`, `TextMemory.due`): with text
+    far ahead of the speech, a step asks a session for its window, or visits its memory,
+    only where the memory has an eviction or a word to move in, a small part of the
+    session-steps (each session did both at every step before)."""
+    from livespeech.server.session import EngineSession
+    from livespeech.server.text_memory import TextMemory
+
+    torch.set_num_threads(1)
+    eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=8, max_lead_s=1e6))
+    calls = {"window": 0, "evict_past": 0, "session_steps": 0, "steps": 0}
+    stepping = threading.local()
+    done = threading.Event()
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            if getattr(stepping, "on", False):
+                calls[name] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(EngineSession, "window", counted("window", EngineSession.window))
+    monkeypatch.setattr(TextMemory, "evict_past", counted("evict_past", TextMemory.evict_past))
+    inner = eng._step
+
+    def step(batch):
+        calls["steps"] += 1
+        calls["session_steps"] += len(batch)
+        stepping.on = True
+        try:
+            return inner(batch)
+        finally:
+            stepping.on = False
+            if calls["steps"] >= 150:
+                done.set()
+    eng._step = step
+    text = " ".join(f"word{i}" for i in range(120))  # far more than the memory holds
+    for i in range(8):
+        h = eng.open_session(SessionConfig(**{**HARD, "seed": i}), voice, Collector())
+        h.push_text(text)
+        h.end_input()
+    eng.start()
+    try:
+        assert done.wait(120), "the engine did not step"
+    finally:
+        eng.stop()
+    assert calls["session_steps"] >= 8 * 100
+    assert 0 < calls["evict_past"] < calls["session_steps"] / 4, calls
+    assert calls["window"] < calls["session_steps"] / 4, calls
