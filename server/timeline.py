@@ -281,7 +281,7 @@ class SpeechTimelines:
     def tokens_before(self, slot: int, chunk: int) -> int:
         """The tokens of the slot's chunks before `chunk` still in the model's memory."""
         return int(cached_tokens_before(self.token_start[slot], int(self.count[slot]), int(self.tokens[slot]),
-                                  int(self.first_cached[slot]), int(self.in_memory[slot]), chunk))
+                                        int(self.first_cached[slot]), int(self.in_memory[slot]), chunk))
 
     def cached_tokens(self, slot: int) -> int:
         """The tokens of the slot's chunks in the model's memory."""
