@@ -35,7 +35,8 @@ behaves the same. Each scope's exclusive time is reported per step:
 Run once without the fine wrappers too (`step_ms_plain`), so their overhead is visible;
 that run times the runner's step and the codec's calls only, and the step less those is
 the engine's own work (`engine_own_ms_plain`: its per-session Python, the text memory's
-calls and the audio's delivery).
+calls and the audio's delivery; `engine_own_ms_median`: the median over the steps of each
+step's own, steadier than the mean where a few steps deliver the audio of many sessions).
 
 Cost model: FLOPs and bytes of one step are counted from the model's parameter shapes
 (weights read once per step; per-session MACs; per-session state read/written),
@@ -72,8 +73,10 @@ from livespeech.server.runner import matmul_weights, onnx_codec_enabled
 class Scopes:
     """Inclusive/exclusive wall time of nested named scopes, on one thread."""
 
-    def __init__(self, record_function: bool = False) -> None:
+    def __init__(self, record_function: bool = False, per_call: tuple[str, ...] = ()) -> None:
         self.thread: Optional[int] = None
+        # scopes whose every call's exclusive time is kept, not only their sum
+        self.per_call: dict[str, list[float]] = {name: [] for name in per_call}
         self.enabled = False
         self.incl: dict[str, float] = {}
         self.excl: dict[str, float] = {}
@@ -87,6 +90,8 @@ class Scopes:
         self.incl.clear()
         self.excl.clear()
         self.calls.clear()
+        for times in self.per_call.values():
+            times.clear()
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         scopes = self
@@ -111,6 +116,8 @@ class Scopes:
                 scopes.stack.pop()
                 scopes.incl[name] = scopes.incl.get(name, 0.0) + dt
                 scopes.excl[name] = scopes.excl.get(name, 0.0) + dt - frame[2]
+                if name in scopes.per_call:
+                    scopes.per_call[name].append(dt - frame[2])
                 scopes.calls[name] = scopes.calls.get(name, 0) + 1
                 if scopes.stack:
                     scopes.stack[-1][2] += dt
@@ -237,7 +244,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     text_chars = text_chars or 160
     text = (TEXT * (text_chars // len(TEXT) + 1))[:text_chars]
     text = text[: text.rfind(" ")] + "."
-    scopes = Scopes(record_function)
+    scopes = Scopes(record_function, per_call=("engine.step",))
     if bundle.device.type == "cuda":
         scopes.sync = torch.cuda.synchronize
     frozen = engine.runner.frozen  # before the wrappers replace its step
@@ -312,7 +319,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
            "frozen_step": frozen, "matmul_weights": engine.config.matmul_weights,
            "low_precision_from_batch": engine.runner.low_precision_from_batch,
            "incl": dict(scopes.incl), "excl": dict(scopes.excl), "calls": dict(scopes.calls),
-           "parent": dict(scopes.parent)}
+           "parent": dict(scopes.parent), "per_call": {k: list(v) for k, v in scopes.per_call.items()}}
     if prof is not None and trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_dir / f"trace_b{batch}.json"))
@@ -602,12 +609,15 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         # what the runner made of the request
         out["frozen_step"], out["matmul_weights"] = run["frozen_step"], run["matmul_weights"]
         out["low_precision_from_batch"] = run["low_precision_from_batch"]
-        plain_ms = own_ms = None
+        plain_ms = own_ms = own_median_ms = None
         if plain:
             pr = _engine_run(bundle, b, steps, warmup, fine=False, text_chars=text_chars, paths=paths)
             plain_ms = pr["iteration_ms"]
             # the host's per-session bookkeeping, audio delivery included
             own_ms = plain_ms - 1000 * (pr["incl"].get("runner.step", 0.0) + pr["incl"].get("codec", 0.0)) / steps
+            # each step's own (the step less the runner's step and the codec's calls, which
+            # are the only scopes inside it in this run)
+            own_median_ms = 1000 * statistics.median(pr["per_call"]["engine.step"])
         counted = counted_cost(bundle, b, pf)
         step_s = run["window_s"] / steps
         model_s = run["incl"].get("model.step", 0.0) / steps
@@ -625,7 +635,7 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         runner_s = run["incl"].get("runner.step", 0.0) / steps
         out["batches"].append({
             "batch": b, "loadavg": la, "step_ms": 1000 * step_s, "step_ms_plain": plain_ms,
-            "engine_own_ms_plain": own_ms,
+            "engine_own_ms_plain": own_ms, "engine_own_ms_median": own_median_ms,
             "mean_batch": run["mean_batch"], "model_step_ms": 1000 * model_s,
             "runner_step_ms": 1000 * runner_s,
             "aten_ops_per_step": ops, "aten_ops_model_step": counted["aten_ops_model_step"],

@@ -284,7 +284,8 @@ def render_profile_markdown(prof: dict) -> str:
         L.append(f"### batch {row['batch']}  (model `{prof.get('model')}`{graphs})\n")
         L.append(f"- engine step (instrumented): {_f(row['step_ms'], '{:.2f}')} ms per step, "
                  f"uninstrumented {_f(row.get('step_ms_plain'), '{:.2f}')} ms (the engine's own work "
-                 f"{_f(row.get('engine_own_ms_plain'), '{:.2f}')} ms); mean batch {_f(row.get('mean_batch'), '{:.1f}')}"
+                 f"{_f(row.get('engine_own_ms_plain'), '{:.2f}')} ms, median a step "
+                 f"{_f(row.get('engine_own_ms_median'), '{:.2f}')} ms); mean batch {_f(row.get('mean_batch'), '{:.1f}')}"
                  f"; {row.get('aten_ops_per_step', '-')} aten ops per model+sampling step "
                  f"({_f(row.get('us_per_aten_op'), '{:.1f}')} us each)")
         c = row.get("cost", {})

@@ -439,8 +439,9 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
         row = res["batches"][0]
         if plain:
             assert 0 < row["engine_own_ms_plain"] < row["step_ms_plain"]
+            assert 0 < row["engine_own_ms_median"] < row["step_ms_plain"]
         else:
-            assert row["engine_own_ms_plain"] is None
+            assert row["engine_own_ms_plain"] is row["engine_own_ms_median"] is None
         scopes = {r["name"]: r for r in row["scopes"]}
         assert {"engine.step", "runner.step", "model.step", "sampling"} <= set(scopes)
         assert 0 < scopes["model.step"]["incl_ms_per_step"] <= scopes["runner.step"]["incl_ms_per_step"]
