@@ -134,7 +134,7 @@ class TextMemory:
 
     def due(self, table: SpeechTimelines, slots: np.ndarray, windows: Windows) -> np.ndarray:
         """Whether `evict_past` has work to do for each of `slots` (rows of `table`; one
-        compiled pass) given their np/nf windows at this step: chunks that
+        compiled pass), given their np/nf windows (`SpeechTimelines.windows`): chunks that
         left the window to evict, or a chunk that `fill` would move in (room for it, or
         the window needs it). A session for which it is False may skip `evict_past`."""
         out = np.empty(len(slots), bool)
