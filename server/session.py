@@ -251,13 +251,13 @@ class EngineSession(SessionInput):
         model's text memory: the words of the np text chunks before the current word's
         and of the nf after it (`SpeechTimelines.windows`, which the engine asks for its
         whole batch)."""
-        lo, hi, _ = self.timeline.window(self.timeline.current_chunk(self.step_count))
+        lo, hi, _ = self.timeline.window(self.step_count)
         return lo, hi
 
     def window_needs(self, chunk: Chunk) -> bool:
         """Whether the np/nf window shows `chunk` at this step or may at the next (a text
         chunk further on)."""
-        return chunk.text_chunk <= self.timeline.window(self.timeline.current_chunk(self.step_count))[2] + 1
+        return chunk.text_chunk <= self.timeline.window(self.step_count)[2] + 1
 
     def lookahead_ready(self) -> bool:
         """The start policy: current chunk c is spoken once min(nf, start_future_chunks + c)

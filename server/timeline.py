@@ -383,8 +383,9 @@ class SpeechTimeline:
     def add(self, n_chars: int, arrival_frame: int, client_time_s: Optional[float] = None, n_tokens: int = 0) -> int:
         return self.table.add(self.slot, n_chars, arrival_frame, client_time_s, n_tokens)
 
-    def window(self, current: int) -> tuple[int, int, int]:
-        return self.table.window(self.slot, current)
+    def window(self, frame: int) -> tuple[int, int, int]:
+        """`SpeechTimelines.window` at the current chunk of `frame`."""
+        return self.table.window(self.slot, self.current_chunk(frame))
 
     def tokens_before(self, chunk: int) -> int:
         return self.table.tokens_before(self.slot, chunk)
