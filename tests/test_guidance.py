@@ -707,6 +707,22 @@ def test_counter_draws_depend_on_the_seed_and_step_alone_and_look_uniform():
     assert not torch.equal(u[:, :1], v)
 
 
+def test_counter_draws_on_the_cpu_are_the_graphs_bits():
+    """On the CPU `counter_uniforms` runs as one compiled loop; its draws are the bits the
+    TorchScript graph (what a GPU runs) makes, for any int64 seed and counter."""
+    from livespeech.models import guidance
+
+    if guidance.numba is None:
+        pytest.skip("numba is not installed: the CPU runs the graph itself")
+    gen = torch.Generator().manual_seed(0)
+    for b in (1, 5, 300):
+        seeds = torch.randint(-2**63, 2**63 - 1, (b,), dtype=torch.int64, generator=gen)
+        steps = torch.randint(0, 2**45, (b,), dtype=torch.int64, generator=gen)
+        for n in (1, 9, 40):
+            assert torch.equal(guidance.counter_uniforms(seeds, steps, n),
+                               guidance._scripted_counter_uniforms()(seeds, steps, n))
+
+
 def test_sample_step_takes_the_draws_as_a_tensor():
     """Given as a tensor, the draws are used as a generator's would be: the same tokens."""
     from livespeech.models.guidance import sample_step
