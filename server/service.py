@@ -10,11 +10,10 @@ One `Synthesize` stream = one `_Stream`: the handler reads the config, opens an 
 session, then runs a reader task (client messages -> `SessionHandle`) and a writer task
 (engine events -> client). The engine thread calls the session's sink; the sink hands
 each event to the event loop through the loop's `EventInbox` (one wakeup for all the
-events waiting), into a queue the writer drains. A client that does not read is ended
-with RESOURCE_EXHAUSTED "client is not reading" (`ReadClock`): when gRPC flow control
-has blocked the writer and the audio the client took falls behind real time by more
-than `slow_reader_grace_s`; or when the queue reaches `max_buffered_packets` (a memory
-backstop).
+events waiting), into a queue the writer drains. A client that does not read is ended with RESOURCE_EXHAUSTED "client is not
+reading" (`ReadClock`): when gRPC flow control has blocked the writer and the audio the
+client took falls behind real time by more than `slow_reader_grace_s`; or when the queue
+reaches `max_buffered_packets` (a memory backstop).
 
 Every way out of a stream goes through `Synthesize`'s `finally`: the engine handle is
 closed (the slot is freed within one engine step), the outcome is counted, and a failure
