@@ -9,8 +9,8 @@ transports over it.
 One `Synthesize` stream = one `_Stream`: the handler reads the config, opens an engine
 session, then runs a reader task (client messages -> `SessionHandle`) and a writer task
 (engine events -> client). The engine thread calls the session's sink; the sink hands
-each event to the event loop through the loop's `EventInbox` (one wakeup for all the
-events waiting), into a queue the writer drains. A client that does not read is ended with RESOURCE_EXHAUSTED "client is not
+each event to the event loop with `loop.call_soon_threadsafe`, into a queue the writer
+drains. A client that does not read is ended with RESOURCE_EXHAUSTED "client is not
 reading" (`ReadClock`): when gRPC flow control has blocked the writer and the audio the
 client took falls behind real time by more than `slow_reader_grace_s`; or when the queue
 reaches `max_buffered_packets` (a memory backstop).
@@ -42,9 +42,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Iterator, Optional
 
 import grpc
 
@@ -142,42 +141,6 @@ class ReadClock:
         return max(self.balance_s + self.grace_s, 0.0) + 1e-3
 
 
-class EventInbox:
-    """The engine's events on their way to the event loop's streams, handed over in
-    batches: a thread (the engine's, the codec's) adds an event and wakes the loop only
-    when none is waiting, so a step that sends many sessions' audio and words wakes it once
-    (each `call_soon_threadsafe` writes to the loop's self-pipe: ~5 us of the engine
-    thread an event, where adding one here is ~0.3 us). Events keep the order they were
-    added in; one stream's failing delivery is logged and the others go on."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._events: list[tuple[Callable[[SessionEvent], None], SessionEvent]] = []
-        self._woken = False  # a drain is scheduled and has not taken the events yet
-
-    def put(self, deliver: Callable[[SessionEvent], None], event: SessionEvent) -> None:
-        with self._lock:
-            self._events.append((deliver, event))
-            if self._woken:
-                return
-            self._woken = True
-        try:
-            self.loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is closed: the server is gone
-            with self._lock:
-                self._events.clear()
-
-    def _drain(self) -> None:
-        with self._lock:
-            events, self._events, self._woken = self._events, [], False
-        for deliver, event in events:
-            try:
-                deliver(event)
-            except Exception:  # noqa: BLE001 - one stream's bug must not drop the others' events
-                log.exception("delivering %s failed", type(event).__name__)
-
-
 class SessionStream:
     """The transport-neutral side of one synthesis stream (event loop): the engine's
     events queued for the client, the session's idle and wall-clock timeouts, and the
@@ -191,7 +154,6 @@ class SessionStream:
         self.service = service
         self.config = service.config
         self.loop = asyncio.get_running_loop()
-        self.inbox = service.inbox(self.loop)
         self.handle: Optional[SessionHandle] = None
         self.events: asyncio.Queue[SessionEvent] = asyncio.Queue()
         # resolved once: None (the session ended with its summary) or the RpcError to end it
@@ -213,8 +175,11 @@ class SessionStream:
     # ------------------------------------------------------------ engine side
 
     def sink(self, event: SessionEvent) -> None:
-        """Called from the engine thread (or the codec thread, which delivers audio too)."""
-        self.inbox.put(self._deliver, event)
+        """Called from the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
 
     def _deliver(self, event: SessionEvent) -> None:
         if self.closed or self.outcome.done():
@@ -525,13 +490,6 @@ class LiveSpeechService:
         self._streams: set[SessionStream] = set()
         self._open_streams = 0  # admitted under synthesize_stream_limit (not those being refused)
         self._changed = asyncio.Event()
-        self._inbox: Optional[EventInbox] = None
-
-    def inbox(self, loop: asyncio.AbstractEventLoop) -> EventInbox:
-        """The engine events' way to `loop`, shared by its streams (`EventInbox`)."""
-        if self._inbox is None or self._inbox.loop is not loop:
-            self._inbox = EventInbox(loop)
-        return self._inbox
 
     @property
     def in_flight(self) -> int:

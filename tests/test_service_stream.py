@@ -302,38 +302,3 @@ def test_max_buffer_delay_crosses_the_wire() -> None:
     assert config_from_proto(config_to_proto(SessionConfig(max_buffer_delay_ms=1500)))[0].max_buffer_delay_ms == 1500
     with pytest.raises(ConfigError, match="max_buffer_delay_ms"):
         config_from_proto(pb.SynthesizeConfig(max_buffer_delay_ms=10_001))
-
-
-def test_the_event_inbox_wakes_the_loop_once_for_the_events_waiting_and_keeps_their_order() -> None:
-    """The engine's events reach the event loop through `EventInbox`: the events a thread
-    adds while the loop is busy cost one wakeup, arrive in the order added, and one
-    stream's failing delivery does not lose the others'; a closed loop drops them."""
-    import threading
-
-    from livespeech.server.service import EventInbox
-
-    loop = asyncio.new_event_loop()
-    wakeups = []
-    real_wakeup = loop.call_soon_threadsafe
-    loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), real_wakeup(*a))[1]
-    got = []
-
-    def broken(event) -> None:
-        raise ValueError("a stream's bug")
-
-    try:
-        inbox = EventInbox(loop)
-        adder = threading.Thread(target=lambda: [inbox.put(broken if i == 3 else got.append, i) for i in range(100)])
-        adder.start()
-        adder.join()
-        assert len(wakeups) == 1 and not got  # the loop has not run yet
-        loop.run_until_complete(asyncio.sleep(0))
-        assert got == [i for i in range(100) if i != 3]
-        inbox.put(got.append, 100)  # the inbox was drained: the next event wakes the loop again
-        assert len(wakeups) == 2
-        loop.run_until_complete(asyncio.sleep(0))
-        assert got[-1] == 100
-    finally:
-        loop.close()
-    inbox.put(got.append, 101)  # the server is gone: no error, nothing delivered
-    assert got[-1] == 100
