@@ -43,7 +43,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
            seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None,
            release_when_waiting: Optional[bool] = None, weights: str = "float32", onnx_codec: bool = False,
            chunk_words: Optional[tuple[int, int]] = None, cuda_graphs: bool = False,
-           first_chunk_words: Optional[int] = None) -> dict[str, Any]:
+           first_chunk_words: Optional[int] = None, device_guidance: bool = False) -> dict[str, Any]:
     from livespeech.server.engine import Engine, EngineConfig
     from livespeech.server.session import EngineSession, Phase
     from livespeech.api.session import AudioPacket, ChunkingConfig, Failed, Finished, SessionConfig
@@ -58,7 +58,8 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
     if chunking:
         options["chunking"] = ChunkingConfig(**chunking)
     engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step, matmul_weights=weights,
-                                         onnx_codec=onnx_codec, cuda_graphs=cuda_graphs))
+                                         onnx_codec=onnx_codec, cuda_graphs=cuda_graphs,
+                                         device_guidance=device_guidance))
     voice = engine.make_voice("replay", noise_reference(seed), 24000)
     waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
     ready = EngineSession.lookahead_ready
@@ -143,7 +144,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
         patches.undo()
     results.sort(key=lambda r: (r["worker"], r["turn"]))
     return {"sessions": sessions, "turns": turns, "stagger_s": stagger_s, "llm_rate": pacing.llm_rate,
-            "frozen_step": frozen_step, "matmul_weights": weights,
+            "frozen_step": frozen_step, "matmul_weights": weights, "device_guidance": device_guidance,
             "underruns": sum(r["underruns"] for r in results),
             # (ms, batch, frames (codec calls), seconds into the run): the five slowest of each
             **{f"slowest_{kind}": sorted(calls, reverse=True)[:5] for kind, calls in timed.items()},
@@ -181,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="the step and the codec's steady packets from CUDA graphs")
+    ap.add_argument("--device-guidance", action="store_true",
+                    help="every session's guidance as tensors on the device (the server's --device-guidance)")
     add_path_arguments(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -202,7 +205,8 @@ def main(argv=None) -> int:
                  weights=matmul_weights(args.matmul_weights, args.device),
                  onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device),
                  chunk_words=None if args.chunk_words is None else tuple(int(x) for x in args.chunk_words.split(",")),
-                 cuda_graphs=args.cuda_graphs, first_chunk_words=args.first_chunk_words)
+                 cuda_graphs=args.cuda_graphs, first_chunk_words=args.first_chunk_words,
+                 device_guidance=args.device_guidance)
     res["delays"] = list(bundle.model.cfg.delays)
     print(f"codebook delays {res['delays']}")
     print(f"{res['sessions']} sessions x {res['turns']} turns: {res['underruns']} underruns, "

@@ -632,3 +632,28 @@ def test_the_profile_after_a_sweep_steps_as_the_spawned_server_did(tmp_path, mon
     assert run.run_profile(args, tmp_path, [1, 16]) is None  # the stub wrote no profile
     assert profile == ["--cuda-graphs", "--eager-step", "--device-guidance"] and set(profile) <= set(seen[0])
     assert run.step_paths(run.build_parser().parse_args(["--spawn"])) == ([], [])
+
+
+def test_replay_keeps_the_guidance_on_the_device_when_asked(tmp_path, monkeypatch):
+    """`--device-guidance` (what a GPU's 256 sessions run) reaches the engine, whose runner
+    then keeps every session's guidance as tensors, and its turns still finish."""
+    from livespeech.loadtest import replay
+    from livespeech.server.engine import Engine
+
+    runners = []
+    real_init = Engine.__init__
+
+    def recording_init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        runners.append(self.runner)
+
+    monkeypatch.setattr(Engine, "__init__", recording_init)
+    text = tmp_path / "t.txt"
+    text.write_text("Hello there.\n")
+    out = tmp_path / "r.json"
+    assert replay.main(["--model-path", "random:tiny", "--sessions", "2", "--turns", "1", "--llm-rate", "200",
+                        "--sentences-per-turn", "1", "--text-file", str(text), "--device-guidance",
+                        "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["device_guidance"] and [r["finished"] for r in res["turn_results"]] == [True, True]
+    assert len(runners) == 1 and runners[0].guidance is not None
