@@ -373,17 +373,17 @@ class DecodeState(DecodeStateView):
         """Bring the positions and keys of added or re-placed chunks up to date before a step
         in which slots[i] sees chunks windows[i] = (lo, hi)."""
         up = Upload()
-        staged = self.stage_rotations(up, slots, windows)
+        staged = self.stage_rotations(up, slots, *window_bounds(windows))
         if staged != (None, None):
             self.apply_rotations(up.send(self.txt_pos.device), staged)
 
-    def stage_rotations(self, up: Upload, slots: Sequence[int],
-                        windows: Sequence[tuple[int, int]]) -> tuple[Optional[tuple], Optional[tuple]]:
+    def stage_rotations(self, up: Upload, slots: Sequence[int], lo: np.ndarray,
+                        hi: np.ndarray) -> tuple[Optional[tuple], Optional[tuple]]:
         """`rotate_windows` in two halves, so a step sends the rotations with its other
         inputs in one copy: the pending chunks' writes and the added or re-placed chunks'
-        keys staged into `up` (each None: none), for `apply_rotations` once it is sent."""
+        keys staged into `up` (each None: none), for `apply_rotations` once it is sent;
+        slots[i] sees chunks lo[i]..hi[i] (`window_bounds`)."""
         text = self._stage_text(up)
-        lo, hi = (np.fromiter((w[k] for w in windows), np.int64, len(windows)) for k in (0, 1))
         rows, cols, positions = _take_unrotated(self.host_chunk, self.n_cached, self.unrotated,
                                                 np.asarray(slots, np.int64), lo, hi)
         if not len(rows):
@@ -496,6 +496,12 @@ def _set_positions(host_chunk, n_cached, unrotated, slots, chunks, first_positio
 _visible_length = compiled(_visible_length)
 _take_unrotated = compiled(_take_unrotated)
 _set_positions = compiled(_set_positions)
+
+
+def window_bounds(windows: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Windows (lo, hi) as the arrays of their first and last chunks."""
+    lo, hi = np.asarray(windows, np.int64).reshape(-1, 2).T.copy()  # each a contiguous row
+    return lo, hi
 
 
 def _contiguous(slots: Sequence[int]) -> bool:

@@ -24,7 +24,7 @@ from livespeech.models.derived import INT8, cpu_has_bf16_dot, cpu_has_int8_matmu
 from livespeech.models.guidance import (GuidanceState, GuidingSets, SamplingSettings, SlotSampling, Temperatures,
                                         counter_uniforms, sample_step, sent_guiding_sets, stage_guiding_sets)
 from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
-from livespeech.models.inference import DecodeState, DecodeStateView, StepResult, enrollment_kv
+from livespeech.models.inference import DecodeState, DecodeStateView, StepResult, enrollment_kv, window_bounds
 from livespeech.models.livespeech import StepLogits, text_guided
 from livespeech.models.loading import ModelBundle
 from livespeech.models.scripted import kernel_fusion
@@ -434,9 +434,9 @@ class ModelRunner:
         # every host-side input of the step goes to the device in one copy (models/upload.py)
         on_device = self.guidance is not None
         up = Upload()
-        rotations = self.state.stage_rotations(up, slots, windows)
-        lo, hi = [w[0] for w in windows], [w[1] for w in windows]
-        lo_hi = up.add(lo, torch.long), up.add(hi, torch.long)
+        lo, hi = window_bounds(windows)
+        rotations = self.state.stage_rotations(up, slots, lo, hi)
+        lo_hi = up.add(lo.tolist(), torch.long), up.add(hi.tolist(), torch.long)
         cfg = self.model.cfg
         slot_rows = np.asarray(slots)  # the host's per-slot settings are read through it
         host_sets = None if on_device else stage_guiding_sets(up, guidance, self.sampling.guided(slot_rows))
