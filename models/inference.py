@@ -354,10 +354,6 @@ class DecodeState(DecodeStateView):
         return int(_visible_length(self.host_chunk, self.n_cached, np.asarray(slots, np.int64),
                                    np.asarray(lo, np.int64), np.asarray(hi, np.int64)))
 
-    def _chunk_span(self, slot: int, chunk: int) -> Optional[tuple[int, int]]:
-        cols = np.flatnonzero(self.cached_chunks(slot) == chunk)
-        return (int(cols[0]), int(cols[-1]) + 1) if len(cols) else None
-
     def set_chunk_positions(self, slots: Sequence[int], chunks: Sequence[int],
                             first_positions: Sequence[float]) -> None:
         """Re-place cached chunks on the speech timeline: chunks[i] of slots[i] from
