@@ -13,21 +13,34 @@
 # the call (carry [".devlt/whl", ".devlt/multilingual.tiktoken"]):
 #   export OUT; BUNDLE=.devlt EAGER=0 PROFILE=0 DURATION=10 bash scripts/offline_gpu/loadtest.sh 4,16
 # then scripts/offline_gpu/slim.sh restore.
-# $OUT gets loadtest.tgz (a report and JSON per run, the step profile of each:
-# livespeech.loadtest.profile_step, and its host reads per step: livespeech.loadtest.host_reads)
-# and the logs, and guidance_bench.txt (the guidance tests, their recorded graph included,
+# $OUT/loadtest/NAME/ gets each run's report and JSON, its step profile
+# (livespeech.loadtest.profile_step) and its host reads per step
+# (livespeech.loadtest.host_reads), as each finishes (what a timeout cuts is the rest);
+# $OUT the logs, and guidance_bench.txt (the guidance tests, their recorded graph included,
 # then livespeech.loadtest.bench_step with and without --device-guidance, then its
 # --first-calls: each batch size's first step). Knobs: DURATION (20 s a level), MODEL
 # (random:paper/encodec_24khz), DEVICE (cuda), PY (python3), SITE, PROFILE (1; 0: no
-# profiles), PROFILE_BATCH ("1 16 64"), EAGER (1; 0: only the CUDA-graph runs),
-# DEVICE_GUIDANCE (unset; 1: the servers keep every session's guidance on the device).
+# profiles), PROFILE_BATCH ("1 16 64"), EAGER (1; 0: only the CUDA-graph runs), GRAPHS (1;
+# 0: only the eager runs), TESTS (1; 0: the graph runs without the step-graph tests before
+# them), READS (1; 0: no host reads), GUIDANCE (1; 0: none of the guidance benches and
+# tests, minutes of a short call), DEVICE_GUIDANCE (unset; 1: the servers keep every
+# session's guidance on the device).
 # Issue 29's 256 sessions, the step at 1 and 256 against the card's bound in the same call:
 #   DEVICE_GUIDANCE=1 EAGER=0 PROFILE_BATCH="1 256" bash scripts/offline_gpu/loadtest.sh 64,128,192,256
+# the same criterion in the ~3-4 minutes a training call leaves (the slimming and carry
+# above; the step at 1 and 256 with its bound, then one 20 s level of 256 sessions):
+#   BUNDLE=.devlt GUIDANCE=0 TESTS=0 READS=0 EAGER=0 DEVICE_GUIDANCE=1 PROFILE_BATCH="1 256" \
+#     bash scripts/offline_gpu/loadtest.sh 256
+# Rehearsed on the CPU with DEVICE=cpu GRAPHS=0 MODEL=random:micro/micro, BUNDLE a folder
+# holding Whisper's ranks (no whl/: the venv's packages serve) and PY the venv's python.
 set -uo pipefail
 D=${BUNDLE:-.dev}; OUT=${OUT:-$PWD/gpu_out}; SITE=${SITE:-/root/mamba_site}; PY=${PY:-python3}
-SWEEP=${1:-8,16,32,64}; W=$(mktemp -d)
-mkdir -p "$OUT"
-$PY -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$D"/whl/*.whl || exit 1
+SWEEP=${1:-8,16,32,64}; W=$(mktemp -d)  # the wheels' site; the results go to $R
+R=$OUT/loadtest
+mkdir -p "$R"
+if [ -d "$D/whl" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$D"/whl/*.whl || exit 1
+fi
 export PYTHONUNBUFFERED=1 LIVESPEECH_TIKTOKEN_FILE=$(realpath "$D")/multilingual.tiktoken
 if [ "${MAMBA:-}" = build ] && [ ! -e "$SITE.done" ]; then
   NICE=0 bash scripts/offline_gpu/build_mamba.sh "$SITE" > "$OUT/mamba_build.log" 2>&1
@@ -36,7 +49,7 @@ run() {  # $1: the run's name; $2: PYTHONPATH; then livespeech.loadtest.run's ow
   local name=$1 path=$2; shift 2
   PYTHONPATH=$path $PY -m livespeech.loadtest.run --spawn --model-path "${MODEL:-random:paper/encodec_24khz}" \
     --device "${DEVICE:-cuda}" --sweep "$SWEEP" --duration "${DURATION:-20}" --sentences-per-turn 1 \
-    --no-baseline --no-plots --max-failures 2 --out "$W/$name" ${DEVICE_GUIDANCE:+--server-device-guidance} "$@" \
+    --no-baseline --no-plots --max-failures 2 --out "$R/$name" ${DEVICE_GUIDANCE:+--server-device-guidance} "$@" \
     2>&1 | tee "$OUT/loadtest-$name.log"
 }
 graphs_ok() {  # $1: PYTHONPATH. The replay against the eager step, before it is measured
@@ -45,16 +58,16 @@ graphs_ok() {  # $1: PYTHONPATH. The replay against the eager step, before it is
 }
 profile() {  # $1: the run's name; $2: PYTHONPATH; then profile_step's own flags. Where a step's time goes
   [ "${PROFILE:-1}" = 1 ] || return 0
-  mkdir -p "$W/$1"
+  mkdir -p "$R/$1"
   PYTHONPATH=$2 $PY -m livespeech.loadtest.profile_step --model-path "${MODEL:-random:paper/encodec_24khz}" \
-    --device "${DEVICE:-cuda}" --batch ${PROFILE_BATCH:-1 16 64} --steps 100 --json "$W/$1/profile.json" \
-    --markdown "$W/$1/profile.md" ${DEVICE_GUIDANCE:+--device-guidance} "${@:3}" > "$W/$1/profile.log" 2>&1 \
-    || tail -n 5 "$W/$1/profile.log"
+    --device "${DEVICE:-cuda}" --batch ${PROFILE_BATCH:-1 16 64} --steps 100 --json "$R/$1/profile.json" \
+    --markdown "$R/$1/profile.md" ${DEVICE_GUIDANCE:+--device-guidance} "${@:3}" > "$R/$1/profile.log" 2>&1 \
+    || tail -n 5 "$R/$1/profile.log"
 }
 reads() {  # $1: the run's name; $2: PYTHONPATH. Host reads per engine step (should be 1 at any batch)
-  mkdir -p "$W/$1"
+  mkdir -p "$R/$1"
   PYTHONPATH=$2 $PY -m livespeech.loadtest.host_reads --model-path "${MODEL:-random:paper/encodec_24khz}" \
-    --device "${DEVICE:-cuda}" --batch 1 64 --steps 20 2>&1 | tee "$W/$1/host_reads.txt" | head -n 8
+    --device "${DEVICE:-cuda}" --batch 1 64 --steps 20 2>&1 | tee "$R/$1/host_reads.txt" | head -n 8
 }
 guidance() {  # $1: PYTHONPATH. The runner step with per-session guidance, then with it on the device
   PYTHONPATH=$1 $PY -m pytest -q -p no:cacheprovider tests/test_guidance_batch.py tests/test_text_guidance.py 2>&1 | tail -n 3 | tee -a "$OUT/guidance_bench.txt"
@@ -73,24 +86,24 @@ guidance() {  # $1: PYTHONPATH. The runner step with per-session guidance, then 
   done
 }
 variants() {  # $1: name prefix; $2: PYTHONPATH
-  reads "$1" "$2"
+  [ "${READS:-1}" = 1 ] && reads "$1" "$2"
   if [ "${EAGER:-1}" = 1 ]; then
     profile "$1" "$2"
     run "$1" "$2"
   fi
-  if graphs_ok "$2"; then
+  [ "${GRAPHS:-1}" = 1 ] || return 0
+  if [ "${TESTS:-1}" = 0 ] || graphs_ok "$2"; then
     profile "$1-graphs" "$2" --cuda-graphs
     run "$1-graphs" "$2" --server-cuda-graphs
   else
     echo "CUDA-graph test failed: not measured"
   fi
 }
-guidance "$W/site"
+[ "${GUIDANCE:-1}" = 1 ] && guidance "$W/site"
 variants torch "$W/site"
 if [ -e "$SITE.ok" ]; then
   variants mamba-ssm "$SITE:$W/site"
 else
   echo "no mamba-ssm build that passed its tests on this machine: pure PyTorch only"
 fi
-(cd "$W" && tar czf "$OUT/loadtest.tgz" torch* mamba-ssm* 2>/dev/null)
 rm -rf "$W"
