@@ -194,7 +194,8 @@ def render_markdown(result: dict, plots: list[str]) -> str:
              f" torch threads {srv.get('torch_threads') or ('auto' if srv.get('mode') == 'spawn' else 'as the server set them')};"
              f" metrics {srv.get('metrics_url') or 'off'}")
     L.append(f"- workload: {wl.get('pacing')}; {wl.get('sentences_per_turn')} sentence(s)/turn from "
-             f"{wl.get('text_source')}; {wl.get('duration_s')} s per level, at most {wl.get('max_sessions')} turns; "
+             f"{wl.get('text_source')}; {wl.get('duration_s')} s per level, at most "
+             f"{wl.get('max_sessions') or '4 x N a second of it as'} turns; "
              f"session config {wl.get('config')}")
     L.append(f"- pass: no failed session, zero underruns, TTFA p95 <= {_ms(crit.get('ttfa_bound_s'))} ms "
              f"(TTFA = first upstream token -> first audio packet received, client clock)\n")

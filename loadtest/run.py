@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sessions", type=int, default=2, help="concurrent sessions (one level)")
     g.add_argument("--sweep", default=None, help="comma-separated N, e.g. 1,2,4,8,16,24,32 (overrides --sessions)")
     g.add_argument("--duration", type=float, default=30.0, help="seconds per level and mode in which turns start")
-    g.add_argument("--max-sessions", type=int, default=500, help="at most this many turns per level and mode")
+    g.add_argument("--max-sessions", type=int, default=0,
+                   help="at most this many turns per level and mode (0: four a second of --duration for each of the "
+                        "N workers, which turns of a second or more never reach: a cap against turns that fail "
+                        "at once, not a limit on the level)")
     g.add_argument("--session-timeout", type=float, default=120.0, help="client deadline per call, seconds")
     g.add_argument("--ramp", type=float, default=1.0, help="worker i starts at i*RAMP/N seconds")
     g.add_argument("--no-baseline", action="store_true", help="skip the sentence-level baseline")
@@ -225,6 +228,14 @@ def parse_sweep(s: Optional[str], sessions: int) -> list[int]:
     return ns
 
 
+def turn_cap(max_sessions: int, n: int, duration_s: float) -> int:
+    """Turns a level may start: `max_sessions`, or (0) four a second for each of its N
+    workers, more than workers whose turns last a second or more can start, so the level
+    keeps N sessions to its end (a fixed 500 runs out after two turns a worker at 256
+    sessions: 8 s into a 20 s level of 4 s turns), while turns that fail at once still stop."""
+    return max_sessions or 4 * n * max(1, math.ceil(duration_s))
+
+
 def _cpu_self() -> float:
     t = os.times()
     return t.user + t.system
@@ -352,7 +363,7 @@ async def _run(args: argparse.Namespace, result: dict, target: str, metrics_url:
             streaming_levels: list[dict] = []
             for n in ns:
                 for mode in (STREAMING,) if args.no_baseline else (STREAMING, SENTENCE):
-                    spec = LevelSpec(n=n, mode=mode, duration_s=args.duration, max_sessions=args.max_sessions,
+                    spec = LevelSpec(n=n, mode=mode, duration_s=args.duration, max_sessions=turn_cap(args.max_sessions, n, args.duration),
                                      corpus=corpus, sentences_per_turn=args.sentences_per_turn, pacing=pacing,
                                      config=cfg, baseline_config=bcfg, session_timeout_s=args.session_timeout,
                                      ramp_s=args.ramp, seed=args.seed, prebuffer_s=args.prebuffer_ms / 1000.0)

@@ -188,6 +188,43 @@ def test_turns_are_seeded_and_pauses_add_time():
         Pacing(mode="fast").validate()
 
 
+def _level_with_turns_of(turn_s: float, n: int, duration_s: float, max_sessions: int, monkeypatch) -> list[dict]:
+    """`run_level` with every turn taking `turn_s` (no server): its records."""
+    import asyncio
+
+    from livespeech.loadtest import driver
+
+    async def turn(client, t, cfg, rec, prebuffer_s):
+        rec.t_start = time.monotonic()
+        await asyncio.sleep(turn_s)
+        rec.completed = True
+        rec.t_end = time.monotonic()
+
+    monkeypatch.setattr(driver, "run_streaming_turn", turn)
+    spec = driver.LevelSpec(n=n, mode=driver.STREAMING, duration_s=duration_s, max_sessions=max_sessions,
+                            corpus=BUILTIN_SENTENCES, sentences_per_turn=1, pacing=Pacing(), config={},
+                            baseline_config={}, ramp_s=0.0)
+    return asyncio.run(driver.run_level(None, spec))["records"]
+
+
+def test_a_level_keeps_all_its_sessions_to_its_end_by_default_and_a_runaway_stops(monkeypatch):
+    from livespeech.loadtest.run import build_parser, turn_cap
+
+    n, duration = 256, 1.0
+    cap = turn_cap(build_parser().parse_args(["--spawn"]).max_sessions, n, duration)
+    # turns of 0.4 s: every worker starts turns until the window closes (the fixed cap of
+    # 500 turns stopped all 256 workers before their third)
+    records = _level_with_turns_of(0.4, n, duration, cap, monkeypatch)
+    last = {}
+    for r in records:
+        last[r["worker"]] = max(last.get(r["worker"], 0), r["turn"])
+    assert len(last) == n and min(last.values()) >= 2 and len(records) < cap
+    assert len(_level_with_turns_of(0.4, n, duration, 2 * n, monkeypatch)) == 2 * n
+    # turns that end at once (a server failing every call) stop at the cap
+    assert len(_level_with_turns_of(0.0, 4, duration, turn_cap(0, 4, duration), monkeypatch)) == turn_cap(0, 4, duration)
+    assert turn_cap(7, n, duration) == 7
+
+
 def test_text_file(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("One two. Three four!\n\nFive six?\n")
