@@ -18,7 +18,8 @@
 # (livespeech.loadtest.host_reads), as each finishes (what a timeout cuts is the rest);
 # $OUT the logs, and guidance_bench.txt (the guidance tests, their recorded graph included,
 # then livespeech.loadtest.bench_step with and without --device-guidance, then its
-# --first-calls: each batch size's first step). Knobs: DURATION (20 s a level), MODEL
+# --first-calls: each batch size's first step). Knobs: DURATION (20 s a level), RAMP (1 s:
+# worker i of N starts at i x RAMP / N), MODEL
 # (random:paper/encodec_24khz), DEVICE (cuda), PY (python3), SITE, PROFILE (1; 0: no
 # profiles), PROFILE_BATCH ("1 16 64"), EAGER (1; 0: only the CUDA-graph runs), GRAPHS (1;
 # 0: only the eager runs), TESTS (1; 0: the graph runs without the step-graph tests before
@@ -48,7 +49,7 @@ fi
 run() {  # $1: the run's name; $2: PYTHONPATH; then livespeech.loadtest.run's own flags
   local name=$1 path=$2; shift 2
   PYTHONPATH=$path $PY -m livespeech.loadtest.run --spawn --model-path "${MODEL:-random:paper/encodec_24khz}" \
-    --device "${DEVICE:-cuda}" --sweep "$SWEEP" --duration "${DURATION:-20}" --sentences-per-turn 1 \
+    --device "${DEVICE:-cuda}" --sweep "$SWEEP" --duration "${DURATION:-20}" --ramp "${RAMP:-1}" --sentences-per-turn 1 \
     --no-baseline --no-plots --max-failures 2 --out "$R/$name" ${DEVICE_GUIDANCE:+--server-device-guidance} "$@" \
     2>&1 | tee "$OUT/loadtest-$name.log"
 }
