@@ -363,7 +363,8 @@ async def _run(args: argparse.Namespace, result: dict, target: str, metrics_url:
             streaming_levels: list[dict] = []
             for n in ns:
                 for mode in (STREAMING,) if args.no_baseline else (STREAMING, SENTENCE):
-                    spec = LevelSpec(n=n, mode=mode, duration_s=args.duration, max_sessions=turn_cap(args.max_sessions, n, args.duration),
+                    spec = LevelSpec(n=n, mode=mode, duration_s=args.duration,
+                                     max_sessions=turn_cap(args.max_sessions, n, args.duration),
                                      corpus=corpus, sentences_per_turn=args.sentences_per_turn, pacing=pacing,
                                      config=cfg, baseline_config=bcfg, session_timeout_s=args.session_timeout,
                                      ramp_s=args.ramp, seed=args.seed, prebuffer_s=args.prebuffer_ms / 1000.0)

@@ -210,18 +210,19 @@ def _level_with_turns_of(turn_s: float, n: int, duration_s: float, max_sessions:
 def test_a_level_keeps_all_its_sessions_to_its_end_by_default_and_a_runaway_stops(monkeypatch):
     from livespeech.loadtest.run import build_parser, turn_cap
 
-    n, duration = 256, 1.0
+    n, duration = 256, 2.0
     cap = turn_cap(build_parser().parse_args(["--spawn"]).max_sessions, n, duration)
-    # turns of 0.4 s: every worker starts turns until the window closes (the fixed cap of
-    # 500 turns stopped all 256 workers before their third)
-    records = _level_with_turns_of(0.4, n, duration, cap, monkeypatch)
+    # turns of 0.5 s: every worker starts turns until the window closes, four each (the
+    # fixed cap of 500 turns stopped all 256 workers before their third)
+    records = _level_with_turns_of(0.5, n, duration, cap, monkeypatch)
     last = {}
     for r in records:
         last[r["worker"]] = max(last.get(r["worker"], 0), r["turn"])
     assert len(last) == n and min(last.values()) >= 2 and len(records) < cap
-    assert len(_level_with_turns_of(0.4, n, duration, 2 * n, monkeypatch)) == 2 * n
+    assert len(_level_with_turns_of(0.5, n, 1.0, 2 * n, monkeypatch)) == 2 * n
     # turns that end at once (a server failing every call) stop at the cap
-    assert len(_level_with_turns_of(0.0, 4, duration, turn_cap(0, 4, duration), monkeypatch)) == turn_cap(0, 4, duration)
+    runaway = turn_cap(0, 4, duration)
+    assert len(_level_with_turns_of(0.0, 4, duration, runaway, monkeypatch)) == runaway
     assert turn_cap(7, n, duration) == 7
 
 
