@@ -122,7 +122,11 @@ class CrossAttention(nn.Module):
                              lambda: (transposed(self.q_proj.weight, matmul_dtype),
                                       transposed(self.out_proj.weight, matmul_dtype)))
         q = matmul_t(x, w_q).view(b, self.n_heads, self.head_dim)
-        q2 = torch.bmm(q, q_rope).unsqueeze(2).to(mem_k.dtype)  # [B, H, 1, 2*hd]: [q ; RoPE(q, t)]
+        if torch.compiler.is_compiling():  # a product summed, which Inductor fuses: no matmul call
+            q2 = (q.unsqueeze(-1) * q_rope.unsqueeze(1)).sum(-2)
+        else:
+            q2 = torch.bmm(q, q_rope)
+        q2 = q2.unsqueeze(2).to(mem_k.dtype)  # [B, H, 1, 2*hd]: [q ; RoPE(q, t)]
         scale = 1.0 / math.sqrt(self.head_dim)
         if x.device.type == "cpu":
             # one query per head: on CPU, SDPA takes its unfused math path here, which
