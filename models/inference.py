@@ -494,8 +494,8 @@ _take_unrotated = compiled(_take_unrotated)
 _set_positions = compiled(_set_positions)
 
 
-def window_bounds(windows: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Windows (lo, hi) as the arrays of their first and last chunks."""
+def window_bounds(windows: Union[Sequence[tuple[int, int]], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Windows (lo, hi), pairs or a [B, 2] array, as the arrays of their first and last chunks."""
     lo, hi = np.asarray(windows, np.int64).reshape(-1, 2).T.copy()  # each a contiguous row
     return lo, hi
 

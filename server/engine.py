@@ -311,7 +311,7 @@ class Engine:
         slots = np.fromiter((s.slot for s in batch), np.int64, len(batch))
         win = self.timelines.windows(slots, self.timelines.current_chunks(
             slots, np.fromiter((s.step_count for s in batch), np.int64, len(batch))))
-        windows = list(zip(win.lo.tolist(), win.hi.tolist()))
+        windows = np.stack((win.lo, win.hi), axis=1)  # [B, 2]: each row's (lo, hi)
         force = [s.must_end() for s in batch]
         letters = [s.letters for s in batch]
         forced = [s.forced_grapheme() for s in batch] if any(x is not None for x in letters) else None

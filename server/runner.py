@@ -416,14 +416,15 @@ class ModelRunner:
     def step(
         self,
         slots: Sequence[int],
-        windows: Sequence[tuple[int, int]],
+        windows: Union[Sequence[tuple[int, int]], np.ndarray],
         guidance: Sequence[Union[GuidanceState, SlotGuidance]],
         force_eos: Sequence[bool],
         forced_graphemes: Optional[Sequence[int]] = None,
         first_code_rows: Optional[Sequence[int]] = None,
     ) -> StepResults:
         """One step of `slots`, each sampling with its slot's settings (`admit`,
-        `set_sampling`). force_eos: the runaway guard's EOS, over whatever was sampled.
+        `set_sampling`). windows: each row's first and last visible chunk, as (lo, hi)
+        pairs or a [B, 2] array (`window_bounds`). force_eos: the runaway guard's EOS, over whatever was sampled.
         forced_graphemes: each row's grapheme from its letter schedule (-1: sampled);
         first_code_rows: the front end's `first_code_bias` row of each row's codebook-1
         frame (its phone, or its phone in context: `FrontEnd.bias_row`; -1: none), given
