@@ -25,7 +25,8 @@
 # 0: only the eager runs), TESTS (1; 0: the graph runs without the step-graph tests before
 # them), READS (1; 0: no host reads), GUIDANCE (1; 0: none of the guidance benches and
 # tests, minutes of a short call), DEVICE_GUIDANCE (unset; 1: the servers keep every
-# session's guidance on the device).
+# session's guidance on the device), PROCS ("1": the engine processes of each run's
+# server, a run per count; "1 4": each run again with four engines sharing the card).
 # Issue 29's 256 sessions, the step at 1 and 256 against the card's bound in the same call:
 #   DEVICE_GUIDANCE=1 EAGER=0 PROFILE_BATCH="1 256" bash scripts/offline_gpu/loadtest.sh 64,128,192,256
 # the same criterion in the ~3-4 minutes a training call leaves (the slimming and carry
@@ -52,6 +53,12 @@ run() {  # $1: the run's name; $2: PYTHONPATH; then livespeech.loadtest.run's ow
     --device "${DEVICE:-cuda}" --sweep "$SWEEP" --duration "${DURATION:-20}" --ramp "${RAMP:-1}" --sentences-per-turn 1 \
     --no-baseline --no-plots --max-failures 2 --out "$R/$name" ${DEVICE_GUIDANCE:+--server-device-guidance} "$@" \
     2>&1 | tee "$OUT/loadtest-$name.log"
+}
+levels() {  # $1: the run's name; $2: PYTHONPATH; then run's flags: a run per engine-process count in PROCS
+  local p
+  for p in ${PROCS:-1}; do
+    if [ "$p" = 1 ]; then run "$1" "$2" "${@:3}"; else run "$1-p$p" "$2" "${@:3}" --server-engine-processes "$p"; fi
+  done
 }
 graphs_ok() {  # $1: PYTHONPATH. The replay against the eager step, before it is measured
   PYTHONPATH=$1 $PY -m pytest -q -p no:cacheprovider tests/test_step_graph.py 2>&1 | tail -n 3 | tee -a "$OUT/step_graph_test.log"
@@ -90,12 +97,12 @@ variants() {  # $1: name prefix; $2: PYTHONPATH
   [ "${READS:-1}" = 1 ] && reads "$1" "$2"
   if [ "${EAGER:-1}" = 1 ]; then
     profile "$1" "$2"
-    run "$1" "$2"
+    levels "$1" "$2"
   fi
   [ "${GRAPHS:-1}" = 1 ] || return 0
   if [ "${TESTS:-1}" = 0 ] || graphs_ok "$2"; then
     profile "$1-graphs" "$2" --cuda-graphs
-    run "$1-graphs" "$2" --server-cuda-graphs
+    levels "$1-graphs" "$2" --server-cuda-graphs
   else
     echo "CUDA-graph test failed: not measured"
   fi
