@@ -233,6 +233,7 @@ def engine_config(config: ServerConfig):
         device_guidance=config.device_guidance,
         text_cfg_scale=config.text_cfg_scale,
         letter_schedule=config.letter_schedule,
+        spoken_form=config.spoken_form,
     )
 
 

@@ -82,6 +82,9 @@ class ServerConfig:
     # one: each session's letters forced on a predicted timeline and codebook 1 drawn
     # given each frame's phone; off = the decoder's own graphemes
     letter_schedule: bool = True
+    # numbers, money, times, symbols and initialisms said in words before the model reads
+    # them (models/spoken_form.py); off = every word read as written
+    spoken_form: bool = True
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
     voices_dir: Optional[Path] = None  # None = voices kept in memory only
@@ -336,6 +339,8 @@ class EngineConfig:
     text_cfg_scale: float = ServerConfig.text_cfg_scale
     # the letter schedule, where the bundle has a front end (server/session.py)
     letter_schedule: bool = ServerConfig.letter_schedule
+    # written words said in words (server/text_memory.py)
+    spoken_form: bool = ServerConfig.spoken_form
     # packets after a session's first are decoded on a codec thread while the next model
     # step runs (on the CPU on the other core, on CUDA on a stream of its own; their audio
     # goes out a step later; a session's first and last packets stay on the engine

@@ -23,6 +23,7 @@ from livespeech.api.audio import pcm16_to_float
 from livespeech.api.session import CapacityError, Failed, Finished, SessionConfig, Sink, Summary
 from livespeech.models.front_end import LetterSchedule
 from livespeech.models.loading import ModelBundle
+from livespeech.models.spoken_form import MAX_EXPANSION
 
 from .audio import MODEL_SAMPLE_RATE
 from .codec_worker import CodecWorker, InFlightDecode
@@ -56,7 +57,9 @@ class Engine:
                                   frozen_step=config.frozen_step, matmul_weights=config.matmul_weights,
                                   onnx_codec=config.onnx_codec, warm_text_tokens=config.warm_text_tokens,
                                   device_guidance=config.device_guidance,
-                                  max_text_chars=config.max_session_text_chars,
+                                  # the transcript a session's text may become, said in words
+                                  max_text_chars=config.max_session_text_chars * (MAX_EXPANSION if config.spoken_form
+                                                                                  else 1),
                                   text_cfg_scale=config.text_cfg_scale,
                                   low_precision_from_batch=config.low_precision_from_batch)
         self.clock = StepClock()
@@ -64,7 +67,8 @@ class Engine:
                                     config.first_packet_min_ms)
         self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,
                                  threaded=config.codec_thread)
-        self.memory = TextMemory(self.runner, bundle.tokenizer, bundle.model.cfg.max_text_tokens, self.metrics)
+        self.memory = TextMemory(self.runner, bundle.tokenizer, bundle.model.cfg.max_text_tokens, self.metrics,
+                                 config.spoken_form)
         self.timelines = SpeechTimelines(config.max_sessions)  # a row a slot: its session's timeline
         self.scheduler = Scheduler(config.max_lead_s, config.yield_lead_s)
         self._session_limits = SessionLimits(config.max_text_piece_chars, config.max_session_text_chars,

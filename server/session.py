@@ -223,9 +223,13 @@ class EngineSession(SessionInput):
         first n_in_memory of them are there (or were, and left the np window)."""
         return self.timeline.in_memory
 
-    def register_chunk(self, word: Optional[str], token_ids: list[int]) -> Chunk:
+    def register_chunk(self, word: Optional[str], token_ids: list[int], written: Optional[str] = None,
+                       continues: bool = False) -> Chunk:
         """Account a word (None: the end of the text) of the current text chunk in the
-        transcript (graphemes, words) and as a chunk of the model's memory."""
+        transcript (graphemes, words) and as a chunk of the model's memory. `word` is a
+        word said (models/spoken_form.py); `written`, the client's word it says, if
+        another: the words timed and summed up are the written ones, and `continues`
+        says that this one goes on saying the written word of the chunk before it."""
         ids: list[int] = []
         letters = graphemes.word_graphemes(word) if word is not None else []
         g = graphemes.collapse_repeats(letters)
@@ -233,7 +237,10 @@ class EngineSession(SessionInput):
             if self.n_chars > 0:
                 ids.append(graphemes.SPACE)
             ids.extend(g)
-            self.words.append(Word(word, self.n_chars + len(ids) - len(g), self.n_chars + len(ids)))
+            if continues and self.words:
+                self.words[-1].char_end = self.n_chars + len(ids)
+            else:
+                self.words.append(Word(written or word, self.n_chars + len(ids) - len(g), self.n_chars + len(ids)))
             if self.letters is not None:
                 self.letters.add_word(letters)
         chunk = Chunk(len(self.chunks), self.timeline.text_chunks - 1, token_ids, len(ids))

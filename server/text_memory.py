@@ -13,6 +13,7 @@ import numpy as np
 
 from livespeech.api.session import SessionConfig
 from livespeech.models.compiled import compiled
+from livespeech.models.spoken_form import spoken_words
 
 from .metrics import Metrics
 from .session import EngineSession, Phase
@@ -49,24 +50,32 @@ _due = compiled(_due)
 
 
 class TextMemory:
-    def __init__(self, runner, tokenizer, max_text_tokens: int, metrics: Metrics):
+    def __init__(self, runner, tokenizer, max_text_tokens: int, metrics: Metrics, spoken_form: bool = True):
         self.runner = runner
         self._capacity = runner.text_capacity  # tokens a slot
         self._tokenizer = tokenizer
         self._max_text_tokens = max_text_tokens
         self.metrics = metrics
+        # the words said for each written one (numbers, symbols, initialisms: models/spoken_form.py)
+        self._said = spoken_words if spoken_form else (lambda word: [word])
 
     def release(self, s: EngineSession, chunks) -> None:
+        """The words of released text chunks into the session's transcript and memory, a
+        chunk of the memory for each word said (a written "$5" is two: "five dollars")."""
         for tc in chunks:
             s.begin_text_chunk()
-            for i, word in enumerate(tc.words):
-                first = not s.chunks
-                ids = self._tokenizer.encode_words([word], first_in_text=first)[: self._max_text_tokens - 1]
-                ch = s.register_chunk(word, ids)
-                self.metrics.text_tokens_total.inc(len(ids))
-                # a client's timestamp is its chunk's first word's; the timeline spaces
-                # the words after it
-                s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s if i == 0 else None, len(ids))
+            for i, written in enumerate(tc.words):
+                said = self._said(written)
+                begun = False  # the written word has its first graphemes in the transcript
+                for j, word in enumerate(said):
+                    first = not s.chunks
+                    ids = self._tokenizer.encode_words([word], first_in_text=first)[: self._max_text_tokens - 1]
+                    ch = s.register_chunk(word, ids, written, continues=begun)
+                    begun = begun or ch.n_chars > 0
+                    self.metrics.text_tokens_total.inc(len(ids))
+                    # a client's timestamp is its chunk's first word's; the timeline spaces
+                    # the words after it
+                    s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s if i == j == 0 else None, len(ids))
         self.fill(s)
 
     def add_eos(self, s: EngineSession) -> None:

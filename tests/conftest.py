@@ -160,6 +160,13 @@ class RawResult:
         return [r.summary for r in self.responses if r.WhichOneof("response") == "summary"]
 
 
+def numbered_words(n: int) -> list[str]:
+    """n distinct words of letters alone ("worda", "wordb", "wordba", ...): each said as
+    written, one chunk of the model's memory ("word1" would be said "word one",
+    models/spoken_form.py)."""
+    return ["word" + "".join("abcdefghij"[int(d)] for d in str(i)) for i in range(n)]
+
+
 def config_msg(**kw: Any) -> "pb.SynthesizeRequest":
     return pb.SynthesizeRequest(config=pb.SynthesizeConfig(**{**HARD, **kw}))
 

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import numbered_words
 
 from livespeech.models.derived import cpu_has_int8_matmuls
 from livespeech.models.loading import load_bundle
@@ -1210,7 +1211,7 @@ def test_deferred_eviction_says_the_same_as_evicting_every_chunk(engine, voice, 
     the window's mask hides them until then, so a long text in one-word chunks gives the
     same audio and words as evicting each chunk as it leaves, and fewer evictions."""
     from livespeech.server import text_memory
-    text = " ".join(f"word{i}" for i in range(30))  # a few tokens each
+    text = " ".join(numbered_words(30))  # a few tokens each
     got, evictions = [], []
     for threshold in (1, text_memory.EVICT_MIN_TOKENS):
         monkeypatch.setattr(text_memory, "EVICT_MIN_TOKENS", threshold)
@@ -1376,7 +1377,7 @@ def test_a_steps_windows_and_text_memory_checks_are_the_batchs_not_each_sessions
             if calls["steps"] >= 150:
                 done.set()
     eng._step = step
-    text = " ".join(f"word{i}" for i in range(120))  # far more than the memory holds
+    text = " ".join(numbered_words(120))  # far more than the memory holds
     for i in range(8):
         h = eng.open_session(SessionConfig(**{**HARD, "seed": i}), voice, Collector())
         h.push_text(text)

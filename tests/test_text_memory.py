@@ -1,6 +1,7 @@
 """Released text chunks in the model's memory: a chunk a word, the np/nf window and the
 start policy counted in the text chunks the chunker released."""
 import pytest
+from conftest import numbered_words
 
 from livespeech.api.session import ChunkingConfig, SessionConfig
 from livespeech.models.tokenizer import get_tokenizer
@@ -30,7 +31,6 @@ class MemoryRecorder:
         pass
 
 
-
 def session(n_past: int, n_future: int, start_future: int = 0) -> EngineSession:
     config = SessionConfig(n_past_chunks=n_past, n_future_chunks=n_future, start_future_chunks=start_future,
                            chunking=ChunkingConfig(min_words=1, max_words=3))
@@ -56,6 +56,30 @@ def test_each_word_is_a_chunk_of_the_memory_at_its_own_frame():
     taus = [tau for _, tau, _ in runner.added]
     assert taus == sorted(taus) and len(set(taus)) == len(taus)
     assert [c.text_chunk for c in s.chunks] == [0, 0, 0, 1, 1, 2, 2, 2, 3]
+
+
+def test_a_written_number_is_said_in_words_while_the_written_word_is_the_one_timed():
+    from livespeech.models import graphemes
+
+    runner, tok = MemoryRecorder(), get_tokenizer()
+    s = session(n_past=4, n_future=2)
+    release(s, TextMemory(runner, tok, 64, Metrics()), [["It", "costs", "$42.50,", "ok?"]])
+    said = ["It", "costs", "forty", "two", "dollars", "and", "fifty", "cents,", "ok?"]
+    # the model's memory holds a chunk for each word said, tokenized as that word
+    assert [ids for ids, _, _ in runner.added] == [tok.encode_words([w], first_in_text=i == 0)
+                                                  for i, w in enumerate(said)]
+    # the transcript the graphemes follow is the words said; the words timed and
+    # summed up are the written ones, "$42.50," spanning all six of its words
+    assert s.guidance.transcript == graphemes.collapse_repeats(
+        graphemes.text_to_ids("it costs forty two dollars and fifty cents ok"))
+    assert [w.text for w in s.words] == ["It", "costs", "$42.50,", "ok?"]
+    span = s.words[2]
+    assert s.guidance.transcript[span.char_start:span.char_end] == graphemes.collapse_repeats(
+        graphemes.text_to_ids("forty two dollars and fifty cents"))
+    # and without the spoken form, the model reads "$42.50," as written
+    plain, runner2 = session(n_past=4, n_future=2), MemoryRecorder()
+    release(plain, TextMemory(runner2, tok, 64, Metrics(), spoken_form=False), [["It", "costs", "$42.50,", "ok?"]])
+    assert len(runner2.added) == 4 and [w.text for w in plain.words] == ["It", "costs", "$42.50,", "ok?"]
 
 
 def test_the_window_counts_released_text_chunks_not_words():
@@ -109,7 +133,7 @@ class RoomRecorder(MemoryRecorder):
 def test_text_far_ahead_of_the_speech_is_evicted_in_batches_and_the_window_always_has_its_chunks():
     from livespeech.server.text_memory import EVICT_MIN_TOKENS
 
-    words = [f"word{i}" for i in range(200)]
+    words = numbered_words(200)
     runner = RoomRecorder(capacity=4 * EVICT_MIN_TOKENS)
     s = session(n_past=2, n_future=2)
     memory = TextMemory(runner, get_tokenizer(), 64, Metrics())
@@ -137,7 +161,7 @@ def test_a_session_whose_memory_has_no_work_is_told_so(capacity):
     chunks are evicted for the window's next one before EVICT_MIN_TOKENS of them left."""
     import numpy as np
 
-    words = [f"word{i}" for i in range(200)]
+    words = numbered_words(200)
     runner = RoomRecorder(capacity=capacity)
     s = session(n_past=2, n_future=2)
     memory = TextMemory(runner, get_tokenizer(), 64, Metrics())

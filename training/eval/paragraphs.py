@@ -1,9 +1,11 @@
 """Long texts sent at once, as an LLM far ahead of the speech sends them: WER and CER of
-paragraphs of consecutive test sentences spoken in one session each, through the
-server's engine with its defaults, in one built-in voice.
+paragraphs of consecutive test sentences (or of a file's lines) spoken in one session
+each, through the server's engine with its defaults, in one built-in voice.
 
     python -m livespeech.training.eval.paragraphs --corpus data/corpus --model models/weights/default \\
         --paragraphs 30 --sentences 6 --out runs/paragraphs.json
+    python -m livespeech.training.eval.paragraphs --text-file training/eval/numbers.txt --out runs/numbers.json \\
+        [--no-spoken-form]
     python -m livespeech.training.eval.compare A.json B.json --mode paragraph --lambda 1
 
 The sentence-level evaluation (`python -m livespeech.training.eval`) pushes one test
@@ -39,8 +41,9 @@ def paragraphs(corpus: Path, n: int, sentences: int, split: str = "test") -> lis
 
 
 def evaluate(model: str, texts: list[str], voice: str = "default", asr: Optional[WhisperASR] = None,
-             timeout_s: float = 600.0, log=print) -> list[dict]:
-    """One session a text (seed = its index), all of it pushed at once; a row each."""
+             timeout_s: float = 600.0, log=print, spoken_form: bool = True) -> list[dict]:
+    """One session a text (seed = its index), all of it pushed at once; a row each.
+    spoken_form: the engine's (numbers and symbols said in words, models/spoken_form.py)."""
     from livespeech.models.loading import load_bundle
     from livespeech.server.engine import Engine, EngineConfig
     from livespeech.server.runner import onnx_codec_enabled
@@ -48,7 +51,8 @@ def evaluate(model: str, texts: list[str], voice: str = "default", asr: Optional
     bundle = load_bundle(None if model == "default" else model)
     if voice not in bundle.builtin_voices:
         raise ValueError(f"voice {voice!r} is not built in: {sorted(bundle.builtin_voices)}")
-    engine = Engine(bundle, EngineConfig(max_sessions=1, max_lead_s=1e6, onnx_codec=onnx_codec_enabled("auto", "cpu")))
+    engine = Engine(bundle, EngineConfig(max_sessions=1, max_lead_s=1e6, onnx_codec=onnx_codec_enabled("auto", "cpu"),
+                                         spoken_form=spoken_form))
     engine.start()
     normalize = get_normalizer()
     rows = []
@@ -83,13 +87,17 @@ def evaluate(model: str, texts: list[str], voice: str = "default", asr: Optional
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m livespeech.training.eval.paragraphs",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", type=Path, required=True)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--corpus", type=Path, help="paragraphs of the corpus's test sentences")
+    source.add_argument("--text-file", type=Path, help="a text a line instead")
     p.add_argument("--model", default="default", help="a model directory (default: the embedded default)")
     p.add_argument("--paragraphs", type=int, default=30)
     p.add_argument("--sentences", type=int, default=6, help="consecutive test sentences a paragraph")
     p.add_argument("--voice", default="default", help="a built-in voice of the model")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip-asr", action="store_true", help="speak only (no Whisper)")
+    p.add_argument("--no-spoken-form", dest="spoken_form", action="store_false",
+                   help="every word read as written (the server's --spoken-form false)")
     p.add_argument("--out", type=Path, required=True, help="the rows as JSON")
     a = p.parse_args(argv)
     import torch
@@ -100,11 +108,15 @@ def main(argv: Optional[list] = None) -> int:
         asr = WhisperASR("base", threads=a.threads)
         if not asr.available():
             p.error(f"Whisper base: {asr.reason}")
-    texts = paragraphs(a.corpus, a.paragraphs, a.sentences)
-    rows = evaluate(a.model, texts, a.voice, asr)
+    if a.text_file is not None:
+        texts = [line.strip() for line in a.text_file.read_text().splitlines() if line.strip()]
+    else:
+        texts = paragraphs(a.corpus, a.paragraphs, a.sentences)
+    rows = evaluate(a.model, texts, a.voice, asr, spoken_form=a.spoken_form)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"meta": {"model": a.model, "corpus": str(a.corpus), "paragraphs": len(texts),
-                                          "sentences": a.sentences, "voice": a.voice,
+    a.out.write_text(json.dumps({"meta": {"model": a.model, "corpus": str(a.corpus), "text_file": str(a.text_file),
+                                          "paragraphs": len(texts), "sentences": a.sentences, "voice": a.voice,
+                                          "spoken_form": a.spoken_form,
                                           "asr": None if asr is None else asr.description},
                                  "utterances": rows}, indent=1))
     if asr is not None:

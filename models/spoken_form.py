@@ -1,0 +1,280 @@
+"""Written words as they are said: numbers, money, percentages, times, ordinals, years,
+units, symbols, initialisms and a few abbreviations spelled out in words before the
+model reads them (English).
+
+The decoder reads letters. Digits and symbols were rare in its training text and it
+babbles them: Whisper heard "In 2024, about 45% of the 1,200 users chose option 2." as
+"It's sold at about 4.5 minutes..." and the same sentence with its numbers written out
+word for word (docs/eval.md, "Numbers and symbols"). LLM replies are full of them.
+
+`spoken_words` maps one whitespace-delimited word, as the chunker releases it, to the
+words said in its place; the text memory gives the model those (server/text_memory.py),
+while word timings and a session's summary keep the written word. A word is read on its
+own, as text streams in and a word is whole once whitespace follows it: a reading that
+depends on the next word ("No. 5", "5 am") is not made, and "am" stays the verb. Ordinary
+words come back unchanged.
+
+The readings are written here, not taken from num2words or inflect: the server's whole
+text path then runs on the GPU machines' images, which reach no package index, and
+English cardinals, ordinals and years are a few dozen lines.
+"""
+from __future__ import annotations
+
+import re
+
+# the letters and spaces said for a word are at most this many times its characters
+# ("777" is "seven hundred seventy seven": 9x), so that what holds a transcript sized
+# for a text's characters times this holds the words said for it (the engine's
+# guidance ring, models/guidance_batch.py); a reading past it is not made
+MAX_EXPANSION = 10
+
+_ONES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+         "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
+_TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
+_SCALES = ((10 ** 12, "trillion"), (10 ** 9, "billion"), (10 ** 6, "million"), (1000, "thousand"))
+_ORDINAL = {"one": "first", "two": "second", "three": "third", "five": "fifth", "eight": "eighth",
+            "nine": "ninth", "twelve": "twelfth"}
+_LETTER = dict(zip("abcdefghijklmnopqrstuvwxyz",
+                   ("ay", "bee", "see", "dee", "ee", "eff", "gee", "aitch", "eye", "jay", "kay", "el", "em", "en",
+                    "oh", "pee", "cue", "ar", "ess", "tee", "you", "vee", "double you", "ex", "why", "zee")))
+# money: symbol -> (unit, units, hundredth, hundredths)
+_MONEY = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros", "cent", "cents"),
+          "£": ("pound", "pounds", "penny", "pence"), "¥": ("yen", "yen", "", "")}
+_MAGNITUDE = {"k": "thousand", "m": "million", "mn": "million", "b": "billion", "bn": "billion", "t": "trillion"}
+# unit -> (singular, plural); matched case-sensitively after a number ("5km", "16GB")
+_UNITS = {"km": ("kilometer", "kilometers"), "m": ("meter", "meters"), "cm": ("centimeter", "centimeters"),
+          "mm": ("millimeter", "millimeters"), "kg": ("kilogram", "kilograms"), "g": ("gram", "grams"),
+          "mg": ("milligram", "milligrams"), "lb": ("pound", "pounds"), "lbs": ("pound", "pounds"),
+          "ml": ("milliliter", "milliliters"), "mL": ("milliliter", "milliliters"), "l": ("liter", "liters"),
+          "L": ("liter", "liters"), "ms": ("millisecond", "milliseconds"), "s": ("second", "seconds"),
+          "h": ("hour", "hours"), "hr": ("hour", "hours"), "hrs": ("hour", "hours"), "min": ("minute", "minutes"),
+          "mph": ("mile per hour", "miles per hour"), "kph": ("kilometer per hour", "kilometers per hour"),
+          "KB": ("kilobyte", "kilobytes"), "MB": ("megabyte", "megabytes"), "GB": ("gigabyte", "gigabytes"),
+          "TB": ("terabyte", "terabytes"), "Hz": ("hertz", "hertz"), "kHz": ("kilohertz", "kilohertz"),
+          "MHz": ("megahertz", "megahertz"), "GHz": ("gigahertz", "gigahertz"), "W": ("watt", "watts"),
+          "kW": ("kilowatt", "kilowatts"), "V": ("volt", "volts"), "x": ("times", "times"),
+          "°C": ("degree celsius", "degrees celsius"), "°F": ("degree fahrenheit", "degrees fahrenheit"),
+          "°": ("degree", "degrees")}
+# the dot is the abbreviation's, not a sentence's end (kept where it usually ends one)
+_ABBREVIATIONS = {"Dr.": "doctor", "Mr.": "mister", "Mrs.": "missus", "Ms.": "miz", "Prof.": "professor",
+                  "Jr.": "junior", "Sr.": "senior", "St.": "saint", "Mt.": "mount", "vs.": "versus", "vs": "versus",
+                  "etc.": "et cetera.", "e.g.": "for example", "i.e.": "that is", "approx.": "approximately",
+                  "Inc.": "incorporated.", "Ltd.": "limited.", "Corp.": "corporation.", "Fig.": "figure",
+                  "a.m.": "ay em", "p.m.": "pee em", "pm": "pee em", "AM": "ay em", "PM": "pee em"}
+_SYMBOLS = {"&": "and", "+": "plus", "=": "equals", "@": "at", "%": "percent", "#": "number", "/": "slash",
+            "×": "times", "°": "degrees", "€": "euros", "$": "dollars", "£": "pounds"}
+# words of two or three capitals read as words (a shouted "NO"), not spelled
+_SHORT_WORDS = frozenset("""
+a an and are as at be but by can did do for get go got had has he her hey him his how i if in is it its let
+may me my no nor not now of off oh on one or our out own say see she so the to too two us was way we who
+why yes yet you all any few new old big bad yay wow ha hi ok
+""".split()) - {"ok", "us", "it"}
+
+_NUM = r"\d{1,3}(?:,\d{3})+|\d+"
+_MONEY_RE = re.compile(rf"([$€£¥])({_NUM})(?:\.(\d+))?([kKmMbBtT]|mn|bn)?")
+_PERCENT_RE = re.compile(rf"([-+−]?)({_NUM})(?:\.(\d+))?%")
+_ORDINAL_RE = re.compile(rf"({_NUM})(?:st|nd|rd|th|ST|ND|RD|TH)")
+_DECADE_RE = re.compile(r"'?(\d{2})?(\d)0'?s")
+_TIME_RE = re.compile(r"(\d{1,2}):(\d{2})(?:(a|p)\.?m\.?)?", re.IGNORECASE)
+_HOUR_RE = re.compile(r"(\d{1,2})(a|p)\.?m\.?", re.IGNORECASE)
+_RANGE_RE = re.compile(rf"({_NUM})[-–]({_NUM})")
+_FRACTION_RE = re.compile(r"(\d)/(\d{1,2})")
+_SLASHED_RE = re.compile(r"\d+(?:/\d+)+")
+_NUMBER_RE = re.compile(rf"([-+−]?)({_NUM})(?:\.(\d+))?")
+_UNIT_RE = re.compile(rf"({_NUM})(?:\.(\d+))?({'|'.join(sorted(map(re.escape, _UNITS), key=len, reverse=True))})")
+_DOTTED_RE = re.compile(r"(?:[A-Za-z]\.){2,}")
+_CAPS_RE = re.compile(r"([A-Z]{2,5})(s?)")
+_PIECES_RE = re.compile(r"\d+(?:\.\d+)?|[A-Za-z]+|[&+=@%#/×°]")
+_MIXED_RE = re.compile(r"(?:\d+(?:\.\d+)?|[A-Za-z]+|[&+=@%#/×°]|[-'_.])+")
+_LEADING = "\"'([{¡¿«“‘"
+_TRAILING = "\"')]}.,;:!?…»”’"
+
+
+def cardinal(n: int) -> list[str]:
+    """n in words, American style ("one hundred twenty three"); past the trillions, digit by digit."""
+    if n < 0:
+        return ["minus"] + cardinal(-n)
+    if n >= 10 ** 15:
+        return digits(str(n))
+    if n < 20:
+        return [_ONES[n]]
+    if n < 100:
+        return [_TENS[n // 10]] + ([_ONES[n % 10]] if n % 10 else [])
+    if n < 1000:
+        return [_ONES[n // 100], "hundred"] + (cardinal(n % 100) if n % 100 else [])
+    for size, name in _SCALES:
+        if n >= size:
+            return cardinal(n // size) + [name] + (cardinal(n % size) if n % size else [])
+    raise AssertionError(n)
+
+
+def ordinal(n: int) -> list[str]:
+    words = cardinal(n)
+    last = words[-1]
+    if last in _ORDINAL:
+        last = _ORDINAL[last]
+    elif last.endswith("y"):
+        last = last[:-1] + "ieth"
+    else:
+        last += "th"
+    return words[:-1] + [last]
+
+
+def year(n: int) -> list[str]:
+    """A year as it is said: 1984 nineteen eighty four, 1905 nineteen oh five, 1900
+    nineteen hundred, 2005 two thousand five, 2024 twenty twenty four."""
+    if not 1000 <= n <= 9999 or 2000 <= n <= 2009 or n % 1000 == 0:
+        return cardinal(n)
+    hi, lo = divmod(n, 100)
+    if lo == 0:
+        return cardinal(hi) + ["hundred"]
+    return cardinal(hi) + (["oh"] if lo < 10 else []) + cardinal(lo)
+
+
+def digits(s: str) -> list[str]:
+    return [_ONES[int(c)] for c in s if c.isdigit()]
+
+
+def _plural(words: list[str]) -> list[str]:
+    """The last word as a plural ("nineteen nineties", "the two thousands")."""
+    last = words[-1]
+    last = last[:-1] + "ves" if last == "half" else last[:-1] + "ies" if last.endswith("y") else last + "s"
+    return words[:-1] + [last]
+
+
+def _integer(s: str) -> int:
+    return int(s.replace(",", ""))
+
+
+def _number(whole: str, fraction: str | None = None, *, as_year: bool = True) -> list[str]:
+    """A written number: a year where it looks like one (four digits, no separators), digit
+    by digit where it starts with 0 or is very long (codes, phone numbers), the decimals
+    digit by digit."""
+    if len(whole) > 1 and whole.startswith("0"):
+        words = digits(whole)
+    elif as_year and fraction is None and re.fullmatch(r"1[1-9]\d\d|20\d\d", whole):
+        words = year(int(whole))
+    elif len(whole.replace(",", "")) > 15:
+        words = digits(whole)
+    else:
+        words = cardinal(_integer(whole))
+    return words + (["point"] + digits(fraction) if fraction else [])
+
+
+def _letters(s: str) -> list[str]:
+    return [w for c in s.lower() for w in _LETTER[c].split()]
+
+
+def _money(m: re.Match) -> list[str]:
+    unit, units, cent, cents = _MONEY[m.group(1)]
+    whole, fraction, magnitude = m.group(2), m.group(3), m.group(4)
+    if magnitude:
+        return _number(whole, fraction, as_year=False) + [_MAGNITUDE[magnitude.lower()], units]
+    n = _integer(whole)
+    if fraction is None or len(fraction) > 2 or not cent:
+        return _number(whole, fraction, as_year=False) + [unit if n == 1 and not fraction else units]
+    c = int(fraction.ljust(2, "0"))
+    money = cardinal(n) + [unit if n == 1 else units] if n or not c else []
+    change = cardinal(c) + [cent if c == 1 else cents] if c else []
+    return money + (["and"] if money and change else []) + change
+
+
+def _time(hour: int, minute: int | None, half: str | None) -> list[str]:
+    words = cardinal(hour)
+    if minute:
+        words += (["oh"] if minute < 10 else []) + cardinal(minute)
+    elif minute == 0 and not half:
+        words += ["o'clock"]
+    return words + (_letters(half + "m") if half else [])
+
+
+def _sign(s: str) -> list[str]:
+    return {"-": ["minus"], "−": ["minus"], "+": ["plus"]}.get(s, [])
+
+
+def _core(core: str) -> list[str] | None:
+    """The words said for a word without its leading and trailing punctuation, or None: as written."""
+    if core in _ABBREVIATIONS:
+        return _ABBREVIATIONS[core].split()
+    if core in _SYMBOLS:
+        return [_SYMBOLS[core]]
+    if m := _MONEY_RE.fullmatch(core):
+        return _money(m)
+    if m := _PERCENT_RE.fullmatch(core):
+        return _sign(m.group(1)) + _number(m.group(2), m.group(3), as_year=False) + ["percent"]
+    if m := _ORDINAL_RE.fullmatch(core):
+        return ordinal(_integer(m.group(1)))
+    if m := _DECADE_RE.fullmatch(core):
+        century, decade = m.group(1), int(m.group(2))
+        if century:
+            return _plural(year(int(century) * 100 + decade * 10))
+        return _plural(cardinal(decade * 10)) if decade else None
+    if m := _TIME_RE.fullmatch(core):
+        hour, minute = int(m.group(1)), int(m.group(2))
+        if hour <= 24 and minute < 60:
+            return _time(hour, minute, m.group(3) and m.group(3).lower())
+    if m := _HOUR_RE.fullmatch(core):
+        if int(m.group(1)) <= 12:
+            return _time(int(m.group(1)), None, m.group(2).lower())
+    if m := _RANGE_RE.fullmatch(core):
+        return _number(m.group(1)) + ["to"] + _number(m.group(2))
+    if m := _FRACTION_RE.fullmatch(core):
+        a, b = int(m.group(1)), int(m.group(2))
+        if 0 < a < b <= 10:
+            name = {2: ["half"], 4: ["quarter"]}.get(b) or ordinal(b)
+            return cardinal(a) + (_plural(name) if a > 1 else name)
+    if _SLASHED_RE.fullmatch(core):  # dates, versions: each number, "slash" between
+        parts = [_number(p) for p in core.split("/")]
+        return [w for i, p in enumerate(parts) for w in (["slash"] if i else []) + p]
+    if m := _NUMBER_RE.fullmatch(core):
+        return _sign(m.group(1)) + _number(m.group(2), m.group(3))
+    if m := _UNIT_RE.fullmatch(core):
+        singular, plural = _UNITS[m.group(3)]
+        one = m.group(1) == "1" and not m.group(2)
+        return _number(m.group(1), m.group(2), as_year=False) + (singular if one else plural).split()
+    if _DOTTED_RE.fullmatch(core):
+        return _letters(core.replace(".", ""))
+    if m := _CAPS_RE.fullmatch(core):
+        caps, plural = m.groups()
+        vowels = any(c in "AEIOUY" for c in caps)
+        if (len(caps) <= 3 and caps.lower() not in _SHORT_WORDS) or not vowels:
+            words = _letters(caps)
+            return words[:-1] + [words[-1] + plural]
+        return None
+    if re.search(r"\d|[&+=@%#×°]", core) and _MIXED_RE.fullmatch(core):
+        # letters, digits and symbols run together ("H100", "COVID-19", "R&D", "3D", "v2"):
+        # each run read on its own; a hyphen or dot between them is not said
+        out: list[str] = []
+        for piece in _PIECES_RE.findall(core):
+            if piece[0].isdigit():
+                out += _number(*piece.split("."), as_year=False)
+            elif piece in _SYMBOLS:
+                out.append(_SYMBOLS[piece])
+            elif len(piece) == 1:
+                out += _letters(piece)
+            else:
+                out += _core(piece) or [piece]
+        return out
+    return None
+
+
+def spoken_words(word: str) -> list[str]:
+    """The words said for one written word (no whitespace in it), its leading
+    punctuation on the first and its trailing punctuation on the last; [word] where it
+    is said as written."""
+    start, end = 0, len(word)
+    while start < end and word[start] in _LEADING:
+        start += 1
+    while end > start and word[end - 1] in _TRAILING:
+        end -= 1
+    # a trailing dot may be an abbreviation's ("Dr.", "e.g.", "U.S."), or a sentence's end ("42.")
+    said = None
+    dotted = word[start:end + 1]
+    if end < len(word) and word[end] == "." and (dotted in _ABBREVIATIONS or _DOTTED_RE.fullmatch(dotted)):
+        said, end = _core(dotted), end + 1
+    if said is None:
+        said = _core(word[start:end])
+    if not said or len(" ".join(said)) > MAX_EXPANSION * len(word):
+        return [word]
+    return [word[:start] + said[0]] + said[1:-1] + [said[-1] + word[end:]] if len(said) > 1 \
+        else [word[:start] + said[0] + word[end:]]

@@ -1,0 +1,80 @@
+"""Written words as they are said (models/spoken_form.py)."""
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from livespeech.models.spoken_form import MAX_EXPANSION, cardinal, ordinal, spoken_words, year
+
+READINGS = {
+    # numbers; four digits are a year, separated or signed ones are not
+    "0": "zero", "7": "seven", "42": "forty two", "777": "seven hundred seventy seven", "100": "one hundred", "115": "one hundred fifteen",
+    "1,200": "one thousand two hundred", "1,000,000": "one million", "3.14": "three point one four",
+    "-5": "minus five", "007": "zero zero seven", "2024": "twenty twenty four", "1984": "nineteen eighty four",
+    "1905": "nineteen oh five", "1900": "nineteen hundred", "2005": "two thousand five", "2000": "two thousand",
+    "3000": "three thousand", "12345678901234567": "one two three four five six seven eight nine zero one two "
+                                                    "three four five six seven",
+    # money, percentages, ordinals, decades, ranges, fractions, dates
+    "$42.50": "forty two dollars and fifty cents", "$1": "one dollar", "$0.99": "ninety nine cents",
+    "$5.5": "five dollars and fifty cents", "$1.5M": "one point five million dollars",
+    "$10k": "ten thousand dollars", "€20": "twenty euros", "£1.01": "one pound and one penny",
+    "45%": "forty five percent", "-3.5%": "minus three point five percent", "1st": "first",
+    "22nd": "twenty second", "3rd": "third", "11th": "eleventh", "12th": "twelfth", "20th": "twentieth",
+    "1990s": "nineteen nineties", "80s": "eighties", "2000s": "two thousands", "3-5": "three to five",
+    "1/2": "one half", "3/4": "three quarters", "2/3": "two thirds",
+    "12/05/2026": "twelve slash zero five slash twenty twenty six",
+    # times
+    "5:30": "five thirty", "5:05": "five oh five", "5:00": "five o'clock", "5:30pm": "five thirty pee em",
+    "10am": "ten ay em", "p.m.": "pee em",
+    # units, symbols, letters with digits, initialisms, abbreviations
+    "5km": "five kilometers", "1kg": "one kilogram", "16GB": "sixteen gigabytes", "2.5x": "two point five times",
+    "30°C": "thirty degrees celsius", "&": "and", "#1": "number one", "H100": "aitch one hundred",
+    "R&D": "ar and dee", "GPT-4o": "gee pee tee four oh", "COVID-19": "COVID nineteen", "AI": "ay eye",
+    "APIs": "ay pee eyes", "HTTP": "aitch tee tee pee", "U.S.": "you ess", "OK": "oh kay", "Dr.": "doctor",
+    "e.g.": "for example", "vs.": "versus",
+}
+
+
+@pytest.mark.parametrize("written,said", READINGS.items())
+def test_a_written_word_is_said_in_words(written, said):
+    assert " ".join(spoken_words(written)) == said
+
+
+def test_punctuation_around_a_word_stays_around_what_is_said():
+    assert spoken_words("($42.50),") == ["(forty", "two", "dollars", "and", "fifty", "cents),"]
+    assert spoken_words("2024.") == ["twenty", "twenty", "four."]
+    assert spoken_words('"45%?"') == ['"forty', "five", 'percent?"']
+    # the dot of an abbreviation is its own; the one of "etc." usually ends a sentence too
+    assert spoken_words("Dr.") == ["doctor"] and spoken_words("etc.") == ["et", "cetera."]
+
+
+@pytest.mark.parametrize("word", ["Hello", "world!", "don't", "well-known", "I", "A", "NASA", "JSON", "NO",
+                                  "THE", "am", "—", "...", "'quoted'", "iPhone", "Mr"])
+def test_ordinary_words_and_words_read_as_written_come_back_unchanged(word):
+    assert spoken_words(word) == [word]
+
+
+@given(st.from_regex(r"[A-Za-z][a-z]*(?:['-][a-z]+)?[.,;:!?]?", fullmatch=True))
+def test_a_word_of_letters_not_all_capitals_is_said_as_written(word):
+    core = word.rstrip(".,;:!?")
+    if core.isupper() and len(core) > 1:  # an initialism, spelled
+        return
+    if word in ("pm", "vs", "vs."):  # abbreviations
+        return
+    assert spoken_words(word) == [word]
+
+
+def test_cardinals_ordinals_and_years():
+    assert cardinal(999_999_999_999) == ("nine hundred ninety nine billion nine hundred ninety nine million "
+                                         "nine hundred ninety nine thousand nine hundred ninety nine").split()
+    assert cardinal(-12) == ["minus", "twelve"]
+    assert [ordinal(n)[-1] for n in (1, 2, 3, 4, 5, 8, 9, 12, 20, 21, 100, 1000)] == [
+        "first", "second", "third", "fourth", "fifth", "eighth", "ninth", "twelfth", "twentieth", "first",
+        "hundredth", "thousandth"]
+    assert year(2010) == ["twenty", "ten"] and year(1066) == ["ten", "sixty", "six"]
+
+
+@given(st.text(alphabet="0123456789$€£%&#@+=/°:.,-xkKMmsthndrGBaApP", min_size=1, max_size=24))
+def test_what_is_said_for_a_word_is_at_most_max_expansion_times_its_length(word):
+    # the engine sizes the guidance's transcript ring for the text's characters times this
+    assert len(" ".join(spoken_words(word))) <= MAX_EXPANSION * len(word)
+    assert all(w and not any(c.isspace() for c in w) for w in spoken_words(word))
