@@ -61,7 +61,9 @@ _ABBREVIATIONS = {"Dr.": "doctor", "Mr.": "mister", "Mrs.": "missus", "Ms.": "mi
                   "etc.": "et cetera.", "e.g.": "for example", "i.e.": "that is", "approx.": "approximately",
                   "Inc.": "incorporated.", "Ltd.": "limited.", "Corp.": "corporation.", "Fig.": "figure",
                   "a.m.": "ay em", "p.m.": "pee em", "pm": "pee em", "AM": "ay em", "PM": "pee em"}
-_SYMBOLS = {"&": "and", "+": "plus", "=": "equals", "@": "at", "%": "percent", "#": "number", "/": "slash",
+# a symbol said as a word on its own or between letters and digits ("#" only before a
+# number: "#5"; a markdown heading's "#" and "##" are not said)
+_SYMBOLS = {"&": "and", "+": "plus", "=": "equals", "@": "at", "%": "percent", "/": "slash",
             "×": "times", "°": "degrees", "€": "euros", "$": "dollars", "£": "pounds"}
 # words of two or three capitals read as words (a shouted "NO"), not spelled
 _SHORT_WORDS = frozenset("""
@@ -241,12 +243,15 @@ def _core(core: str) -> list[str] | None:
             words = _letters(caps)
             return words[:-1] + [words[-1] + plural]
         return None
-    if re.search(r"\d|[&+=@%#×°]", core) and _MIXED_RE.fullmatch(core):
+    if re.search(r"\d|[&+=@%#×°]", core) and re.search(r"[\dA-Za-z]", core) and _MIXED_RE.fullmatch(core):
         # letters, digits and symbols run together ("H100", "COVID-19", "R&D", "3D", "v2"):
         # each run read on its own; a hyphen or dot between them is not said
         out: list[str] = []
-        for piece in _PIECES_RE.findall(core):
-            if piece[0].isdigit():
+        pieces = _PIECES_RE.findall(core)
+        for i, piece in enumerate(pieces):
+            if piece == "#":
+                out += ["number"] if i + 1 < len(pieces) and pieces[i + 1][0].isdigit() else []
+            elif piece[0].isdigit():
                 out += _number(*piece.split("."), as_year=False)
             elif piece in _SYMBOLS:
                 out.append(_SYMBOLS[piece])

@@ -30,7 +30,7 @@ READINGS = {
     "30°C": "thirty degrees celsius", "&": "and", "#1": "number one", "H100": "aitch one hundred",
     "R&D": "ar and dee", "GPT-4o": "gee pee tee four oh", "COVID-19": "COVID nineteen", "AI": "ay eye",
     "APIs": "ay pee eyes", "HTTP": "aitch tee tee pee", "U.S.": "you ess", "OK": "oh kay", "Dr.": "doctor",
-    "e.g.": "for example", "vs.": "versus",
+    "e.g.": "for example", "vs.": "versus", "#hashtag": "hashtag", "Q&A": "cue and ay",
 }
 
 
@@ -48,7 +48,7 @@ def test_punctuation_around_a_word_stays_around_what_is_said():
 
 
 @pytest.mark.parametrize("word", ["Hello", "world!", "don't", "well-known", "I", "A", "NASA", "JSON", "NO",
-                                  "THE", "am", "—", "...", "'quoted'", "iPhone", "Mr"])
+                                  "THE", "am", "—", "...", "'quoted'", "iPhone", "Mr", "#", "##", "==", "**Note:**"])
 def test_ordinary_words_and_words_read_as_written_come_back_unchanged(word):
     assert spoken_words(word) == [word]
 
