@@ -3,9 +3,8 @@ units, symbols, initialisms and a few abbreviations spelled out in words before 
 model reads them (English).
 
 The decoder reads letters. Digits and symbols were rare in its training text and it
-babbles them: Whisper heard "In 2024, about 45% of the 1,200 users chose option 2." as
-"It's sold at about 4.5 minutes..." and the same sentence with its numbers written out
-word for word (docs/eval.md, "Numbers and symbols"). LLM replies are full of them.
+babbles them: on 120 sentences full of them, as an assistant's replies are, Whisper's WER
+was 94 % read as written and 45 % said in words (docs/eval.md, "Numbers and symbols").
 
 `spoken_words` maps one whitespace-delimited word, as the chunker releases it, to the
 words said in its place; the text memory gives the model those (server/text_memory.py),
@@ -65,12 +64,13 @@ _ABBREVIATIONS = {"Dr.": "doctor", "Mr.": "mister", "Mrs.": "missus", "Ms.": "mi
 # number: "#5"; a markdown heading's "#" and "##" are not said)
 _SYMBOLS = {"&": "and", "+": "plus", "=": "equals", "@": "at", "%": "percent", "/": "slash",
             "×": "times", "°": "degrees", "€": "euros", "$": "dollars", "£": "pounds"}
-# words of two or three capitals read as words (a shouted "NO"), not spelled
+# words of two or three capitals read as words (a shouted "NO"), not spelled ("US", "IT"
+# and "OK" are spelled)
 _SHORT_WORDS = frozenset("""
-a an and are as at be but by can did do for get go got had has he her hey him his how i if in is it its let
-may me my no nor not now of off oh on one or our out own say see she so the to too two us was way we who
-why yes yet you all any few new old big bad yay wow ha hi ok
-""".split()) - {"ok", "us", "it"}
+a an and are as at be but by can did do for get go got had has he her hey him his how i if in its let
+may me my no nor not now of off oh on one or our out own say see she so the to too two was way we who
+why yes yet you all any few new old big bad yay wow ha hi
+""".split())
 
 _NUM = r"\d{1,3}(?:,\d{3})+|\d+"
 _MONEY_RE = re.compile(rf"([$€£¥])({_NUM})(?:\.(\d+))?([kKmMbBtT]|mn|bn)?")
