@@ -90,6 +90,12 @@ _PIECES_RE = re.compile(r"\d+(?:\.\d+)?|[A-Za-z]+|[&+=@%#/×°]")
 _MIXED_RE = re.compile(r"(?:\d+(?:\.\d+)?|[A-Za-z]+|[&+=@%#/×°]|[-'_.])+")
 _LEADING = "\"'([{¡¿«“‘"
 _TRAILING = "\"')]}.,;:!?…»”’"
+# markdown's emphasis and code marks around a word ("**3", "tips**", "`sort()`"), and
+# words of markup alone (a heading's "#", a bullet's "*" or "•", a quote's ">"): not said,
+# and not given to the model, whose training text had none (a reply with "**3 tips**" in
+# it was babbled from its first word)
+_MARKS = "*`_~"
+_MARKUP_WORD = re.compile(r"[*`_~#•>|]+")
 
 
 def cardinal(n: int) -> list[str]:
@@ -263,10 +269,26 @@ def _core(core: str) -> list[str] | None:
     return None
 
 
+def _unmarked(word: str) -> str:
+    """The word without the emphasis and code marks among its leading and trailing
+    punctuation ("**Note:**" "Note:", "(`x`)" "(x)")."""
+    start, end = 0, len(word)
+    while start < end and (word[start] in _LEADING or word[start] in _MARKS):
+        start += 1
+    while end > start and (word[end - 1] in _TRAILING or word[end - 1] in _MARKS):
+        end -= 1
+    strip = lambda s: "".join(c for c in s if c not in _MARKS)  # noqa: E731
+    return strip(word[:start]) + word[start:end] + strip(word[end:])
+
+
 def spoken_words(word: str) -> list[str]:
     """The words said for one written word (no whitespace in it), its leading
     punctuation on the first and its trailing punctuation on the last; [word] where it
-    is said as written."""
+    is said as written; [] for markup alone."""
+    if _MARKUP_WORD.fullmatch(word):
+        return []
+    if any(c in word for c in _MARKS):
+        word = _unmarked(word)
     start, end = 0, len(word)
     while start < end and word[start] in _LEADING:
         start += 1
