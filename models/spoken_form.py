@@ -90,12 +90,10 @@ _PIECES_RE = re.compile(r"\d+(?:\.\d+)?|[A-Za-z]+|[&+=@%#/×°]")
 _MIXED_RE = re.compile(r"(?:\d+(?:\.\d+)?|[A-Za-z]+|[&+=@%#/×°]|[-'_.])+")
 _LEADING = "\"'([{¡¿«“‘"
 _TRAILING = "\"')]}.,;:!?…»”’"
-# markdown's emphasis and code marks around a word ("**3", "tips**", "`sort()`"), and
-# words of markup alone (a heading's "#", a bullet's "*" or "•", a quote's ">"): not said,
-# and not given to the model, whose training text had none (a reply with "**3 tips**" in
-# it was babbled from its first word)
+# markdown's emphasis and code marks around a word ("**3", "tips**", "`sort()`"): not said,
+# so that what they wrap is read ("**$5**" is money); markup alone ("###", "*") is left as
+# written (dropped, 120 headed sentences spoke level: docs/eval.md "Numbers and symbols")
 _MARKS = "*`_~"
-_MARKUP_WORD = re.compile(r"[*`_~#•>|]+")
 
 
 def cardinal(n: int) -> list[str]:
@@ -284,11 +282,12 @@ def _unmarked(word: str) -> str:
 def spoken_words(word: str) -> list[str]:
     """The words said for one written word (no whitespace in it), its leading
     punctuation on the first and its trailing punctuation on the last; [word] where it
-    is said as written; [] for markup alone."""
-    if _MARKUP_WORD.fullmatch(word):
-        return []
+    is said as written."""
     if any(c in word for c in _MARKS):
-        word = _unmarked(word)
+        unmarked = _unmarked(word)
+        if not any(c.isalnum() for c in unmarked):
+            return [word]
+        word = unmarked
     start, end = 0, len(word)
     while start < end and word[start] in _LEADING:
         start += 1

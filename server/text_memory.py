@@ -61,25 +61,21 @@ class TextMemory:
 
     def release(self, s: EngineSession, chunks) -> None:
         """The words of released text chunks into the session's transcript and memory, a
-        chunk of the memory for each word said (a written "$5" is two: "five dollars";
-        markup alone, none)."""
+        chunk of the memory for each word said (a written "$5" is two: "five dollars")."""
         for tc in chunks:
-            said = [(written, self._said(written)) for written in tc.words]
-            if not any(words for _, words in said):
-                continue  # nothing said: no text chunk for the window to count
             s.begin_text_chunk()
-            # a client's timestamp is its chunk's first word's; the timeline spaces the words after it
-            timestamp = tc.client_time_s
-            for written, words in said:
+            for i, written in enumerate(tc.words):
+                said = self._said(written)
                 begun = False  # the written word has its first graphemes in the transcript
-                for word in words:
+                for j, word in enumerate(said):
                     first = not s.chunks
                     ids = self._tokenizer.encode_words([word], first_in_text=first)[: self._max_text_tokens - 1]
                     ch = s.register_chunk(word, ids, written, continues=begun)
                     begun = begun or ch.n_chars > 0
                     self.metrics.text_tokens_total.inc(len(ids))
-                    s.timeline.add(ch.n_chars, s.step_count, timestamp, len(ids))
-                    timestamp = None
+                    # a client's timestamp is its chunk's first word's; the timeline spaces
+                    # the words after it
+                    s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s if i == j == 0 else None, len(ids))
         self.fill(s)
 
     def add_eos(self, s: EngineSession) -> None:

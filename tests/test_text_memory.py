@@ -82,15 +82,6 @@ def test_a_written_number_is_said_in_words_while_the_written_word_is_the_one_tim
     assert len(runner2.added) == 4 and [w.text for w in plain.words] == ["It", "costs", "$42.50,", "ok?"]
 
 
-def test_markup_alone_is_no_chunk_and_no_text_chunk():
-    runner = MemoryRecorder()
-    s = session(n_past=4, n_future=2)
-    release(s, TextMemory(runner, get_tokenizer(), 64, Metrics()), [["##"], ["**Tip:**", "rest"], ["*"]])
-    # the heading mark and the bullet give the model nothing; "**Tip:**" is "Tip:"
-    assert s.timeline.text_chunks == 1 and [c.text_chunk for c in s.chunks] == [0, 0]
-    assert len(runner.added) == 2 and [w.text for w in s.words] == ["**Tip:**", "rest"]
-
-
 def test_the_window_counts_released_text_chunks_not_words():
     s = session(n_past=1, n_future=1)
     release(s, TextMemory(MemoryRecorder(), get_tokenizer(), 64, Metrics()), TEXT_CHUNKS)
