@@ -416,6 +416,28 @@ def test_the_server_mode_pushes_words_and_lets_the_sessions_chunker_cut_them():
             evaluate.parse_chunking(bad)
 
 
+def test_paragraphs_speak_a_text_files_lines_with_and_without_the_spoken_form(tmp_path):
+    """`eval.paragraphs --text-file` speaks each line in a session of its own; with
+    `--no-spoken-form` the engine reads every word as written (the A/B of docs/eval.md,
+    "Numbers and symbols"): the written words are timed either way, and said in words the
+    number's audio is longer."""
+    from livespeech.training.eval import paragraphs
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("It costs $1,234,567.89 today.\n\nOk.\n")
+    rows = {}
+    for flag in ([], ["--no-spoken-form"]):
+        out = tmp_path / f"p{len(flag)}.json"
+        assert paragraphs.main(["--text-file", str(lines), "--skip-asr", "--out", str(out), *flag]) == 0
+        run = json.loads(out.read_text())
+        assert run["meta"]["spoken_form"] is not bool(flag) and run["meta"]["paragraphs"] == 2
+        rows[bool(flag)] = run["utterances"]
+    assert [r["text"] for r in rows[False]] == ["It costs $1,234,567.89 today.", "Ok."]
+    assert all(r["unspoken_words"] == [] for r in rows[False] + rows[True])
+    # "one million two hundred thirty four thousand ... eighty nine cents" takes longer than "$1,234,567.89" read as written
+    assert rows[False][0]["audio_s"] > rows[True][0]["audio_s"]
+
+
 def test_paragraphs_speak_consecutive_test_sentences_in_one_session_each_and_compare_pairs_them(tmp_path, capsys):
     """`eval.paragraphs` on the shipped default (Whisper skipped): the test sentences joined
     a paragraph a session, all the text pushed at once, every word spoken; its rows pair in
