@@ -48,6 +48,7 @@ _UNITS = {"km": ("kilometer", "kilometers"), "m": ("meter", "meters"), "cm": ("c
           "L": ("liter", "liters"), "ms": ("millisecond", "milliseconds"), "s": ("second", "seconds"),
           "h": ("hour", "hours"), "hr": ("hour", "hours"), "hrs": ("hour", "hours"), "min": ("minute", "minutes"),
           "mph": ("mile per hour", "miles per hour"), "kph": ("kilometer per hour", "kilometers per hour"),
+          "km/h": ("kilometer per hour", "kilometers per hour"),
           "KB": ("kilobyte", "kilobytes"), "MB": ("megabyte", "megabytes"), "GB": ("gigabyte", "gigabytes"),
           "TB": ("terabyte", "terabytes"), "Hz": ("hertz", "hertz"), "kHz": ("kilohertz", "kilohertz"),
           "MHz": ("megahertz", "megahertz"), "GHz": ("gigahertz", "gigahertz"), "W": ("watt", "watts"),
@@ -59,7 +60,9 @@ _ABBREVIATIONS = {"Dr.": "doctor", "Mr.": "mister", "Mrs.": "missus", "Ms.": "mi
                   "Jr.": "junior", "Sr.": "senior", "St.": "saint", "Mt.": "mount", "vs.": "versus", "vs": "versus",
                   "etc.": "et cetera.", "e.g.": "for example", "i.e.": "that is", "approx.": "approximately",
                   "Inc.": "incorporated.", "Ltd.": "limited.", "Corp.": "corporation.", "Fig.": "figure",
-                  "a.m.": "ay em", "p.m.": "pee em", "pm": "pee em", "AM": "ay em", "PM": "pee em"}
+                  "a.m.": "ay em", "p.m.": "pee em", "pm": "pee em", "AM": "ay em", "PM": "pee em",
+                  "24/7": "twenty four seven"}
+_ROMAN = {"I": 1, "V": 5, "X": 10}
 # a symbol said as a word on its own or between letters and digits ("#" only before a
 # number: "#5"; a markdown heading's "#" and "##" are not said)
 _SYMBOLS = {"&": "and", "+": "plus", "=": "equals", "@": "at", "%": "percent", "/": "slash",
@@ -79,7 +82,11 @@ _ORDINAL_RE = re.compile(rf"({_NUM})(?:st|nd|rd|th|ST|ND|RD|TH)")
 _DECADE_RE = re.compile(r"'?(\d{2})?(\d)0'?s")
 _TIME_RE = re.compile(r"(\d{1,2}):(\d{2})(?:(a|p)\.?m\.?)?", re.IGNORECASE)
 _HOUR_RE = re.compile(r"(\d{1,2})(a|p)\.?m\.?", re.IGNORECASE)
-_RANGE_RE = re.compile(rf"({_NUM})[-–]({_NUM})")
+_RANGE_RE = re.compile(rf"({_NUM})[-–]({_NUM})(%?)")
+_PHONE_RE = re.compile(r"(?:\+?1-)?(?:\d{3}-)?\d{3}-\d{4}")
+_RATIO_RE = re.compile(r"(\d+):(\d)")
+_MAGNITUDE_RE = re.compile(rf"({_NUM})(?:\.(\d+))?(k|M|B|bn)")
+_PER_RE = re.compile(r"([^/]+)/([A-Za-z]+)")
 _FRACTION_RE = re.compile(r"(\d)/(\d{1,2})")
 _SLASHED_RE = re.compile(r"\d+(?:/\d+)+")
 _NUMBER_RE = re.compile(rf"([-+−]?)({_NUM})(?:\.(\d+))?")
@@ -194,6 +201,14 @@ def _time(hour: int, minute: int | None, half: str | None) -> list[str]:
     return words + (_letters(half + "m") if half else [])
 
 
+def _roman(s: str) -> int | None:
+    """A roman numeral of I, V and X in its usual form (2 to 39), or None."""
+    values = [_ROMAN[c] for c in s]
+    n = sum(-v if i + 1 < len(values) and v < values[i + 1] else v for i, v in enumerate(values))
+    usual = "".join(("X" * (n // 10), ("", "I", "II", "III", "IV", "V", "VI", "VII", "VIII", "IX")[n % 10]))
+    return n if usual == s else None
+
+
 def _sign(s: str) -> list[str]:
     return {"-": ["minus"], "−": ["minus"], "+": ["plus"]}.get(s, [])
 
@@ -222,8 +237,18 @@ def _core(core: str) -> list[str] | None:
     if m := _HOUR_RE.fullmatch(core):
         if int(m.group(1)) <= 12:
             return _time(int(m.group(1)), None, m.group(2).lower())
+    if _PHONE_RE.fullmatch(core):  # a phone number: its digits, group by group
+        return [w for group in core.lstrip("+").split("-") for w in digits(group)]
     if m := _RANGE_RE.fullmatch(core):
-        return _number(m.group(1)) + ["to"] + _number(m.group(2))
+        return _number(m.group(1)) + ["to"] + _number(m.group(2)) + (["percent"] if m.group(3) else [])
+    if m := _RATIO_RE.fullmatch(core):
+        return cardinal(int(m.group(1))) + ["to"] + cardinal(int(m.group(2)))
+    if m := _MAGNITUDE_RE.fullmatch(core):
+        return _number(m.group(1), m.group(2), as_year=False) + [_MAGNITUDE[m.group(3).lower()]]
+    if (m := _PER_RE.fullmatch(core)) and _MONEY_RE.fullmatch(m.group(1)):  # "$5/month"
+        return _money(_MONEY_RE.fullmatch(m.group(1))) + ["per", m.group(2)]
+    if len(core) > 1 and set(core) <= set(_ROMAN) and (n := _roman(core)):  # "World War II"
+        return cardinal(n)
     if m := _FRACTION_RE.fullmatch(core):
         a, b = int(m.group(1)), int(m.group(2))
         if 0 < a < b <= 10:

@@ -31,6 +31,11 @@ READINGS = {
     "R&D": "ar and dee", "GPT-4o": "gee pee tee four oh", "COVID-19": "COVID nineteen", "AI": "ay eye",
     "APIs": "ay pee eyes", "HTTP": "aitch tee tee pee", "U.S.": "you ess", "OK": "oh kay", "Dr.": "doctor",
     "e.g.": "for example", "vs.": "versus", "#hashtag": "hashtag", "Q&A": "cue and ay",
+    # roman numerals, phone numbers, ratios, magnitudes, rates
+    "II": "two", "VIII": "eight", "XIV": "fourteen", "IX": "nine", "555-1234": "five five five one two three four",
+    "1-800-555-1234": "one eight zero zero five five five one two three four", "3:1": "three to one",
+    "5-10%": "five to ten percent", "1.5k": "one point five thousand", "2M": "two million", "5m": "five meters",
+    "60km/h": "sixty kilometers per hour", "$5/month": "five dollars per month", "24/7": "twenty four seven",
 }
 
 
@@ -57,7 +62,7 @@ def test_markdown_marks_around_a_word_are_not_said():
 
 
 @pytest.mark.parametrize("word", ["Hello", "world!", "don't", "well-known", "I", "A", "NASA", "JSON", "NO",
-                                  "THE", "am", "—", "...", "'quoted'", "iPhone", "Mr", "==", "#", "##"])
+                                  "THE", "am", "—", "...", "'quoted'", "iPhone", "Mr", "==", "#", "##", "IIII", "X"])
 def test_ordinary_words_and_words_read_as_written_come_back_unchanged(word):
     assert spoken_words(word) == [word]
 
