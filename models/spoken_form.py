@@ -48,7 +48,10 @@ _UNITS = {"km": ("kilometer", "kilometers"), "m": ("meter", "meters"), "cm": ("c
           "L": ("liter", "liters"), "ms": ("millisecond", "milliseconds"), "s": ("second", "seconds"),
           "h": ("hour", "hours"), "hr": ("hour", "hours"), "hrs": ("hour", "hours"), "min": ("minute", "minutes"),
           "mph": ("mile per hour", "miles per hour"), "kph": ("kilometer per hour", "kilometers per hour"),
-          "km/h": ("kilometer per hour", "kilometers per hour"),
+          "km/h": ("kilometer per hour", "kilometers per hour"), "ft": ("foot", "feet"),
+          "mi": ("mile", "miles"), "oz": ("ounce", "ounces"), "sec": ("second", "seconds"),
+          "mins": ("minute", "minutes"), "yrs": ("year", "years"), "kbps": ("kilobit per second", "kilobits per second"),
+          "Mbps": ("megabit per second", "megabits per second"), "Gbps": ("gigabit per second", "gigabits per second"),
           "KB": ("kilobyte", "kilobytes"), "MB": ("megabyte", "megabytes"), "GB": ("gigabyte", "gigabytes"),
           "TB": ("terabyte", "terabytes"), "Hz": ("hertz", "hertz"), "kHz": ("kilohertz", "kilohertz"),
           "MHz": ("megahertz", "megahertz"), "GHz": ("gigahertz", "gigahertz"), "W": ("watt", "watts"),
@@ -63,6 +66,10 @@ _ABBREVIATIONS = {"Dr.": "doctor", "Mr.": "mister", "Mrs.": "missus", "Ms.": "mi
                   "a.m.": "ay em", "p.m.": "pee em", "pm": "pee em", "AM": "ay em", "PM": "pee em",
                   "24/7": "twenty four seven"}
 _ROMAN = {"I": 1, "V": 5, "X": 10}
+# units that are no word of their own, read when written apart from their number
+# ("16 GB", "5 km"; in the plural, as a number before them is not seen)
+_UNITS_APART = ("km", "kg", "cm", "mm", "mg", "ml", "mL", "mph", "kph", "km/h", "KB", "MB", "GB", "TB", "kHz",
+                "MHz", "GHz", "°C", "°F", "kbps", "Mbps", "Gbps")
 # a symbol said as a word on its own or between letters and digits ("#" only before a
 # number: "#5"; a markdown heading's "#" and "##" are not said)
 _SYMBOLS = {"&": "and", "+": "plus", "=": "equals", "@": "at", "%": "percent", "/": "slash",
@@ -219,6 +226,8 @@ def _core(core: str) -> list[str] | None:
         return _ABBREVIATIONS[core].split()
     if core in _SYMBOLS:
         return [_SYMBOLS[core]]
+    if core in _UNITS_APART:
+        return _UNITS[core][1].split()
     if m := _MONEY_RE.fullmatch(core):
         return _money(m)
     if m := _PERCENT_RE.fullmatch(core):
