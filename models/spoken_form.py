@@ -102,7 +102,7 @@ _UNIT_RE = re.compile(rf"({_NUM})(?:\.(\d+))?({'|'.join(sorted(map(re.escape, _U
 _DOTTED_RE = re.compile(r"(?:[A-Za-z]\.){2,}")
 _CAPS_RE = re.compile(r"([A-Z]{2,5})(s?)")
 _PIECES_RE = re.compile(r"\d+(?:\.\d+)?|[A-Za-z]+|[&+=@%#/×°]")
-_MIXED_RE = re.compile(r"(?:\d+(?:\.\d+)?|[A-Za-z]+|[&+=@%#/×°]|[-'_.])+")
+_MIXED_RE = re.compile(rf"(?:{_PIECES_RE.pattern}|[-'_.])+")  # pieces, and separators not said
 _LEADING = "\"'([{¡¿«“‘"
 _TRAILING = "\"')]}.,;:!?…»”’"
 # markdown's emphasis and code marks around a word ("**3", "tips**", "`sort()`"): not said,
@@ -255,8 +255,8 @@ def _core(core: str) -> list[str] | None:
         return cardinal(int(m.group(1))) + ["to"] + cardinal(int(m.group(2)))
     if m := _MAGNITUDE_RE.fullmatch(core):
         return _number(m.group(1), m.group(2), as_year=False) + [_MAGNITUDE[m.group(3).lower()]]
-    if (m := _PER_RE.fullmatch(core)) and _MONEY_RE.fullmatch(m.group(1)):  # "$5/month"
-        return _money(_MONEY_RE.fullmatch(m.group(1))) + ["per", m.group(2)]
+    if (m := _PER_RE.fullmatch(core)) and (money := _MONEY_RE.fullmatch(m.group(1))):  # "$5/month"
+        return _money(money) + ["per", m.group(2)]
     if len(core) > 1 and set(core) <= set(_ROMAN) and (n := _roman(core)):  # "World War II"
         return cardinal(n)
     if m := _FRACTION_RE.fullmatch(core):
