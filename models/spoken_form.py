@@ -64,12 +64,24 @@ _ABBREVIATIONS = {"Dr.": "doctor", "Mr.": "mister", "Mrs.": "missus", "Ms.": "mi
                   "etc.": "et cetera.", "e.g.": "for example", "i.e.": "that is", "approx.": "approximately",
                   "Inc.": "incorporated.", "Ltd.": "limited.", "Corp.": "corporation.", "Fig.": "figure",
                   "a.m.": "ay em", "p.m.": "pee em", "pm": "pee em", "AM": "ay em", "PM": "pee em",
-                  "24/7": "twenty four seven"}
+                  "24/7": "twenty four seven", "Mr": "mister", "Mrs": "missus", "Ms": "miz", "and/or": "and or",
+                  "C#": "see sharp", "F#": "eff sharp", ".NET": "dot net"}
 _ROMAN = {"I": 1, "V": 5, "X": 10}
 # units that are no word of their own, read when written apart from their number
 # ("16 GB", "5 km"; in the plural, as a number before them is not seen)
-_UNITS_APART = ("km", "kg", "cm", "mm", "mg", "ml", "mL", "mph", "kph", "km/h", "KB", "MB", "GB", "TB", "kHz",
+_UNITS_APART = ("ms", "km", "kg", "cm", "mm", "mg", "ml", "mL", "mph", "kph", "km/h", "KB", "MB", "GB", "TB", "kHz",
                 "MHz", "GHz", "°C", "°F", "kbps", "Mbps", "Gbps")
+# said before what follows them ("~5" about five, "±3" plus or minus three)
+_PREFIXES = {"~": "about", "≈": "about", "±": "plus or minus", "≤": "at most", "≥": "at least", "<=": "at most",
+             ">=": "at least"}
+# said between the pieces of a web address, an email address or a file name
+_SEPARATORS = {".": "dot", "/": "slash", "-": "dash", "_": "underscore", "@": "at", ":": "colon",
+               "?": "question mark", "=": "equals", "&": "and", "#": "hash", "~": "tilde", "+": "plus"}
+_MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
+           "november", "december")
+# words with no vowel that are said as words, not spelled ("hmm"; "npm", "pdf", "js" are spelled)
+_UNSPELLED = frozenset({"hmm", "hm", "mm", "mmm", "shh", "sh", "psst", "pst", "brr", "grr", "tsk", "pfft", "zzz",
+                        "nth", "ps", "st", "nd", "rd", "th"})
 # a symbol said as a word on its own or between letters and digits ("#" only before a
 # number: "#5"; a markdown heading's "#" and "##" are not said)
 _SYMBOLS = {"&": "and", "+": "plus", "=": "equals", "@": "at", "%": "percent", "/": "slash",
@@ -100,6 +112,16 @@ _SLASHED_RE = re.compile(r"\d+(?:/\d+)+")
 _NUMBER_RE = re.compile(rf"([-+−]?)({_NUM})(?:\.(\d+))?")
 _UNIT_RE = re.compile(rf"({_NUM})(?:\.(\d+))?({'|'.join(sorted(map(re.escape, _UNITS), key=len, reverse=True))})")
 _DOTTED_RE = re.compile(r"(?:[A-Za-z]\.){2,}")
+_ISO_DATE_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})")
+# a web address, an email address or a file name: a scheme (not said), labels of letters,
+# digits, hyphens and underscores joined by dots and ending in letters ("example.com",
+# "Node.js", "report_2.pdf"), a path; or a local part and "@" before such a domain
+_ADDRESS_RE = re.compile(r"(?:[A-Za-z]+://)?(?:[\w.+-]+@)?[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}\d?(?::\d+)?(?:/[\w./~?=&#+-]*)?",
+                         re.ASCII)
+_ADDRESS_PIECES_RE = re.compile(r"[A-Za-z]+|\d+|[./_@:?=&#~+-]")
+_IP_RE = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}")
+_SLASHED_WORDS_RE = re.compile(r"[A-Za-z]+(?:/[A-Za-z]+)+")
+_VOWELLESS_RE = re.compile(r"[bcdfghjklmnpqrstvwxz]{1,5}")
 _CAPS_RE = re.compile(r"([A-Z]{2,5})(s?)")
 _PIECES_RE = re.compile(r"\d+(?:\.\d+)?|[A-Za-z]+|[&+=@%#/×°]")
 _MIXED_RE = re.compile(rf"(?:{_PIECES_RE.pattern}|[-'_.])+")  # pieces, and separators not said
@@ -209,6 +231,26 @@ def _time(hour: int, minute: int | None, half: str | None) -> list[str]:
     return words + (_letters(half + "m") if half else [])
 
 
+def _address(core: str) -> list[str]:
+    """A web or email address or a file name piece by piece: its scheme not said, "www"
+    and vowel-less pieces spelled, a two-letter ending ("io", "py") spelled, the
+    separators said ("dot", "slash", "dash", "underscore", "at")."""
+    rest = core.split("://", 1)[-1].rstrip("/")
+    pieces = _ADDRESS_PIECES_RE.findall(rest)
+    out: list[str] = []
+    for i, piece in enumerate(pieces):
+        if piece in _SEPARATORS:
+            out.append(_SEPARATORS[piece])
+        elif piece.isdigit():
+            out += _number(piece, as_year=False)
+        elif len(piece) == 1 or (len(piece) == 2 and i > 0 and pieces[i - 1] == "."
+                                 and (i + 1 == len(pieces) or pieces[i + 1] in "/:")):
+            out += _letters(piece)
+        else:
+            out += _core(piece) or [piece.lower() if piece.isupper() and len(piece) > 5 else piece]
+    return out
+
+
 def _roman(s: str) -> int | None:
     """A roman numeral of I, V and X in its usual form (2 to 39), or None."""
     values = [_ROMAN[c] for c in s]
@@ -229,6 +271,9 @@ def _core(core: str) -> list[str] | None:
         return [_SYMBOLS[core]]
     if core in _UNITS_APART:
         return _UNITS[core][1].split()
+    for prefix, said in _PREFIXES.items():
+        if core.startswith(prefix) and len(core) > len(prefix) and (rest := _core(core[len(prefix):])):
+            return said.split() + rest
     if m := _MONEY_RE.fullmatch(core):
         return _money(m)
     if m := _PERCENT_RE.fullmatch(core):
@@ -247,6 +292,10 @@ def _core(core: str) -> list[str] | None:
     if m := _HOUR_RE.fullmatch(core):
         if int(m.group(1)) <= 12:
             return _time(int(m.group(1)), None, m.group(2).lower())
+    if m := _ISO_DATE_RE.fullmatch(core):
+        y, month, day = (int(g) for g in m.groups())
+        if 1 <= month <= 12 and 1 <= day <= 31:
+            return [_MONTHS[month - 1]] + ordinal(day) + year(y)
     if _PHONE_RE.fullmatch(core):  # a phone number: its digits, group by group
         return [w for group in core.lstrip("+").split("-") for w in digits(group)]
     if m := _RANGE_RE.fullmatch(core):
@@ -264,6 +313,11 @@ def _core(core: str) -> list[str] | None:
         if 0 < a < b <= 10:
             name = {2: ["half"], 4: ["quarter"]}.get(b) or ordinal(b)
             return cardinal(a) + (_plural(name) if a > 1 else name)
+    if _IP_RE.fullmatch(core):
+        return [w for i, p in enumerate(core.split(".")) for w in (["dot"] if i else []) + cardinal(int(p))]
+    if _SLASHED_WORDS_RE.fullmatch(core):  # "A/B", "input/output"
+        parts = [_letters(p) if len(p) == 1 else _core(p) or [p] for p in core.split("/")]
+        return [w for i, p in enumerate(parts) for w in (["slash"] if i else []) + p]
     if _SLASHED_RE.fullmatch(core):  # dates, versions: each number, "slash" between
         parts = [_number(p) for p in core.split("/")]
         return [w for i, p in enumerate(parts) for w in (["slash"] if i else []) + p]
@@ -275,6 +329,10 @@ def _core(core: str) -> list[str] | None:
         return _number(m.group(1), m.group(2), as_year=False) + (singular if one else plural).split()
     if _DOTTED_RE.fullmatch(core):
         return _letters(core.replace(".", ""))
+    if _ADDRESS_RE.fullmatch(core) and not core[0] == ".":
+        return _address(core)
+    if (_VOWELLESS_RE.fullmatch(core) and core not in _UNSPELLED) or (len(core) == 1 and core in "BCDEFGHJKLMNOPQRSTUVWXYZ"):
+        return _letters(core)  # no vowel to say it by ("npm", "pdf"), or a letter ("plan B")
     if m := _CAPS_RE.fullmatch(core):
         caps, plural = m.groups()
         vowels = any(c in "AEIOUY" for c in caps)
@@ -302,11 +360,14 @@ def _core(core: str) -> list[str] | None:
     return None
 
 
-def _unmarked(word: str) -> str:
+def _unmarked(word: str, about: bool = False) -> str:
     """The word without the emphasis and code marks among its leading and trailing
-    punctuation ("**Note:**" "Note:", "(`x`)" "(x)")."""
+    punctuation ("**Note:**" "Note:", "(`x`)" "(x)"); `about`: a "~" before a digit or
+    a currency is kept ("~5": about five)."""
     start, end = 0, len(word)
     while start < end and (word[start] in _LEADING or word[start] in _MARKS):
+        if about and word[start] == "~" and start + 1 < end and (word[start + 1].isdigit() or word[start + 1] in _MONEY):
+            break
         start += 1
     while end > start and (word[end - 1] in _TRAILING or word[end - 1] in _MARKS):
         end -= 1
@@ -322,7 +383,14 @@ def spoken_words(word: str) -> list[str]:
         unmarked = _unmarked(word)
         if not any(c.isalnum() for c in unmarked):
             return [word]
+        if "~" in word and (about := _unmarked(word, about=True)) != unmarked and (said := _said(about)):
+            return said
         word = unmarked
+    return _said(word) or [word]
+
+
+def _said(word: str) -> list[str] | None:
+    """`spoken_words` of a word without marks; None: as written."""
     start, end = 0, len(word)
     while start < end and word[start] in _LEADING:
         start += 1
@@ -336,6 +404,6 @@ def spoken_words(word: str) -> list[str]:
     if said is None:
         said = _core(word[start:end])
     if not said or len(" ".join(said)) > MAX_EXPANSION * len(word):
-        return [word]
+        return None
     return [word[:start] + said[0]] + said[1:-1] + [said[-1] + word[end:]] if len(said) > 1 \
         else [word[:start] + said[0] + word[end:]]
