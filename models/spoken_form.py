@@ -64,7 +64,7 @@ _ABBREVIATIONS = {"Dr.": "doctor", "Mr.": "mister", "Mrs.": "missus", "Ms.": "mi
                   "etc.": "et cetera.", "e.g.": "for example", "i.e.": "that is", "approx.": "approximately",
                   "Inc.": "incorporated.", "Ltd.": "limited.", "Corp.": "corporation.", "Fig.": "figure",
                   "a.m.": "ay em", "p.m.": "pee em", "pm": "pee em", "AM": "ay em", "PM": "pee em",
-                  "24/7": "twenty four seven", "Mr": "mister", "Mrs": "missus", "Ms": "miz", "and/or": "and or",
+                  "24/7": "twenty four seven", "Mr": "mister", "Mrs": "missus", "Ms": "miz",
                   "C#": "see sharp", "F#": "eff sharp", ".NET": "dot net"}
 _ROMAN = {"I": 1, "V": 5, "X": 10}
 # units that are no word of their own, read when written apart from their number
@@ -315,9 +315,8 @@ def _core(core: str) -> list[str] | None:
             return cardinal(a) + (_plural(name) if a > 1 else name)
     if _IP_RE.fullmatch(core):
         return [w for i, p in enumerate(core.split(".")) for w in (["dot"] if i else []) + cardinal(int(p))]
-    if _SLASHED_WORDS_RE.fullmatch(core):  # "A/B", "input/output"
-        parts = [_letters(p) if len(p) == 1 else _core(p) or [p] for p in core.split("/")]
-        return [w for i, p in enumerate(parts) for w in (["slash"] if i else []) + p]
+    if _SLASHED_WORDS_RE.fullmatch(core):  # "A/B" ay bee, "input/output": the slash not said
+        return [w for p in core.split("/") for w in (_letters(p) if len(p) == 1 else _core(p) or [p])]
     if _SLASHED_RE.fullmatch(core):  # dates, versions: each number, "slash" between
         parts = [_number(p) for p in core.split("/")]
         return [w for i, p in enumerate(parts) for w in (["slash"] if i else []) + p]
@@ -379,6 +378,9 @@ def spoken_words(word: str) -> list[str]:
     """The words said for one written word (no whitespace in it), its leading
     punctuation on the first and its trailing punctuation on the last; [word] where it
     is said as written."""
+    if "](" in word:  # a markdown link's end ("docs](https://example.com)."): its text is said
+        text, _, target = word.partition("](")
+        word = text + (target[target.index(")") + 1:] if ")" in target else "")
     if any(c in word for c in _MARKS):
         unmarked = _unmarked(word)
         if not any(c.isalnum() for c in unmarked):

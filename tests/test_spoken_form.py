@@ -48,8 +48,8 @@ READINGS = {
     "example.io/a?id=3": "example dot eye oh slash ay question mark id equals three",
     "192.168.1.1": "one hundred ninety two dot one hundred sixty eight dot one dot one",
     "2023-10-05": "october fifth twenty twenty three", "1999-12-31": "december thirty first nineteen ninety nine",
-    "npm": "en pee em", "mp3": "em pee three", "B": "bee", "X": "ex", "A/B": "ay slash bee",
-    "AI/ML": "ay eye slash em el", "and/or": "and or", "C#": "see sharp", ".NET": "dot net", "Mr": "mister",
+    "npm": "en pee em", "mp3": "em pee three", "B": "bee", "X": "ex", "A/B": "ay bee",
+    "AI/ML": "ay eye em el", "and/or": "and or", "input/output": "input output", "C#": "see sharp", ".NET": "dot net", "Mr": "mister",
     "~5": "about five", "±3": "plus or minus three", "<=10": "at most ten", "≥18": "at least eighteen",
     "10ms": "ten milliseconds", "ms": "milliseconds",
 }
@@ -72,6 +72,9 @@ def test_markdown_marks_around_a_word_are_not_said():
     assert spoken_words("**3") == ["three"] and spoken_words("tips**:") == ["tips:"]
     assert spoken_words("**Note:**") == ["Note:"] and spoken_words("(`code`)") == ["(code)"]
     assert spoken_words("**$5**,") == ["five", "dollars,"]
+    # a link's text is said, not its address
+    assert spoken_words("[the") == ["[the"] and spoken_words("docs](https://example.com/docs).") == ["docs."]
+    assert spoken_words("[**$5**](https://shop.com)") == ["[five", "dollars"]
     # markup alone is left as written; a name's underscores are its own
     assert [spoken_words(w) for w in ("###", "*", "**", "-")] == [["###"], ["*"], ["**"], ["-"]]
     assert spoken_words("snake_case") == ["snake_case"]
