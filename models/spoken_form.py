@@ -57,7 +57,9 @@ _UNITS = {"km": ("kilometer", "kilometers"), "m": ("meter", "meters"), "cm": ("c
           "MHz": ("megahertz", "megahertz"), "GHz": ("gigahertz", "gigahertz"), "W": ("watt", "watts"),
           "kW": ("kilowatt", "kilowatts"), "V": ("volt", "volts"), "x": ("times", "times"),
           "°C": ("degree celsius", "degrees celsius"), "°F": ("degree fahrenheit", "degrees fahrenheit"),
-          "°": ("degree", "degrees")}
+          "°": ("degree", "degrees"), "m²": ("square meter", "square meters"),
+          "km²": ("square kilometer", "square kilometers"), "cm²": ("square centimeter", "square centimeters"),
+          "ft²": ("square foot", "square feet"), "m³": ("cubic meter", "cubic meters")}
 # the dot is the abbreviation's, not a sentence's end (kept where it usually ends one)
 _ABBREVIATIONS = {"Dr.": "doctor", "Mr.": "mister", "Mrs.": "missus", "Ms.": "miz", "Prof.": "professor",
                   "Jr.": "junior", "Sr.": "senior", "St.": "saint", "Mt.": "mount", "vs.": "versus", "vs": "versus",
@@ -65,11 +67,17 @@ _ABBREVIATIONS = {"Dr.": "doctor", "Mr.": "mister", "Mrs.": "missus", "Ms.": "mi
                   "Inc.": "incorporated.", "Ltd.": "limited.", "Corp.": "corporation.", "Fig.": "figure",
                   "a.m.": "ay em", "p.m.": "pee em", "pm": "pee em", "AM": "ay em", "PM": "pee em",
                   "24/7": "twenty four seven", "Mr": "mister", "Mrs": "missus", "Ms": "miz",
+                  "w/": "with", "w/o": "without", "b/c": "because", "PhD": "pee aitch dee", "Ph.D.": "pee aitch dee",
+                  "ft.": "feet", "oz.": "ounces", "lb.": "pounds", "lbs.": "pounds", "avg.": "average",
+                  "est.": "estimated", "Ave.": "avenue", "Blvd.": "boulevard", "Rd.": "road", "Apt.": "apartment",
+                  "Jan.": "january", "Feb.": "february", "Mar.": "march", "Apr.": "april", "Jun.": "june",
+                  "Jul.": "july", "Aug.": "august", "Sep.": "september", "Sept.": "september", "Oct.": "october",
+                  "Nov.": "november", "Dec.": "december",
                   "C#": "see sharp", "F#": "eff sharp", ".NET": "dot net"}
 _ROMAN = {"I": 1, "V": 5, "X": 10}
 # units that are no word of their own, read when written apart from their number
 # ("16 GB", "5 km"; in the plural, as a number before them is not seen)
-_UNITS_APART = ("ms", "km", "kg", "cm", "mm", "mg", "ml", "mL", "mph", "kph", "km/h", "KB", "MB", "GB", "TB", "kHz",
+_UNITS_APART = ("ms", "m²", "km²", "ft²", "m³", "km", "kg", "cm", "mm", "mg", "ml", "mL", "mph", "kph", "km/h", "KB", "MB", "GB", "TB", "kHz",
                 "MHz", "GHz", "°C", "°F", "kbps", "Mbps", "Gbps")
 # said before what follows them ("~5" about five, "±3" plus or minus three)
 _PREFIXES = {"~": "about", "≈": "about", "±": "plus or minus", "≤": "at most", "≥": "at least", "<=": "at most",
@@ -77,6 +85,18 @@ _PREFIXES = {"~": "about", "≈": "about", "±": "plus or minus", "≤": "at mos
 # said between the pieces of a web address, an email address or a file name
 _SEPARATORS = {".": "dot", "/": "slash", "-": "dash", "_": "underscore", "@": "at", ":": "colon",
                "?": "question mark", "=": "equals", "&": "and", "#": "hash", "~": "tilde", "+": "plus"}
+# a rate's unit after "/" ("$9.99/mo")
+_PER_UNITS = {"mo": "month", "yr": "year", "hr": "hour", "h": "hour", "wk": "week", "min": "minute", "sec": "second",
+              "s": "second", "d": "day"}
+# ½ and its kind: (numerator, denominator)
+_VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅛": (1, 8)}
+_SUBSCRIPTS = str.maketrans("₀₁₂₃₄₅₆₇₈₉", "0123456789")
+# capitals that begin a word said as a word ("NASA"; "HDMI" is spelled: no English word begins "HD")
+_ONSETS = frozenset("""
+b c d f g h j k l m n p q r s t v w x y z bl br ch cl cr dr fl fr gl gr kn ph pl pr sc sh sk sl sm sn sp st sw th
+tr tw wh wr str spr scr spl squ thr shr sch qu
+""".upper().split())
+_CAPS_WORDS = frozenset({"JSON"})  # said as words all the same
 _MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
            "november", "december")
 # words with no vowel that are said as words, not spelled ("hmm"; "npm", "pdf", "js" are spelled)
@@ -101,7 +121,7 @@ _ORDINAL_RE = re.compile(rf"({_NUM})(?:st|nd|rd|th|ST|ND|RD|TH)")
 _DECADE_RE = re.compile(r"'?(\d{2})?(\d)0'?s")
 _TIME_RE = re.compile(r"(\d{1,2}):(\d{2})(?:(a|p)\.?m\.?)?", re.IGNORECASE)
 _HOUR_RE = re.compile(r"(\d{1,2})(a|p)\.?m\.?", re.IGNORECASE)
-_RANGE_RE = re.compile(rf"({_NUM})[-–]({_NUM})(%?)")
+_RANGE_RE = re.compile(rf"({_NUM})[-–]({_NUM})(%|x?)")
 # a US-style number, its exchange not starting with 0 or 1 (a range "100-1000" is a range)
 _PHONE_RE = re.compile(r"(?:\+?1-)?(?:\d{3}-)?[2-9]\d{2}-\d{4}")
 _RATIO_RE = re.compile(r"(\d+):(\d)")
@@ -112,6 +132,11 @@ _SLASHED_RE = re.compile(r"\d+(?:/\d+)+")
 _NUMBER_RE = re.compile(rf"([-+−]?)({_NUM})(?:\.(\d+))?")
 _UNIT_RE = re.compile(rf"({_NUM})(?:\.(\d+))?({'|'.join(sorted(map(re.escape, _UNITS), key=len, reverse=True))})")
 _DOTTED_RE = re.compile(r"(?:[A-Za-z]\.){2,}")
+_NUMBERED_RE = re.compile(r"No\.(\d+)")
+_BY_RE = re.compile(r"(\d+)x(\d+)")
+_AFTER_MONEY_RE = re.compile(rf"({_NUM})(?:\.(\d+))?([$€£¥])")
+_VULGAR_RE = re.compile(rf"(\d*)([{''.join(_VULGAR)}])")
+_HYPHENATED_RE = re.compile(r"[A-Za-z]+(?:-[A-Za-z]+)+")
 _ISO_DATE_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})")
 # a web address, an email address or a file name: a scheme (not said), labels of letters,
 # digits, hyphens and underscores joined by dots and ending in letters ("example.com",
@@ -251,6 +276,23 @@ def _address(core: str) -> list[str]:
     return out
 
 
+def _clock(core: str) -> list[str] | None:
+    """A clock time ("5:30", "5:30pm", "10am") in words, or None."""
+    if m := _TIME_RE.fullmatch(core):
+        hour, minute = int(m.group(1)), int(m.group(2))
+        if hour <= 24 and minute < 60:
+            return _time(hour, minute, m.group(3) and m.group(3).lower())
+    if (m := _HOUR_RE.fullmatch(core)) and int(m.group(1)) <= 12:
+        return _time(int(m.group(1)), None, m.group(2).lower())
+    return None
+
+
+def _fraction_name(a: int, b: int) -> list[str]:
+    """The name of a/b's parts ("half", "thirds")."""
+    name = {2: ["half"], 4: ["quarter"]}.get(b) or ordinal(b)
+    return _plural(name) if a > 1 else name
+
+
 def _roman(s: str) -> int | None:
     """A roman numeral of I, V and X in its usual form (2 to 39), or None."""
     values = [_ROMAN[c] for c in s]
@@ -265,6 +307,7 @@ def _sign(s: str) -> list[str]:
 
 def _core(core: str) -> list[str] | None:
     """The words said for a word without its leading and trailing punctuation, or None: as written."""
+    core = core.translate(_SUBSCRIPTS)  # "CO₂"
     if core in _ABBREVIATIONS:
         return _ABBREVIATIONS[core].split()
     if core in _SYMBOLS:
@@ -285,13 +328,16 @@ def _core(core: str) -> list[str] | None:
         if century:
             return _plural(year(int(century) * 100 + decade * 10))
         return _plural(cardinal(decade * 10)) if decade else None
-    if m := _TIME_RE.fullmatch(core):
-        hour, minute = int(m.group(1)), int(m.group(2))
-        if hour <= 24 and minute < 60:
-            return _time(hour, minute, m.group(3) and m.group(3).lower())
-    if m := _HOUR_RE.fullmatch(core):
-        if int(m.group(1)) <= 12:
-            return _time(int(m.group(1)), None, m.group(2).lower())
+    if said := _clock(core):
+        return said
+    if (m := re.fullmatch(r"(.+?)[-–](.+)", core)) and (start := _clock(m.group(1))) and (end := _clock(m.group(2))):
+        return start + ["to"] + end  # "10am-2pm"
+    if m := _NUMBERED_RE.fullmatch(core):  # "No.1"
+        return ["number"] + _number(m.group(1), as_year=False)
+    if m := _BY_RE.fullmatch(core):  # "4x4", "1920x1080"
+        return _number(m.group(1), as_year=False) + ["by"] + _number(m.group(2), as_year=False)
+    if m := _AFTER_MONEY_RE.fullmatch(core):  # "5€"
+        return _money(_MONEY_RE.fullmatch(m.group(3) + m.group(1) + (f".{m.group(2)}" if m.group(2) else "")))
     if m := _ISO_DATE_RE.fullmatch(core):
         y, month, day = (int(g) for g in m.groups())
         if 1 <= month <= 12 and 1 <= day <= 31:
@@ -299,20 +345,24 @@ def _core(core: str) -> list[str] | None:
     if _PHONE_RE.fullmatch(core):  # a phone number: its digits, group by group
         return [w for group in core.lstrip("+").split("-") for w in digits(group)]
     if m := _RANGE_RE.fullmatch(core):
-        return _number(m.group(1)) + ["to"] + _number(m.group(2)) + (["percent"] if m.group(3) else [])
+        return (_number(m.group(1)) + ["to"] + _number(m.group(2))
+                + (["percent"] if m.group(3) == "%" else ["times"] if m.group(3) else []))
     if m := _RATIO_RE.fullmatch(core):
         return cardinal(int(m.group(1))) + ["to"] + cardinal(int(m.group(2)))
     if m := _MAGNITUDE_RE.fullmatch(core):
         return _number(m.group(1), m.group(2), as_year=False) + [_MAGNITUDE[m.group(3).lower()]]
     if (m := _PER_RE.fullmatch(core)) and (money := _MONEY_RE.fullmatch(m.group(1))):  # "$5/month"
-        return _money(money) + ["per", m.group(2)]
+        return _money(money) + ["per", _PER_UNITS.get(m.group(2), m.group(2))]
     if len(core) > 1 and set(core) <= set(_ROMAN) and (n := _roman(core)):  # "World War II"
         return cardinal(n)
     if m := _FRACTION_RE.fullmatch(core):
         a, b = int(m.group(1)), int(m.group(2))
         if 0 < a < b <= 10:
-            name = {2: ["half"], 4: ["quarter"]}.get(b) or ordinal(b)
-            return cardinal(a) + (_plural(name) if a > 1 else name)
+            return cardinal(a) + _fraction_name(a, b)
+    if m := _VULGAR_RE.fullmatch(core):  # "½", "1½"
+        a, b = _VULGAR[m.group(2)]
+        part = (["a"] if a == 1 else cardinal(a)) + _fraction_name(a, b)
+        return cardinal(_integer(m.group(1))) + ["and"] + part if m.group(1) else cardinal(a) + _fraction_name(a, b)
     if _IP_RE.fullmatch(core):
         return [w for i, p in enumerate(core.split(".")) for w in (["dot"] if i else []) + cardinal(int(p))]
     if _SLASHED_WORDS_RE.fullmatch(core):  # "A/B" ay bee, "input/output": the slash not said
@@ -334,11 +384,14 @@ def _core(core: str) -> list[str] | None:
         return _letters(core)  # no vowel to say it by ("npm", "pdf"), or a letter ("plan B")
     if m := _CAPS_RE.fullmatch(core):
         caps, plural = m.groups()
-        vowels = any(c in "AEIOUY" for c in caps)
-        if (len(caps) <= 3 and caps.lower() not in _SHORT_WORDS) or not vowels:
+        onset = re.match(r"[^AEIOUY]*", caps).group()
+        said_as_word = onset in _ONSETS or not onset or caps in _CAPS_WORDS
+        if (len(caps) <= 3 and caps.lower() not in _SHORT_WORDS) or onset == caps or not said_as_word:
             words = _letters(caps)
             return words[:-1] + [words[-1] + plural]
         return None
+    if _HYPHENATED_RE.fullmatch(core) and any(p.isupper() for p in core.split("-")):  # "USB-C", "T-shirt"
+        return [w for p in core.split("-") for w in (_letters(p) if len(p) == 1 else _core(p) or [p])]
     if re.search(r"\d|[&+=@%#×°]", core) and re.search(r"[\dA-Za-z]", core) and _MIXED_RE.fullmatch(core):
         # letters, digits and symbols run together ("H100", "COVID-19", "R&D", "3D", "v2"):
         # each run read on its own; a hyphen or dot between them is not said
@@ -347,8 +400,8 @@ def _core(core: str) -> list[str] | None:
         for i, piece in enumerate(pieces):
             if piece == "#":
                 out += ["number"] if i + 1 < len(pieces) and pieces[i + 1][0].isdigit() else []
-            elif piece[0].isdigit():
-                out += _number(*piece.split("."), as_year=False)
+            elif piece[0].isdigit():  # a model number's four digits in pairs ("RTX4090" forty ninety)
+                out += year(int(piece)) if re.fullmatch(r"[1-9]\d{3}", piece) else _number(*piece.split("."), as_year=False)
             elif piece in _SYMBOLS:
                 out.append(_SYMBOLS[piece])
             elif len(piece) == 1:
@@ -378,7 +431,7 @@ def spoken_words(word: str) -> list[str]:
     """The words said for one written word (no whitespace in it), its leading
     punctuation on the first and its trailing punctuation on the last; [word] where it
     is said as written."""
-    if "](" in word:  # a markdown link's end ("docs](https://example.com)."): its text is said
+    if "](" in word and not word.startswith("]("):  # a markdown link's end ("docs](https://example.com)."): its text is said
         text, _, target = word.partition("](")
         word = text + (target[target.index(")") + 1:] if ")" in target else "")
     if any(c in word for c in _MARKS):

@@ -350,6 +350,25 @@ def test_compare_sets_one_system_against_another_in_one_synthesisers_voices(tmp_
     assert "(voices espeak-*)" in out and "WER % on 30 clips" in out and "B / A 1.25x" in out
 
 
+def test_compare_against_the_words_said_scores_a_transcript_against_the_spoken_form(tmp_path, capsys) -> None:
+    from livespeech.training.eval import compare
+    from livespeech.training.eval.text import Normalizer, simple_normalize
+
+    normalize = Normalizer("simple", simple_normalize)
+    row = {"utt": "u0", "system": "model", "mode": "paragraph", "lambda": 1.0, "text": "Visit example.com today.",
+           "hyp": "Visit example dot com today.", "word_errors": 2, "ref_words": 3, "char_errors": 4, "ref_chars": 25}
+    said = compare.said_counts(row, normalize)
+    assert (said["word_errors"], said["ref_words"]) == (0, 5) and said["char_errors"] == 0
+    heard_as_written = compare.said_counts({**row, "hyp": "Visit example com today."}, normalize)
+    assert (heard_as_written["word_errors"], heard_as_written["ref_words"]) == (1, 5)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"utterances": [{**row, "hyp": "Visit example com today."}]}))
+    b.write_text(json.dumps({"utterances": [row]}))
+    assert compare.main([str(a), str(b), "--mode", "paragraph", "--against-said"]) == 0
+    out = capsys.readouterr().out
+    assert "(against the words said)" in out and "A 20.0, B 0.0" in out
+
+
 def test_real_time_pacing_pushes_each_piece_at_its_time():
     from livespeech.api.session import Finished
 

@@ -52,6 +52,15 @@ READINGS = {
     "AI/ML": "ay eye em el", "and/or": "and or", "input/output": "input output", "C#": "see sharp", ".NET": "dot net", "Mr": "mister",
     "~5": "about five", "±3": "plus or minus three", "<=10": "at most ten", "≥18": "at least eighteen",
     "10ms": "ten milliseconds", "ms": "milliseconds",
+    # product names and model numbers, hyphenated initialisms, abbreviations with a dot,
+    # rates, ranges, sizes, fractions, money after its number, subscripts
+    "RTX4090": "ar tee ex forty ninety", "FY2024": "eff why twenty twenty four", "1080p": "ten eighty pee",
+    "USB-C": "you ess bee see", "T-shirt": "tee shirt", "A-list": "ay list", "HDMI": "aitch dee em eye",
+    "No.1": "number one", "Jan.": "january", "ft.": "feet", "w/o": "without", "PhD": "pee aitch dee",
+    "$9.99/mo": "nine dollars and ninety nine cents per month", "10am-2pm": "ten ay em to two pee em",
+    "2-3x": "two to three times", "1920x1080": "one thousand nine hundred twenty by one thousand eighty",
+    "½": "one half", "1½": "one and a half", "5€": "five euros", "20.50€": "twenty euros and fifty cents",
+    "50m²": "fifty square meters", "m²": "square meters", "CO₂": "see oh two",
 }
 
 
@@ -75,6 +84,7 @@ def test_markdown_marks_around_a_word_are_not_said():
     # a link's text is said, not its address
     assert spoken_words("[the") == ["[the"] and spoken_words("docs](https://example.com/docs).") == ["docs."]
     assert spoken_words("[**$5**](https://shop.com)") == ["[five", "dollars"]
+    assert spoken_words("](x)") == ["](x)"]  # no link text: as written, never an empty word
     # markup alone is left as written; a name's underscores are its own
     assert [spoken_words(w) for w in ("###", "*", "**", "-")] == [["###"], ["*"], ["**"], ["-"]]
     assert spoken_words("snake_case") == ["snake_case"]
@@ -82,7 +92,8 @@ def test_markdown_marks_around_a_word_are_not_said():
 
 @pytest.mark.parametrize("word", ["Hello", "world!", "don't", "well-known", "I", "A", "NASA", "JSON", "NO",
                                   "THE", "am", "—", "...", "'quoted'", "iPhone", "==", "#", "##", "IIII", "hmm",
-                                  "snake_case", "wait...what", "Ph.D"])
+                                  "snake_case", "wait...what", "Ph.D", "Wi-Fi",
+                                  "e-mail", "ASAP", "NATO"])
 def test_ordinary_words_and_words_read_as_written_come_back_unchanged(word):
     assert spoken_words(word) == [word]
 
@@ -94,6 +105,8 @@ def test_a_word_of_letters_not_all_capitals_is_said_as_written(word):
         return
     if not any(c in "aeiouy" for c in core.lower()) or len(core) == 1 and core.isupper():
         return  # nothing to say it by, or a letter: spelled ("npm", "B")
+    if "-" in core and core.split("-")[0].isupper():
+        return  # a letter before a hyphen ("T-shirt")
     if word in ("pm", "vs", "vs."):  # abbreviations
         return
     assert spoken_words(word) == [word]
@@ -109,7 +122,7 @@ def test_cardinals_ordinals_and_years():
     assert year(2010) == ["twenty", "ten"] and year(1066) == ["ten", "sixty", "six"]
 
 
-@given(st.text(alphabet="0123456789$€£%&#@+=/°:.,-xkKMmsthndrGBaApP", min_size=1, max_size=24))
+@given(st.text(alphabet="0123456789$€£%&#@+=/°:.,-xkKMmsthndrGBaApP]()½₂~±", min_size=1, max_size=24))
 def test_what_is_said_for_a_word_is_at_most_max_expansion_times_its_length(word):
     # the engine sizes the guidance's transcript ring for the text's characters times this
     assert len(" ".join(spoken_words(word))) <= MAX_EXPANSION * len(word)

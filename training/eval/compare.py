@@ -14,6 +14,10 @@ bootstrap intervals over the clips (the corpus rate: errors over reference words
 characters, resampled by clip) and how many clips got better or worse. A difference
 whose interval holds 0 is not shown to be one. `--voices PREFIX` keeps the clips of the
 voices whose names start with it (`espeak-`, `flite-`: one synthesiser's voices).
+`--against-said` scores each row's transcript against the words said for its text
+(models/spoken_form.py: "example dot com" for "example.com") rather than against the
+text as written, where Whisper's normaliser drops what a written address or symbol
+says ("example.com" becomes "example com", "~5%" "5%").
 
 Several runs a side (comma-separated, e.g. one a sampling seed): A's i-th run is paired
 with B's i-th, and a clip's errors and reference lengths are summed over the pairs, so
@@ -30,10 +34,13 @@ from typing import Optional
 import numpy as np
 
 
-def rows(path: Path, system: str, mode: Optional[str], lam: Optional[float], voices: str = "") -> dict[str, dict]:
+def rows(path: Path, system: str, mode: Optional[str], lam: Optional[float], voices: str = "",
+         against_said: bool = False) -> dict[str, dict]:
     """utterance id -> its row of `system` (for the model: in `mode` at `lam`), of the
-    voices whose names start with `voices`."""
+    voices whose names start with `voices`; `against_said`: its errors counted against
+    the words said for its text."""
     out = {}
+    normalize = _normalizer() if against_said else None
     for u in json.loads(path.read_text())["utterances"]:
         if u["system"] != system or not u.get("voice", "").startswith(voices):
             continue
@@ -41,8 +48,25 @@ def rows(path: Path, system: str, mode: Optional[str], lam: Optional[float], voi
             continue
         if lam is not None and (u.get("lambda") is None or not math.isclose(u["lambda"], lam)):
             continue
-        out[u["utt"]] = u
+        out[u["utt"]] = said_counts(u, normalize) if normalize else u
     return out
+
+
+def _normalizer():
+    from livespeech.training.eval.text import get_normalizer
+    return get_normalizer()
+
+
+def said_counts(row: dict, normalize) -> dict:
+    """The row with its word and character errors counted against the words said for
+    its text (`spoken_words` of each written word)."""
+    from livespeech.models.spoken_form import spoken_words
+    from livespeech.training.eval.text import error_counts
+
+    said = " ".join(w for word in row["text"].split() for w in spoken_words(word))
+    c = error_counts(said, row["hyp"], normalize)
+    return {**row, "word_errors": c.word_errors, "ref_words": c.ref_words, "char_errors": c.char_errors,
+            "ref_chars": c.ref_chars}
 
 
 def pooled(runs_a: list[dict[str, dict]], runs_b: list[dict[str, dict]]) -> tuple[dict[str, dict], dict[str, dict]]:
@@ -93,6 +117,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--lambda", dest="lam", type=float, default=None, help="the guidance lambda")
     p.add_argument("--mode-b", default=None, help="B's mode where it differs from --mode")
     p.add_argument("--lambda-b", dest="lam_b", type=float, default=None, help="B's lambda where it differs from --lambda")
+    p.add_argument("--against-said", action="store_true",
+                   help="errors against the words said for each text (models/spoken_form.py), not the text as written")
     a = p.parse_args(argv)
     system_b = a.system_b or a.system
     mode, lam = (a.mode, a.lam) if a.system == "model" else (None, None)
@@ -100,15 +126,15 @@ def main(argv: Optional[list] = None) -> int:
     lam_b = (a.lam if a.lam_b is None else a.lam_b) if system_b == "model" else None
     files_a, files_b = a.a.split(","), a.b.split(",")
     try:
-        ra, rb = pooled([rows(Path(f), a.system, mode, lam, a.voices) for f in files_a],
-                        [rows(Path(f), system_b, mode_b, lam_b, a.voices) for f in files_b])
+        ra, rb = pooled([rows(Path(f), a.system, mode, lam, a.voices, a.against_said) for f in files_a],
+                        [rows(Path(f), system_b, mode_b, lam_b, a.voices, a.against_said) for f in files_b])
     except (ValueError, OSError) as e:  # runs unpaired (`pooled` says so), or a run not there
         p.error(str(e))
     runs = f" x {len(files_a)} runs a side" if len(files_a) > 1 else ""
 
     def setting(m, x):
         return f"{f' {m}' if m else ''}{f' lambda {x:g}' if x is not None else ''}"
-    voices = f" (voices {a.voices}*)" if a.voices else ""
+    voices = (f" (voices {a.voices}*)" if a.voices else "") + (" (against the words said)" if a.against_said else "")
     if (a.system, mode, lam) == (system_b, mode_b, lam_b):
         print(f"{a.system}{setting(mode, lam)}{voices}: A = {a.a}, B = {a.b}")
     else:
