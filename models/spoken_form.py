@@ -229,6 +229,12 @@ def _number(whole: str, fraction: str | None = None, *, as_year: bool = True) ->
     return words + (["point"] + digits(fraction) if fraction else [])
 
 
+def _paired(digits_: str) -> list[str]:
+    """A number of four digits said in pairs as a year is ("4090" forty ninety, "1080" ten
+    eighty, "2000" two thousand), others as numbers."""
+    return year(int(digits_)) if re.fullmatch(r"[1-9]\d{3}", digits_) else _number(digits_, as_year=False)
+
+
 def _letters(s: str) -> list[str]:
     return [w for c in s.lower() for w in _LETTER[c].split()]
 
@@ -334,8 +340,8 @@ def _core(core: str) -> list[str] | None:
         return start + ["to"] + end  # "10am-2pm"
     if m := _NUMBERED_RE.fullmatch(core):  # "No.1"
         return ["number"] + _number(m.group(1), as_year=False)
-    if m := _BY_RE.fullmatch(core):  # "4x4", "1920x1080"
-        return _number(m.group(1), as_year=False) + ["by"] + _number(m.group(2), as_year=False)
+    if m := _BY_RE.fullmatch(core):  # "4x4", "1920x1080" nineteen twenty by ten eighty
+        return _paired(m.group(1)) + ["by"] + _paired(m.group(2))
     if m := _AFTER_MONEY_RE.fullmatch(core):  # "5€"
         return _money(_MONEY_RE.fullmatch(m.group(3) + m.group(1) + (f".{m.group(2)}" if m.group(2) else "")))
     if m := _ISO_DATE_RE.fullmatch(core):
@@ -401,7 +407,7 @@ def _core(core: str) -> list[str] | None:
             if piece == "#":
                 out += ["number"] if i + 1 < len(pieces) and pieces[i + 1][0].isdigit() else []
             elif piece[0].isdigit():  # a model number's four digits in pairs ("RTX4090" forty ninety)
-                out += year(int(piece)) if re.fullmatch(r"[1-9]\d{3}", piece) else _number(*piece.split("."), as_year=False)
+                out += _paired(piece) if "." not in piece else _number(*piece.split("."), as_year=False)
             elif piece in _SYMBOLS:
                 out.append(_SYMBOLS[piece])
             elif len(piece) == 1:

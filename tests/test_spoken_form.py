@@ -58,7 +58,7 @@ READINGS = {
     "USB-C": "you ess bee see", "T-shirt": "tee shirt", "A-list": "ay list", "HDMI": "aitch dee em eye",
     "No.1": "number one", "Jan.": "january", "ft.": "feet", "w/o": "without", "PhD": "pee aitch dee",
     "$9.99/mo": "nine dollars and ninety nine cents per month", "10am-2pm": "ten ay em to two pee em",
-    "2-3x": "two to three times", "1920x1080": "one thousand nine hundred twenty by one thousand eighty",
+    "2-3x": "two to three times", "1920x1080": "nineteen twenty by ten eighty", "4x4": "four by four",
     "½": "one half", "1½": "one and a half", "5€": "five euros", "20.50€": "twenty euros and fifty cents",
     "50m²": "fifty square meters", "m²": "square meters", "CO₂": "see oh two",
 }
