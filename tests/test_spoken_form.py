@@ -93,7 +93,7 @@ def test_markdown_marks_around_a_word_are_not_said():
 @pytest.mark.parametrize("word", ["Hello", "world!", "don't", "well-known", "I", "A", "NASA", "JSON", "NO",
                                   "THE", "am", "—", "...", "'quoted'", "iPhone", "==", "#", "##", "IIII", "hmm",
                                   "snake_case", "wait...what", "Ph.D", "Wi-Fi",
-                                  "e-mail", "ASAP", "NATO"])
+                                  "e-mail", "ASAP", "NATO", "IS", "HOT", "WIN"])
 def test_ordinary_words_and_words_read_as_written_come_back_unchanged(word):
     assert spoken_words(word) == [word]
 
