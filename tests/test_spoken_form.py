@@ -33,7 +33,8 @@ READINGS = {
     "e.g.": "for example", "vs.": "versus", "#hashtag": "hashtag", "Q&A": "cue and ay",
     # roman numerals, phone numbers, ratios, magnitudes, rates
     "II": "two", "VIII": "eight", "XIV": "fourteen", "IX": "nine", "555-1234": "five five five one two three four",
-    "1-800-555-1234": "one eight zero zero five five five one two three four", "3:1": "three to one",
+    "1-800-555-1234": "one eight zero zero five five five one two three four",
+    "555-123-4567": "five five five one two three four five six seven", "3:1": "three to one",
     "100-1000": "one hundred to one thousand",
     "5-10%": "five to ten percent", "1.5k": "one point five thousand", "2M": "two million", "5m": "five meters",
     "60km/h": "sixty kilometers per hour", "$5/month": "five dollars per month", "24/7": "twenty four seven",
