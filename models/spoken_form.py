@@ -288,6 +288,15 @@ def _address(core: str) -> list[str]:
     return out
 
 
+def _is_plain(core: str) -> bool:
+    """Whether a word is an ordinary one, said as written: letters, lower case or
+    capitalised, with a vowel, no abbreviation or unit (most words: read in ~1 us rather
+    than through every rule)."""
+    return (core.isascii() and core.isalpha() and (core.islower() or (len(core) > 1 and core[0].isupper()
+                                                                   and core[1:].islower()))
+            and any(c in "aeiouy" for c in core.lower()) and core not in _ABBREVIATIONS and core not in _UNITS_APART)
+
+
 def _clock(core: str) -> list[str] | None:
     """A clock time ("5:30", "5:30pm", "10am") in words, or None."""
     if m := _TIME_RE.fullmatch(core):
@@ -319,6 +328,8 @@ def _sign(s: str) -> list[str]:
 
 def _core(core: str) -> list[str] | None:
     """The words said for a word without its leading and trailing punctuation, or None: as written."""
+    if _is_plain(core):
+        return None
     core = core.translate(_SUBSCRIPTS)  # "CO₂"
     if core in _ABBREVIATIONS:
         return _ABBREVIATIONS[core].split()
