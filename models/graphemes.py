@@ -46,6 +46,12 @@ def word_graphemes(word: str) -> list[int]:
     return [_INDEX[c] for c in normalize_text(word).replace(" ", "")]
 
 
+def has_content(word: str) -> bool:
+    """Whether a word says something: a letter or a digit of any script ("Привет", "42"),
+    where punctuation, marks and emoji do not."""
+    return any(c.isalnum() for c in word)
+
+
 def text_to_ids(text: str) -> list[int]:
     """Grapheme ids of a whole text: words joined by SPACE."""
     return [_INDEX[c] for c in normalize_text(text)]

@@ -179,8 +179,9 @@ class Summary:
     spoken_text: str  # words whose speech started in the audio sent
     # whether every word of the text received was spoken to its end (None: not reported,
     # e.g. by an older server); the words that were not, in order: the last words of the
-    # text, a word cut off mid-way included. A session that completed with words
-    # unspoken was ended by the server's runaway guard
+    # text, a word cut off mid-way included, and where they were, words the model cannot
+    # say (another script). A session that completed with words of its alphabet unspoken
+    # was ended by the server's runaway guard
     all_words_spoken: Optional[bool] = None
     unspoken_words: tuple[str, ...] = ()
 

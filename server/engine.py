@@ -412,9 +412,13 @@ class Engine:
         if not cancelled:
             s.send_words(final=True)
         summary = self._summary(s, cancelled)
-        if summary.unspoken_words and not cancelled:  # the runaway guard ended it: EOS is barred until the text is spoken
+        guarded = len(summary.unspoken_words) - len(s.unsayable)
+        if guarded and not cancelled:  # the runaway guard ended it: EOS is barred until the text is spoken
             log.warning("session %s ended by the runaway guard with %d of %d words unspoken",
-                        s.session_id, len(summary.unspoken_words), len(s.words))
+                        s.session_id, guarded, len(s.words))
+        if s.unsayable:
+            log.info("session %s: %d words the model cannot say (no letter of its alphabet), reported unspoken",
+                     s.session_id, len(s.unsayable))
         # the slot is free before the client hears of the end: a client that opens its next
         # session on the summary must find the slot. "completed" only with every word spoken
         self._end(s, "cancelled" if cancelled else "incomplete" if summary.unspoken_words else "completed")

@@ -161,6 +161,9 @@ class EngineSession(SessionInput):
                                                       config.acoustic_temperature))
         self.chunks: list[Chunk] = []
         self.words: list[Word] = []
+        # written words with letters or digits none of which the model can say (another
+        # script: "Привет"), each after the first this many `words`: reported unspoken
+        self.unsayable: list[tuple[int, str]] = []
         # words end, and are sent, in order: the ones before these indices are done with
         self._first_open_word = 0
         # the progress and word count `track_words` last ran with: with neither changed, a
@@ -248,6 +251,11 @@ class EngineSession(SessionInput):
         self.n_chars += len(ids)
         self.chunks.append(chunk)
         return chunk
+
+    def note_unsayable(self, written: str) -> None:
+        """A written word of the text that none of its words said gave a grapheme, though
+        it has letters or digits (`graphemes.has_content`): not spoken, and reported so."""
+        self.unsayable.append((len(self.words), written))
 
     @property
     def text_complete(self) -> bool:
@@ -463,9 +471,13 @@ class EngineSession(SessionInput):
         sent, in order: by the same grapheme progress that times the words, the stream
         never reached their last grapheme, or the audio of that frame was not sent; then
         the words the chunker still holds (a cancel before they were released). Words
-        are covered in order, so these are the text's last words."""
-        out = [w.text for w in self.words if w.covered_frame is None or w.covered_frame >= self.frames_sent]
-        out += [w for w in self.chunker.held_words() if graphemes.word_graphemes(w)]
+        are covered in order, so these are the text's last words, but for the words the
+        model cannot say (`note_unsayable`), wherever they are."""
+        unsaid = [(i, w.text) for i, w in enumerate(self.words)
+                  if w.covered_frame is None or w.covered_frame >= self.frames_sent]
+        # an unsayable word before the word it preceded
+        out = [text for _, _, text in sorted([(i, 1, t) for i, t in unsaid] + [(i, 0, t) for i, t in self.unsayable])]
+        out += [w for w in self.chunker.held_words() if graphemes.has_content(w)]
         return out
 
     def send_audio(self, packets, frames: int, metrics: Metrics) -> None:

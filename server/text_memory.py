@@ -13,6 +13,7 @@ import numpy as np
 
 from livespeech.api.session import SessionConfig
 from livespeech.models.compiled import compiled
+from livespeech.models.graphemes import has_content
 from livespeech.models.spoken_form import spoken_words
 
 from .metrics import Metrics
@@ -76,6 +77,8 @@ class TextMemory:
                     # a client's timestamp is its chunk's first word's; the timeline spaces
                     # the words after it
                     s.timeline.add(ch.n_chars, s.step_count, tc.client_time_s if i == j == 0 else None, len(ids))
+                if not begun and has_content(written):
+                    s.note_unsayable(written)
         self.fill(s)
 
     def add_eos(self, s: EngineSession) -> None:

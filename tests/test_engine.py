@@ -1086,6 +1086,20 @@ def test_a_model_that_tries_to_end_early_speaks_the_whole_text(engine, voice, mo
     assert summary.frames == len(text_graphemes(text))
 
 
+def test_a_word_the_model_cannot_say_is_reported_unspoken_where_it_was(engine, voice, monkeypatch):
+    """Words of another script have no letter the model says: the rest is spoken, and
+    the summary names those words in their place (the session counted incomplete, not
+    completed); punctuation and emoji say nothing and are not reported."""
+    text = "Every word — 👍 of this Привет sentence is spoken 你好."
+    incomplete = engine.metrics.sessions_total.labels(outcome="incomplete")
+    before = incomplete._value.get()
+    c, summary = speak_with_a_model_that_wants_to_stop(engine, voice, text, monkeypatch)
+    assert summary.all_words_spoken is False and summary.unspoken_words == ("Привет", "你好.")
+    assert summary.spoken_text == "Every word of this sentence is spoken"
+    assert [w.word for w in c.of(WordTiming)] == "Every word of this sentence is spoken".split()
+    assert incomplete._value.get() == before + 1
+
+
 def test_the_runaway_guard_reports_the_words_it_left_unspoken(engine, voice, monkeypatch, caplog):
     """A model that speaks the first word and then stalls: the runaway guard ends the
     session (completed), and the summary lists the words that were never spoken."""
