@@ -143,6 +143,9 @@ _BY_RE = re.compile(r"(\d+)x(\d+)")
 _AFTER_MONEY_RE = re.compile(rf"({_NUM})(?:\.(\d+))?([$€£¥])")
 _VULGAR_RE = re.compile(rf"(\d*)([{''.join(_VULGAR)}])")
 _HYPHENATED_RE = re.compile(r"[A-Za-z]+(?:-[A-Za-z]+)+")
+_DAYS = {"Mon": "monday", "Tue": "tuesday", "Tues": "tuesday", "Wed": "wednesday", "Thu": "thursday",
+         "Thur": "thursday", "Thurs": "thursday", "Fri": "friday", "Sat": "saturday", "Sun": "sunday"}
+_DAY_RANGE_RE = re.compile(rf"({'|'.join(_DAYS)})[-–]({'|'.join(_DAYS)})")
 _ISO_DATE_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})")
 # a web address, an email address or a file name: a scheme (not said), labels of letters,
 # digits, hyphens and underscores joined by dots and ending in letters ("example.com",
@@ -361,6 +364,8 @@ def _core(core: str) -> list[str] | None:
         return _paired(m.group(1)) + ["by"] + _paired(m.group(2))
     if m := _AFTER_MONEY_RE.fullmatch(core):  # "5€"
         return _money(_MONEY_RE.fullmatch(m.group(3) + m.group(1) + (f".{m.group(2)}" if m.group(2) else "")))
+    if m := _DAY_RANGE_RE.fullmatch(core):  # "Mon–Fri"
+        return [_DAYS[m.group(1)], "to", _DAYS[m.group(2)]]
     if m := _ISO_DATE_RE.fullmatch(core):
         y, month, day = (int(g) for g in m.groups())
         if 1 <= month <= 12 and 1 <= day <= 31:
@@ -403,6 +408,10 @@ def _core(core: str) -> list[str] | None:
         return _letters(core.replace(".", ""))
     if _ADDRESS_RE.fullmatch(core) and not core[0] == ".":
         return _address(core)
+    if re.fullmatch(r"\.[A-Za-z]\w*(?:\.\w+)*", core):  # a dotfile (".env", ".env.example")
+        return ["dot"] + _address(core[1:])
+    if re.fullmatch(r"\.\d+", core):  # ".5"
+        return ["point"] + digits(core)
     if (_VOWELLESS_RE.fullmatch(core) and core not in _UNSPELLED) or (len(core) == 1 and core in "BCDEFGHJKLMNOPQRSTUVWXYZ"):
         return _letters(core)  # no vowel to say it by ("npm", "pdf"), or a letter ("plan B")
     if m := _CAPS_RE.fullmatch(core):
@@ -479,6 +488,8 @@ def _said(word: str) -> list[str] | None:
     dotted = word[start:end + 1]
     if end < len(word) and word[end] == "." and (dotted in _ABBREVIATIONS or _DOTTED_RE.fullmatch(dotted)):
         said, end = _core(dotted), end + 1
+    if said is None and re.fullmatch(r"\(\d{3}\)", word):  # an area code: "(800)"
+        said, start, end = digits(word), 0, len(word)
     if said is None:
         said = _core(word[start:end])
     if not said or len(" ".join(said)) > MAX_EXPANSION * len(word):

@@ -62,6 +62,8 @@ READINGS = {
     "2-3x": "two to three times", "1920x1080": "nineteen twenty by ten eighty", "4x4": "four by four",
     "½": "one half", "1½": "one and a half", "5€": "five euros", "20.50€": "twenty euros and fifty cents",
     "50m²": "fifty square meters", "m²": "square meters", "CO₂": "see oh two",
+    ".env.example": "dot env dot example", ".5": "point five", "(800)": "eight zero zero",
+    "Mon–Fri": "monday to friday",
 }
 
 
