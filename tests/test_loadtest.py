@@ -219,7 +219,9 @@ def test_a_level_keeps_all_its_sessions_to_its_end_by_default_and_a_runaway_stop
     for r in records:
         last[r["worker"]] = max(last.get(r["worker"], 0), r["turn"])
     assert len(last) == n and min(last.values()) >= 2 and len(records) < cap
-    assert len(_level_with_turns_of(0.5, n, 1.0, 2 * n, monkeypatch)) == 2 * n
+    # a cap of two turns a worker stops the level at it (a window of four turns' time, so
+    # that a loaded machine starting a second turn late cannot end it first)
+    assert len(_level_with_turns_of(0.5, n, duration, 2 * n, monkeypatch)) == 2 * n
     # turns that end at once (a server failing every call) stop at the cap
     runaway = turn_cap(0, 4, duration)
     assert len(_level_with_turns_of(0.0, 4, duration, runaway, monkeypatch)) == runaway
