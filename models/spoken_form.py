@@ -78,8 +78,8 @@ _ABBREVIATIONS = {"Dr.": "doctor", "Mr.": "mister", "Mrs.": "missus", "Ms.": "mi
 _ROMAN = {"I": 1, "V": 5, "X": 10}
 # units that are no word of their own, read when written apart from their number
 # ("16 GB", "5 km"; in the plural, as a number before them is not seen)
-_UNITS_APART = ("ms", "m²", "km²", "ft²", "m³", "km", "kg", "cm", "mm", "mg", "ml", "mL", "mph", "kph", "km/h", "KB", "MB", "GB", "TB", "kHz",
-                "MHz", "GHz", "°C", "°F", "kbps", "Mbps", "Gbps")
+_UNITS_APART = ("ms", "m²", "km²", "ft²", "m³", "km", "kg", "cm", "mm", "mg", "ml", "mL", "mph", "kph", "km/h",
+                "KB", "MB", "GB", "TB", "kHz", "MHz", "GHz", "°C", "°F", "kbps", "Mbps", "Gbps")
 # said before what follows them ("~5" about five, "±3" plus or minus three)
 _PREFIXES = {"~": "about", "≈": "about", "±": "plus or minus", "≤": "at most", "≥": "at least", "<=": "at most",
              ">=": "at least"}
@@ -98,6 +98,7 @@ b c d f g h j k l m n p q r s t v w x y z bl br ch cl cr dr fl fr gl gr kn ph pl
 tr tw wh wr str spr scr spl squ thr shr sch qu
 """.upper().split())
 _CAPS_WORDS = frozenset({"JSON"})  # said as words all the same
+_LETTER_WORDS = "BCDEFGHJKLMNOPQRSTUVWXYZ"  # a capital alone said as its letter ("plan B"; "A" and "I" are words)
 _MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
            "november", "december")
 # words with no vowel that are said as words, not spelled ("hmm"; "npm", "pdf", "js" are spelled)
@@ -150,8 +151,8 @@ _ISO_DATE_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})")
 # a web address, an email address or a file name: a scheme (not said), labels of letters,
 # digits, hyphens and underscores joined by dots and ending in letters ("example.com",
 # "Node.js", "report_2.pdf"), a path; or a local part and "@" before such a domain
-_ADDRESS_RE = re.compile(r"(?:[A-Za-z]+://)?(?:[\w.+-]+@)?[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}\d?(?::\d+)?(?:/[\w./~?=&#+-]*)?",
-                         re.ASCII)
+_ADDRESS_RE = re.compile(r"(?:[A-Za-z]+://)?(?:[\w.+-]+@)?[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}\d?"
+                         r"(?::\d+)?(?:/[\w./~?=&#+-]*)?", re.ASCII)
 _ADDRESS_PIECES_RE = re.compile(r"[A-Za-z]+|\d+|[./_@:?=&#~+-]")
 _IP_RE = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}")
 _SLASHED_WORDS_RE = re.compile(r"[A-Za-z]+(?:/[A-Za-z]+)+")
@@ -412,7 +413,7 @@ def _core(core: str) -> list[str] | None:
         return ["dot"] + _address(core[1:])
     if re.fullmatch(r"\.\d+", core):  # ".5"
         return ["point"] + digits(core)
-    if (_VOWELLESS_RE.fullmatch(core) and core not in _UNSPELLED) or (len(core) == 1 and core in "BCDEFGHJKLMNOPQRSTUVWXYZ"):
+    if (_VOWELLESS_RE.fullmatch(core) and core not in _UNSPELLED) or (len(core) == 1 and core in _LETTER_WORDS):
         return _letters(core)  # no vowel to say it by ("npm", "pdf"), or a letter ("plan B")
     if m := _CAPS_RE.fullmatch(core):
         caps, plural = m.groups()
@@ -433,7 +434,7 @@ def _core(core: str) -> list[str] | None:
             if piece == "#":
                 out += ["number"] if i + 1 < len(pieces) and pieces[i + 1][0].isdigit() else []
             elif piece[0].isdigit():  # a model number's four digits in pairs ("RTX4090" forty ninety)
-                out += _paired(piece) if "." not in piece else _number(*piece.split("."), as_year=False)
+                out += _number(*piece.split("."), as_year=False) if "." in piece else _paired(piece)
             elif piece in _SYMBOLS:
                 out.append(_SYMBOLS[piece])
             elif len(piece) == 1:
@@ -463,7 +464,8 @@ def spoken_words(word: str) -> list[str]:
     """The words said for one written word (no whitespace in it), its leading
     punctuation on the first and its trailing punctuation on the last; [word] where it
     is said as written."""
-    if "](" in word and not word.startswith("]("):  # a markdown link's end ("docs](https://example.com)."): its text is said
+    if "](" in word and not word.startswith("]("):
+        # a markdown link's end ("docs](https://example.com)."): its text is said, not its address
         text, _, target = word.partition("](")
         word = text + (target[target.index(")") + 1:] if ")" in target else "")
     if any(c in word for c in _MARKS):

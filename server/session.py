@@ -473,10 +473,15 @@ class EngineSession(SessionInput):
         the words the chunker still holds (a cancel before they were released). Words
         are covered in order, so these are the text's last words, but for the words the
         model cannot say (`note_unsayable`), wherever they are."""
-        unsaid = [(i, w.text) for i, w in enumerate(self.words)
-                  if w.covered_frame is None or w.covered_frame >= self.frames_sent]
-        # an unsayable word before the word it preceded
-        out = [text for _, _, text in sorted([(i, 1, t) for i, t in unsaid] + [(i, 0, t) for i, t in self.unsayable])]
+        out: list[str] = []
+        k = 0  # the unsayable words go in before the word that followed them
+        for i, w in enumerate(self.words):
+            while k < len(self.unsayable) and self.unsayable[k][0] <= i:
+                out.append(self.unsayable[k][1])
+                k += 1
+            if w.covered_frame is None or w.covered_frame >= self.frames_sent:
+                out.append(w.text)
+        out += [text for _, text in self.unsayable[k:]]
         out += [w for w in self.chunker.held_words() if graphemes.has_content(w)]
         return out
 

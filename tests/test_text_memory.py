@@ -184,10 +184,10 @@ def test_a_session_whose_memory_has_no_work_is_told_so(capacity):
 def test_words_the_model_cannot_say_and_words_still_held_are_reported_unspoken():
     runner, tok = MemoryRecorder(), get_tokenizer()
     s = session(n_past=4, n_future=2)
-    release(s, TextMemory(runner, tok, 64, Metrics()), [["Привет", "my", "—", "👍", "friend", "你好."]])
+    release(s, TextMemory(runner, tok, 64, Metrics()), [["Привет", "мир", "my", "—", "👍", "friend", "你好."]])
     assert [w.text for w in s.words] == ["my", "friend"]
-    # where they were, before the words after them; punctuation and emoji say nothing
-    assert s.unspoken_words() == ["Привет", "my", "friend", "你好."]
+    # in order, where they were; punctuation and emoji say nothing
+    assert s.unspoken_words() == ["Привет", "мир", "my", "friend", "你好."]
     # so is a word the chunker still holds (no space after it yet), in any script
     s.chunker.push("and Привет", 0.0, None, False)
     assert s.chunker.held_words()[-1] == "Привет"

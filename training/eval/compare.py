@@ -39,8 +39,10 @@ def rows(path: Path, system: str, mode: Optional[str], lam: Optional[float], voi
     """utterance id -> its row of `system` (for the model: in `mode` at `lam`), of the
     voices whose names start with `voices`; `against_said`: its errors counted against
     the words said for its text."""
+    from livespeech.training.eval.text import get_normalizer
+
     out = {}
-    normalize = _normalizer() if against_said else None
+    normalize = get_normalizer() if against_said else None
     for u in json.loads(path.read_text())["utterances"]:
         if u["system"] != system or not u.get("voice", "").startswith(voices):
             continue
@@ -50,11 +52,6 @@ def rows(path: Path, system: str, mode: Optional[str], lam: Optional[float], voi
             continue
         out[u["utt"]] = said_counts(u, normalize) if normalize else u
     return out
-
-
-def _normalizer():
-    from livespeech.training.eval.text import get_normalizer
-    return get_normalizer()
 
 
 def said_counts(row: dict, normalize) -> dict:
