@@ -91,6 +91,7 @@ _PER_UNITS = {"mo": "month", "yr": "year", "hr": "hour", "h": "hour", "wk": "wee
               "s": "second", "d": "day"}
 # ½ and its kind: (numerator, denominator)
 _VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅛": (1, 8)}
+_POWERS = {"²": "squared", "³": "cubed"}
 _SUBSCRIPTS = str.maketrans("₀₁₂₃₄₅₆₇₈₉", "0123456789")
 # capitals that begin a word said as a word ("NASA"; "HDMI" is spelled: no English word begins "HD")
 _ONSETS = frozenset("""
@@ -107,7 +108,8 @@ _UNSPELLED = frozenset({"hmm", "hm", "mm", "mmm", "shh", "sh", "psst", "pst", "b
 # a symbol said as a word on its own or between letters and digits ("#" only before a
 # number: "#5"; a markdown heading's "#" and "##" are not said)
 _SYMBOLS = {"&": "and", "+": "plus", "=": "equals", "@": "at", "%": "percent", "/": "slash",
-            "×": "times", "°": "degrees", "€": "euros", "$": "dollars", "£": "pounds"}
+            "×": "times", "°": "degrees", "€": "euros", "$": "dollars", "£": "pounds", "π": "pi", "∞": "infinity",
+            "≠": "not equal"}
 # words of two or three capitals read as words (a shouted "NO", "HOT"), not spelled ("US",
 # "IT", "OK", "AI", "TV" are spelled: in capitals they are initialisms more often)
 _SHORT_WORDS = frozenset("""
@@ -137,7 +139,8 @@ _PER_RE = re.compile(r"([^/]+)/([A-Za-z]+)")
 _FRACTION_RE = re.compile(r"(\d)/(\d{1,2})")
 _SLASHED_RE = re.compile(r"\d+(?:/\d+)+")
 _NUMBER_RE = re.compile(rf"([-+−]?)({_NUM})(?:\.(\d+))?")
-_UNIT_RE = re.compile(rf"({_NUM})(?:\.(\d+))?({'|'.join(sorted(map(re.escape, _UNITS), key=len, reverse=True))})")
+_UNIT_RE = re.compile(rf"([-+−]?)({_NUM})(?:\.(\d+))?({'|'.join(sorted(map(re.escape, _UNITS), key=len, reverse=True))})")
+_VERSION_RE = re.compile(r"([vV]?)(\d+(?:\.\d+){2,})(?:-([A-Za-z]+\d*))?")
 _DOTTED_RE = re.compile(r"(?:[A-Za-z]\.){2,}")
 _NUMBERED_RE = re.compile(r"No\.(\d+)")
 _BY_RE = re.compile(r"(\d+)x(\d+)")
@@ -338,7 +341,7 @@ def _core(core: str) -> list[str] | None:
     if core in _ABBREVIATIONS:
         return _ABBREVIATIONS[core].split()
     if core in _SYMBOLS:
-        return [_SYMBOLS[core]]
+        return _SYMBOLS[core].split()
     if core in _UNITS_APART:
         return _UNITS[core][1].split()
     for prefix, said in _PREFIXES.items():
@@ -401,10 +404,20 @@ def _core(core: str) -> list[str] | None:
         return [w for i, p in enumerate(parts) for w in (["slash"] if i else []) + p]
     if m := _NUMBER_RE.fullmatch(core):
         return _sign(m.group(1)) + _number(m.group(2), m.group(3))
-    if m := _UNIT_RE.fullmatch(core):
-        singular, plural = _UNITS[m.group(3)]
-        one = m.group(1) == "1" and not m.group(2)
-        return _number(m.group(1), m.group(2), as_year=False) + (singular if one else plural).split()
+    if m := _UNIT_RE.fullmatch(core):  # "5km", "-5°C"
+        singular, plural = _UNITS[m.group(4)]
+        one = m.group(2) == "1" and not m.group(3)
+        return _sign(m.group(1)) + _number(m.group(2), m.group(3), as_year=False) + (singular if one else plural).split()
+    if m := _VERSION_RE.fullmatch(core):  # "1.2.3", "v2.0.1": each number, "point" between
+        parts = [_number(p, as_year=False) for p in m.group(2).split(".")]
+        suffix = (_core(m.group(3)) or [m.group(3)]) if m.group(3) else []  # "-beta", "-rc1"
+        return _letters(m.group(1)) + [w for i, p in enumerate(parts) for w in (["point"] if i else []) + p] + suffix
+    if core[-1:] in _POWERS and len(core) > 1:  # "x²" ex squared, "10³", "π²"
+        stem = core[:-1]
+        letters = stem.isascii() and stem.isalpha()
+        base = _letters(stem) if letters and len(stem) == 1 else _core(stem) or ([stem] if letters else None)
+        if base:
+            return base + [_POWERS[core[-1]]]
     if _DOTTED_RE.fullmatch(core):
         return _letters(core.replace(".", ""))
     if _ADDRESS_RE.fullmatch(core) and not core[0] == ".":
@@ -436,7 +449,7 @@ def _core(core: str) -> list[str] | None:
             elif piece[0].isdigit():  # a model number's four digits in pairs ("RTX4090" forty ninety)
                 out += _number(*piece.split("."), as_year=False) if "." in piece else _paired(piece)
             elif piece in _SYMBOLS:
-                out.append(_SYMBOLS[piece])
+                out += _SYMBOLS[piece].split()
             elif len(piece) == 1:
                 out += _letters(piece)
             else:
