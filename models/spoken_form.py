@@ -424,8 +424,8 @@ def _core(core: str) -> list[str] | None:
         return _address(core)
     if re.fullmatch(r"\.[A-Za-z]\w*(?:\.\w+)*", core):  # a dotfile (".env", ".env.example")
         return ["dot"] + _address(core[1:])
-    if re.fullmatch(r"\.\d+", core):  # ".5"
-        return ["point"] + digits(core)
+    if core[:1] == "." and core[1:2].isdigit() and (said := _core("0" + core)) and said[0] == "zero":
+        return said[1:]  # ".5" point five, ".5%"
     if (_VOWELLESS_RE.fullmatch(core) and core not in _UNSPELLED) or (len(core) == 1 and core in _LETTER_WORDS):
         return _letters(core)  # no vowel to say it by ("npm", "pdf"), or a letter ("plan B")
     if m := _CAPS_RE.fullmatch(core):

@@ -62,7 +62,7 @@ READINGS = {
     "2-3x": "two to three times", "1920x1080": "nineteen twenty by ten eighty", "4x4": "four by four",
     "½": "one half", "1½": "one and a half", "5€": "five euros", "20.50€": "twenty euros and fifty cents",
     "50m²": "fifty square meters", "m²": "square meters", "CO₂": "see oh two",
-    ".env.example": "dot env dot example", ".5": "point five", "(800)": "eight zero zero",
+    ".env.example": "dot env dot example", ".5": "point five", ".5%": "point five percent", "(800)": "eight zero zero",
     "Mon–Fri": "monday to friday", "-5°C": "minus five degrees celsius", "−10°C": "minus ten degrees celsius",
     "1.2.3": "one point two point three", "v3.0.1-beta": "vee three point zero point one beta",
     "x²": "ex squared", "10³": "ten cubed", "π": "pi", "π²": "pi squared", "≠": "not equal",
