@@ -184,7 +184,8 @@ def test_a_session_whose_memory_has_no_work_is_told_so(capacity):
 def test_words_the_model_cannot_say_and_words_still_held_are_reported_unspoken():
     runner, tok = MemoryRecorder(), get_tokenizer()
     s = session(n_past=4, n_future=2)
-    release(s, TextMemory(runner, tok, 64, Metrics()), [["Привет", "мир", "my", "—", "👍", "friend", "你好."]])
+    memory = TextMemory(runner, tok, 64, Metrics())
+    release(s, memory, [["Привет", "мир", "my", "—", "👍", "friend", "你好."]])
     assert [w.text for w in s.words] == ["my", "friend"]
     # in order, where they were; punctuation and emoji say nothing
     assert s.unspoken_words() == ["Привет", "мир", "my", "friend", "你好."]
