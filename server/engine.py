@@ -417,7 +417,7 @@ class Engine:
             log.warning("session %s ended by the runaway guard with %d of %d words unspoken",
                         s.session_id, guarded, len(s.words))
         if s.unsayable:
-            log.info("session %s: %d words the model cannot say (no letter of its alphabet), reported unspoken",
+            log.info("session %s: %d word(s) the model cannot say (no letter of its alphabet), reported unspoken",
                      s.session_id, len(s.unsayable))
         # the slot is free before the client hears of the end: a client that opens its next
         # session on the summary must find the slot. "completed" only with every word spoken
