@@ -27,6 +27,9 @@ import re
 # for a text's characters times this holds the words said for it (the engine's
 # guidance ring, models/guidance_batch.py); a reading past it is not made
 MAX_EXPANSION = 10
+# a longer word is said as written: no reading of one is that long, and the rules' work
+# grows with the word (~1.5 ms a thousand characters), on the engine thread every session shares
+MAX_READ_CHARS = 256
 
 _ONES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
          "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
@@ -477,6 +480,8 @@ def spoken_words(word: str) -> list[str]:
     """The words said for one written word (no whitespace in it), its leading
     punctuation on the first and its trailing punctuation on the last; [word] where it
     is said as written."""
+    if len(word) > MAX_READ_CHARS:
+        return [word]
     if "](" in word and not word.startswith("]("):
         # a markdown link's end ("docs](https://example.com)."): its text is said, not its address
         text, _, target = word.partition("](")

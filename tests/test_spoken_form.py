@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from livespeech.models.spoken_form import MAX_EXPANSION, cardinal, ordinal, spoken_words, year
+from livespeech.models.spoken_form import MAX_EXPANSION, MAX_READ_CHARS, cardinal, ordinal, spoken_words, year
 
 READINGS = {
     # numbers; four digits are a year, separated or signed ones are not
@@ -117,6 +117,15 @@ def test_a_word_of_letters_not_all_capitals_is_said_as_written(word):
     if word in ("pm", "vs", "vs."):  # abbreviations
         return
     assert spoken_words(word) == [word]
+
+
+def test_a_word_longer_than_max_read_chars_is_said_as_written():
+    # a client's 10,000-character "word" (text without spaces) costs the engine thread no
+    # reading; a long address still is one
+    long_address = "https://example.com/" + "a" * 200
+    assert spoken_words(long_address) != [long_address] and len(long_address) <= MAX_READ_CHARS
+    for word in ("a1" * 5000, "1/" * 5000, "https://example.com/" + "a" * MAX_READ_CHARS):
+        assert spoken_words(word) == [word]
 
 
 def test_cardinals_ordinals_and_years():
