@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import re
 
+from .graphemes import has_content
+
 # the letters and spaces said for a word are at most this many times its characters
 # ("777" is "seven hundred seventy seven": 9x), so that what holds a transcript sized
 # for a text's characters times this holds the words said for it (the engine's
@@ -488,7 +490,7 @@ def spoken_words(word: str) -> list[str]:
         word = text + (target[target.index(")") + 1:] if ")" in target else "")
     if any(c in word for c in _MARKS):
         unmarked = _unmarked(word)
-        if not any(c.isalnum() for c in unmarked):
+        if not has_content(unmarked):
             return [word]
         if "~" in word and (about := _unmarked(word, about=True)) != unmarked and (said := _said(about)):
             return said
