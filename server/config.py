@@ -82,8 +82,8 @@ class ServerConfig:
     # one: each session's letters forced on a predicted timeline and codebook 1 drawn
     # given each frame's phone; off = the decoder's own graphemes
     letter_schedule: bool = True
-    # numbers, money, times, symbols and initialisms said in words before the model reads
-    # them (models/spoken_form.py); off = every word read as written
+    # numbers, money, times, symbols, initialisms, addresses and abbreviations said in
+    # words before the model reads them (models/spoken_form.py); off = every word read as written
     spoken_form: bool = True
     max_sessions: int = 16
     max_sessions_per_tenant: int = 0  # open sessions one tenant may hold; 0 = no limit but max_sessions
