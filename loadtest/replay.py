@@ -9,9 +9,10 @@ test's LLM upstream (livespeech.loadtest.workload). Each session's packets are p
 test's simulated listener (livespeech.loadtest.playback), so its stalls are the load test's
 underruns, less whatever gRPC adds. Per turn it prints the stalls (timeline position,
 ms), the first packets (frames, ms after the first) and the session's *text waits*: the
-steps at which it stopped for text (`EngineSession.lookahead_ready` false after it had
-started) with the audio its listener held then. A stall with a text wait just before it
-is the start policy's, not the engine's speed. A measurement, not a test: timings vary.
+steps at which it stopped for text (`Engine._wait_for_text`: the start policy false
+after it had started) with the audio its listener held then. A stall with a text wait
+just before it is the start policy's, not the engine's speed. A measurement, not a test:
+timings vary.
 
 `--max-delay N` is a what-if for latency only: it caps the decoder's codebook delays at
 N (0..8 -> 0,1,..,N,N,..), so the first frame is complete N + 1 steps after the start
@@ -45,7 +46,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
            chunk_words: Optional[tuple[int, int]] = None, cuda_graphs: bool = False,
            first_chunk_words: Optional[int] = None, device_guidance: bool = False) -> dict[str, Any]:
     from livespeech.server.engine import Engine, EngineConfig
-    from livespeech.server.session import EngineSession, Phase
+    from livespeech.server.session import EngineSession
     from livespeech.api.session import AudioPacket, ChunkingConfig, Failed, Finished, SessionConfig
 
     corpus = load_sentences(text_file)
@@ -62,14 +63,12 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
                                          device_guidance=device_guidance))
     voice = engine.make_voice("replay", noise_reference(seed), 24000)
     waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
-    ready = EngineSession.lookahead_ready
+    wait_for_text = Engine._wait_for_text
 
-    def watched_ready(s: EngineSession) -> bool:
-        ok = ready(s)
-        if not ok and s.step_count > 0 and s.phase is not Phase.WAITING:
-            waits.setdefault(id(s), []).append({"step": s.step_count, "frames_sent": s.frames_done,
-                                                "audio_ahead_ms": 1000 * s.audio_ahead_s(time.monotonic())})
-        return ok
+    def watched_wait(eng: Engine, s: EngineSession) -> None:
+        waits.setdefault(id(s), []).append({"step": s.step_count, "frames_sent": s.frames_done,
+                                            "audio_ahead_ms": 1000 * s.audio_ahead_s(time.monotonic())})
+        wait_for_text(eng, s)
 
     results: list[dict] = []
     lock = threading.Lock()
@@ -131,7 +130,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
     engine.runner.decode = timing("codec_calls", engine.runner.decode,
                                   lambda slots, frames: (len(slots), len(frames[0])))
     patches = Patches()
-    patches.set(EngineSession, "lookahead_ready", watched_ready)  # for this run only
+    patches.set(Engine, "_wait_for_text", watched_wait)  # for this run only
     engine.start()
     try:
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(sessions)]

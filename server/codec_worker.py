@@ -15,7 +15,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Optional
 
+import numpy as np
+
 from .packets import PacketPlan
+from .session_table import SessionTable
 
 
 class InFlightDecode(NamedTuple):
@@ -35,9 +38,10 @@ def _timed(decode, slots, frames):
 
 
 class CodecWorker:
-    def __init__(self, runner, deliver: Callable[[InFlightDecode], None], low_water_s: Callable[[], float],
-                 threaded: bool):
+    def __init__(self, runner, table: SessionTable, deliver: Callable[[InFlightDecode], None],
+                 low_water_s: Callable[[], float], threaded: bool):
         self._runner = runner  # its `decode` is looked up at each call
+        self._table = table  # the sessions' pending frames and listeners' audio, a row a slot
         self._deliver = deliver  # called under `lock`, on either thread
         self._low_water_s = low_water_s
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="livespeech-codec") if threaded else None
@@ -72,22 +76,20 @@ class CodecWorker:
         # and first packets apart from all others: joined to another session's packet, a
         # first packet waited for any codec-thread call holding that session's slot
         groups: dict[tuple[int, bool, bool], list[tuple[object, bool]]] = collections.defaultdict(list)
-        for s, plan in due:
-            groups[plan.frames, plan.clocked, s.frames_done == 0].append((s, plan.short))
-        calls = []  # (threaded, urgency, n, planned): the engine thread's calls first, then the least audio in hand
+        for s, plan in due:  # (a clocked packet is never a session's first)
+            groups[plan.frames, plan.clocked, not plan.clocked and s.frames_done == 0].append((s, plan.short))
+        calls = []  # (threaded, urgency, n, planned, slots): the engine thread's calls first, then the least audio in hand
         now = time.monotonic()
         for (n, clocked, _), planned in groups.items():
-            in_hand = min(s.audio_ahead_s(now) for s, _ in planned)
-            calls.append((not self._decode_here(planned, clocked, in_hand), in_hand, n, planned))
-        for threaded, _, n, planned in sorted(calls, key=lambda c: c[:2]):
-            group = [s for s, _ in planned]
+            slots = np.fromiter((s.slot for s, _ in planned), np.int64, len(planned))
+            in_hand = float(self._table.audio_ahead_s(slots, now).min())
+            calls.append((not self._decode_here(slots, clocked, in_hand), in_hand, n, planned, slots))
+        for threaded, _, n, planned, slots in sorted(calls, key=lambda c: c[:2]):
             if not threaded:  # an earlier call's audio for these sessions goes out first
-                self.settle({s.slot for s in group})
-            frames = [s.pending_frames[:n] for s in group]
-            for s in group:  # taken now: the next step's packet plans must not see them
-                s.frames_done += n
-                del s.pending_frames[:n]
-            call = (self._runner.decode, [s.slot for s in group], frames)
+                self.settle(set(slots.tolist()))
+            # taken now: the next step's packet plans must not see them
+            frames = self._table.take_frames(slots, n)
+            call = (self._runner.decode, slots.tolist(), frames)
             if threaded:
                 future = self.pool.submit(_timed, *call)
                 self.in_flight.append(InFlightDecode(future, planned, n))
@@ -100,21 +102,22 @@ class CodecWorker:
                 future.set_exception(exc)
             self._deliver(InFlightDecode(future, planned, n))
 
-    def _decode_here(self, planned: list[tuple[object, bool]], clocked: bool, in_hand: float) -> bool:
+    def _decode_here(self, slots: np.ndarray, clocked: bool, in_hand: float) -> bool:
         """Whether a codec call runs on the engine thread, at once: with no codec thread;
         with a session's first packet (its TTFA) or its last (its end follows); and off
         the clock, when its listeners hold less than the low water while the codec thread
         is still busy with calls of other sessions. Queued behind those (up to a clocked
         call of 16 sessions), a 2-frame second packet was the last of the stalls at 16-20
         sessions; at once it costs the engine ~2 ms, a few times per session start."""
-        if self.pool is None or any(s.frames_done == 0 or s.done_decoding for s, _ in planned):
+        t = self._table
+        if self.pool is None or (t.frames_done[slots] == 0).any() or t.done_decoding[slots].any():
             return True
         if clocked or in_hand >= self._low_water_s():
             return False
-        slots = {s.slot for s, _ in planned}
+        held = set(slots.tolist())
         # a call holding one of these sessions would have to be waited for first
         return (any(not c.future.done() for c in self.in_flight)
-                and not any(c.holds(slots) for c in self.in_flight))
+                and not any(c.holds(held) for c in self.in_flight))
 
     def deliver_done(self, on_codec_thread: bool = False) -> None:
         """Deliver the codec thread's finished calls, in order, without waiting. On the

@@ -33,6 +33,7 @@ from .packets import PacketPlan, PacketPolicy, StepClock
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
 from .session import EngineSession, Phase, SessionLimits, new_session_id
+from .session_table import ENDED, READY, READY_IF_LETTERS_LAID, WAITING, SessionTable
 from .text_memory import TextMemory
 from .timeline import SpeechTimelines
 
@@ -65,7 +66,9 @@ class Engine:
         self.clock = StepClock()
         self.packets = PacketPolicy(self.clock, config.low_water_steps, self.runner.min_first_frames,
                                     config.first_packet_min_ms)
-        self.codec = CodecWorker(self.runner, self._deliver, lambda: self.packets.low_water_s,
+        # a row a slot: its session's per-step state (`EngineSession.bind_row`)
+        self.table = SessionTable(config.max_sessions, bundle.model.cfg.n_acoustic_codebooks)
+        self.codec = CodecWorker(self.runner, self.table, self._deliver, lambda: self.packets.low_water_s,
                                  threaded=config.codec_thread)
         self.memory = TextMemory(self.runner, bundle.tokenizer, bundle.model.cfg.max_text_tokens, self.metrics,
                                  config.spoken_form)
@@ -75,6 +78,7 @@ class Engine:
                                              config.max_session_s, config.max_overrun_s)
         self._free_slots = list(range(config.max_sessions))
         self._sessions: dict[int, EngineSession] = {}  # slot -> session
+        self._slots = np.zeros(0, np.int64)  # the sessions' slots, in order
         self._commands: collections.deque = collections.deque()  # text and end of input, in order
         self._urgent: collections.deque = collections.deque()  # open, cancel, close
         self._wake = threading.Event()
@@ -202,8 +206,8 @@ class Engine:
                         with self._isolated(s, "releasing text"):
                             self._release_held_text(s, now)
                 self.runner.flush_transcripts()
-                batch = self.scheduler.select(list(self._sessions.values()), now)
-                if batch:
+                batch = self._select(now)
+                if len(batch):
                     self._step(batch)
                 else:
                     self.codec.settle()  # nothing to overlap with: its audio goes out now
@@ -288,6 +292,26 @@ class Engine:
         if flush:
             s.waive_lookahead()
 
+    def _select(self, now: float) -> np.ndarray:
+        """The slots of the sessions that run the next step (server/scheduler.py), in order."""
+        slots, t = self._slots, self.table
+        if not len(slots):
+            return slots
+        live = (t.phase[slots] != ENDED) & ~t.done_decoding[slots]
+        ready = self._ready(slots, live)
+        return slots[self.scheduler.select(live & ready, t.audio_ahead_s(slots, now), t.clocked[slots])]
+
+    def _ready(self, slots: np.ndarray, live: np.ndarray) -> np.ndarray:
+        """The start policy of each slot's session (`EngineSession.lookahead_ready`): one
+        compiled pass, and a session's own method where a letter schedule has a say, for
+        the `live` ones."""
+        verdict = self.table.start_verdicts(slots, self.timelines)
+        lettered = self.table.has_letters[slots]
+        ready = (verdict == READY) | ((verdict == READY_IF_LETTERS_LAID) & ~lettered)
+        for i in np.flatnonzero(lettered & live).tolist():
+            ready[i] = self._sessions[int(slots[i])].ready_given(int(verdict[i]))
+        return ready
+
     def _isolated(self, s: EngineSession, what: str) -> "_Isolated":
         """An error in one session's bookkeeping ends that session only."""
         return _Isolated(self, s, what)
@@ -299,28 +323,38 @@ class Engine:
         s.timeline = self.timelines.bind(slot, client_speech_time=s.config.timestamps_are_speech_time,
                                          n_past=s.config.n_past_chunks, n_future=s.config.n_future_chunks,
                                          horizon=TextMemory.replace_horizon(s.config))
+        s.bind_row(self.table, slot)
         self._sessions[slot] = s
+        self._slots = np.array(sorted(self._sessions), np.int64)
         s.guidance = self.runner.admit(slot, s.voice, s.config.seed, s.guidance, s.sampling)
         if self.bundle.front_end is not None and self.config.letter_schedule:
             s.letters = LetterSchedule(self.bundle.front_end, s.voice.engine)
+            self.table.has_letters[slot] = True
 
     # --- decoding --------------------------------------------------------------------------------
-    def _step(self, batch: list[EngineSession]) -> None:
+    def _step(self, slots: np.ndarray) -> None:
+        """One decode step of the sessions in `slots` (in order), and its booking. What every
+        session needs is read and written in its row of `self.table` and of the timelines,
+        for the whole batch at once; a session's own methods run only where something
+        happens to it (it starts, it fails, its words move on, its memory has work, its
+        packet is off the packet clock, it ends)."""
         t0 = time.perf_counter()
         self.clock.step(t0)
         now = time.monotonic()
-        for s in batch:
-            if (waited := s.begin_step(now)) is not None:
+        t = self.table
+        batch = [self._sessions[k] for k in slots.tolist()]
+        for i in np.flatnonzero(t.phase[slots] == WAITING).tolist():  # starting, or again after waiting for text
+            if (waited := batch[i].begin_step(now)) is not None:
                 self.metrics.lookahead_wait_seconds.observe(waited)
-        slots = np.fromiter((s.slot for s in batch), np.int64, len(batch))
-        win = self.timelines.windows(slots, self.timelines.current_chunks(
-            slots, np.fromiter((s.step_count for s in batch), np.int64, len(batch))))
+        win = self.timelines.windows(slots, self.timelines.current_chunks(slots, t.step_count[slots]))
         windows = np.stack((win.lo, win.hi), axis=1)  # [B, 2]: each row's (lo, hi)
-        force = [s.must_end() for s in batch]
-        letters = [s.letters for s in batch]
-        forced = [s.forced_grapheme() for s in batch] if any(x is not None for x in letters) else None
-        d1 = self.bundle.model.cfg.delays[1]  # codebook 1 at this step carries frame step - d1
-        bias_rows = [-1 if x is None else x.bias_row(s.step_count - d1) for s, x in zip(batch, letters)] if forced else None
+        force = t.runaway(slots, self.timelines).tolist()
+        forced = bias_rows = None
+        if t.has_letters[slots].any():
+            letters = [s.letters for s in batch]
+            forced = [s.forced_grapheme() for s in batch]
+            d1 = self.bundle.model.cfg.delays[1]  # codebook 1 at this step carries frame step - d1
+            bias_rows = [-1 if x is None else x.bias_row(s.step_count - d1) for s, x in zip(batch, letters)]
         self.codec.deliver_done()
         with self.codec.may_deliver():
             results = self.runner.step(slots.tolist(), windows, [s.guidance for s in batch], force, forced,
@@ -329,58 +363,66 @@ class Engine:
         self.metrics.step_seconds.observe(step_s)
         self.metrics.batch_size.observe(len(batch))
         now = time.monotonic()
-        share = step_s / len(batch)
-        stepped, rows = [], []
-        for i, (s, failed, has_frame, done, frame) in enumerate(zip(
-                batch, results.failed.tolist(), results.has_frame.tolist(), results.done.tolist(), results.frames)):
-            if s.phase is Phase.ENDED:  # its audio failed on the codec thread during the step
-                continue
-            s.compute_s += share
-            if failed:
-                self._fail(s, "INTERNAL", "numerical error in the decoder (non-finite logits)")
-                continue
-            stepped.append((s, frame if has_frame else None, done))
-            rows.append(i)
-        # the stepped sessions' timelines move on with their progress, in one pass over them
-        slots = slots[rows]
-        frames = np.fromiter((s.step_count + 1 for s, _, _ in stepped), np.int64, len(stepped))
-        self.memory.replace(self.timelines, slots, frames, results.progress[rows])
-        # where the text memory has work to do, from the windows at each one's next step
-        win = self.timelines.windows(slots, self.timelines.current_chunks(slots, frames))
-        memory_lo = np.where(self.memory.due(self.timelines, slots, win), win.lo, -1)
+        live = t.phase[slots] != ENDED  # else its audio failed on the codec thread during the step
+        t.compute_s[slots[live]] += step_s / len(batch)
+        for i in np.flatnonzero(live & results.failed).tolist():
+            self._fail(batch[i], "INTERNAL", "numerical error in the decoder (non-finite logits)")
+        rows = np.flatnonzero(live & ~results.failed)
+        slots, stepped = slots[rows], [batch[i] for i in rows.tolist()]
+        progress = results.progress[rows]
+        self._book_step(slots, stepped, progress, results.has_frame[rows], results.frames[rows], results.done[rows],
+                        now)
+
+    def _book_step(self, slots: np.ndarray, stepped: list[EngineSession], progress: np.ndarray,
+                   has_frame: np.ndarray, frames: np.ndarray, done: np.ndarray, now: float) -> None:
+        """Book a step's results for the sessions in `slots` (`stepped`): their progress
+        (the runner's guidance has observed the graphemes), the words it timed, their step
+        counts, their completed frames' codes, whether their last frame was emitted; their
+        timelines re-placed and the text memory's work; whether their text ran dry; then
+        the packets to decode now, and the sessions that ended."""
+        t = self.table
+        track = t.book_step(slots, progress, has_frame, frames, done)
+        # words are sent once their audio is (`EngineSession.send_words`)
+        for i in np.flatnonzero(track).tolist():
+            s = stepped[i]
+            with self._isolated(s, "timing words"):
+                s.track_words(s.step_count - 1)  # the frame of the step booked
+        # the timelines move on with the progress, and the memory's work from the windows at the next step
+        steps = t.step_count[slots]
+        self.memory.replace(self.timelines, slots, steps, progress)
+        win = self.timelines.windows(slots, self.timelines.current_chunks(slots, steps))
+        for i in np.flatnonzero(self.memory.due(self.timelines, slots, win)).tolist():
+            s = stepped[i]
+            if s.phase is not Phase.ENDED:  # ended as another session's ending delivered its audio
+                with self._isolated(s, "moving text memory"):
+                    self.memory.evict_past(s, int(win.lo[i]))
+        # text ran dry: wait for more
+        live = t.phase[slots] != ENDED
+        going = live & ~t.done_decoding[slots]
+        for i in np.flatnonzero(going & ~self._ready(slots, going)).tolist():
+            self._wait_for_text(stepped[i])
+        # packets: those on the packet clock as arrays, each other session's by its own rule
+        steady, full = self.packets.clocked_rows(t, slots)
         to_decode = []
-        for (s, frame, done), lo in zip(stepped, memory_lo.tolist()):
-            if s.phase is Phase.ENDED:  # ended as another session's ending delivered its audio
+        for i in np.flatnonzero(live & ~steady).tolist():
+            s = stepped[i]
+            if s.phase is Phase.ENDED:
                 continue
             with self._isolated(s, "decoding"):
-                if plan := self._after_step(s, frame, done, lo, now):
+                s.clocked, plan = self.packets.due(s, now)
+                if plan:
                     to_decode.append((s, plan))
+                elif s.done_decoding:
+                    self._finish(s, cancelled=False)
+        # (an ending above may have delivered audio that ended one of these)
+        to_decode += [(stepped[i], PacketPlan(int(t.packet_frames[slots[i]]), False, clocked=True))
+                      for i in np.flatnonzero(full & (t.phase[slots] != ENDED)).tolist()]
         self.codec.decode(to_decode)
 
-    def _after_step(self, s: EngineSession, frame: Optional[np.ndarray], done: bool, memory_lo: int,
-                    now: float) -> Optional[PacketPlan]:
-        """Book one step's result for a session (its completed frame's codes, if one
-        completed; whether its last frame was emitted), its timeline already re-placed
-        (`TextMemory.replace`) and `memory_lo` the first chunk of its window at its next
-        step where its text memory has work to do (`TextMemory.due`; -1: none); returns
-        the packet to decode now, if any."""
-        s.note_progress()  # the runner's step has observed the grapheme
-        s.track_words(s.step_count)  # words are sent once their audio is (`EngineSession.send_words`)
-        s.step_count += 1
-        if frame is not None:
-            s.pending_frames.append(frame)
-        if done:
-            s.done_decoding = True
-        if memory_lo >= 0:
-            self.memory.evict_past(s, memory_lo)
-        if not s.done_decoding and not s.lookahead_ready():
-            s.phase = Phase.WAITING  # text ran dry: wait for more
-        s.clocked, plan = self.packets.due(s, now)
-        if plan:
-            return plan
-        if s.done_decoding:
-            self._finish(s, cancelled=False)
-        return None
+    def _wait_for_text(self, s: EngineSession) -> None:
+        """A running session's text ran dry (not yet all of it in memory, or none to say
+        yet): it waits for more (`EngineSession.lookahead_ready`)."""
+        s.phase = Phase.WAITING
 
     def _deliver(self, call: InFlightDecode) -> None:
         """A finished codec call's audio to its sessions (`CodecWorker` hands each over in
@@ -400,7 +442,7 @@ class Engine:
             with self._isolated(s, "sending audio"):
                 s.compute_s += dt / len(planned)
                 s.send_audio(s.encoder.push(wav, short=short), n, self.metrics)
-                if s.done_decoding and not s.pending_frames:
+                if s.done_decoding and not s.n_pending:
                     s.send_audio(s.encoder.flush(), 0, self.metrics)
                     self._finish(s, cancelled=False)
 
@@ -460,6 +502,8 @@ class Engine:
         s.phase = Phase.ENDED
         if s.slot is not None and self._sessions.get(s.slot) is s:
             del self._sessions[s.slot]
+            self._slots = np.array(sorted(self._sessions), np.int64)
+            s.unbind_row()
             self.runner.release(s.slot)
             self._free_slots.append(s.slot)
             self._free_slots.sort()

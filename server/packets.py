@@ -3,16 +3,21 @@
 It reads a session's packet state (pending frames, frames done, whether it is on the
 packet clock, whether its text ran dry, its listener's buffer) and the engine's step
 clock; it holds no session and no engine, so it is tested with stubs
-(tests/test_packet_policy.py).
+(tests/test_packet_policy.py). The sessions on the packet clock, most sessions at most
+steps, it decides for the engine's whole batch from their rows of the session table
+(`clocked_rows`; tests/test_session_table.py holds it to `due`).
 """
 from __future__ import annotations
 
 import math
 from typing import NamedTuple, Optional
 
+import numpy as np
+
 from livespeech.models.config import FRAME_RATE
 
 from .session import Phase
+from .session_table import RUNNING, frames_for_ms
 
 
 class PacketPlan(NamedTuple):
@@ -34,10 +39,6 @@ _CLOCKED_BETWEEN_TICKS = PacketDecision(True, None)
 # ahead sit out (server/scheduler.py), so a listener that never fills (a client that
 # stopped reading) must not keep it ramping for good
 RAMP_MAX_PACKETS = 8
-
-
-def frames_for_ms(ms: int) -> int:
-    return max(1, math.ceil(ms * FRAME_RATE / 1000))
 
 
 class StepClock:
@@ -102,8 +103,19 @@ class PacketPolicy:
         clocked = s.clocked or handoff
         return PacketDecision(clocked, self._plan(s, now, full, tick, handoff, clocked))
 
+    def clocked_rows(self, table, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`due` for the rows of `table` (server/session_table.py) past their ramp, as
+        arrays: which rows it settles from the packet clock alone (running on the clock,
+        past the first packet, not done), and of those, the rows with a full packet due
+        at this tick (`PacketPlan(full, False, clocked=True)`); every other row of those
+        stays on the clock with no packet. The engine asks `due` of the other rows."""
+        full = table.packet_frames[rows]
+        steady = (table.clocked[rows] & (table.phase[rows] == RUNNING) & (table.frames_done[rows] > 0)
+                  & ~table.done_decoding[rows])
+        return steady, steady & (self.clock.steps % full == 0) & (table.n_pending[rows] >= full)
+
     def _plan(self, s, now: float, full: int, tick: bool, handoff: bool, clocked: bool) -> Optional[PacketPlan]:
-        n = len(s.pending_frames)
+        n = s.n_pending
         ramp = not clocked
         waiting = s.phase is Phase.WAITING
         if n == 0:

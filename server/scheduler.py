@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .session import EngineSession, Phase
+import numpy as np
 
 
 @dataclass
@@ -25,14 +25,11 @@ class Scheduler:
     max_lead_s: float
     yield_lead_s: float
 
-    def select(self, sessions: list[EngineSession], now: float) -> list[EngineSession]:
-        batch = [
-            s for s in sessions
-            if s.phase is not Phase.ENDED and s.slot is not None and not s.done_decoding
-            and s.lookahead_ready() and s.audio_ahead_s(now) < self.max_lead_s
-        ]
-        if any(not s.clocked for s in batch):
-            batch = [s for s in batch if not s.clocked or s.audio_ahead_s(now) < self.yield_lead_s]
-        # in slot order: contiguous slots make the batch a slice of the decode state
-        batch.sort(key=lambda s: s.slot)
+    def select(self, ready: np.ndarray, ahead_s: np.ndarray, clocked: np.ndarray) -> np.ndarray:
+        """Which of the engine's sessions run the next step (a mask of its rows), given
+        for each whether it may speak (admitted, not done, its lookahead ready), the audio
+        its listener holds and whether its packets are on the packet clock."""
+        batch = ready & (ahead_s < self.max_lead_s)
+        if (batch & ~clocked).any():  # one is starting: those well ahead sit out
+            batch &= ~clocked | (ahead_s < self.yield_lead_s)
         return batch

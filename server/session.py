@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy as np
+
 from livespeech.api.session import (AudioPacket, ConfigError, LimitError, SessionConfig, Sink, StateError, Summary,
                                     WordTiming)
 from livespeech.models import graphemes
@@ -31,6 +33,8 @@ from livespeech.models.guidance import GuidanceState, SamplingSettings, Temperat
 from .audio import AudioEncoder
 from .chunker import Chunker, TextChunk, ends_with_punctuation
 from .metrics import Metrics
+from . import session_table
+from .session_table import SessionTable, running_out
 from .timeline import SpeechTimeline
 
 
@@ -38,6 +42,33 @@ class Phase(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     ENDED = "ended"
+
+
+# `SessionTable.phase`'s codes of the phases, and back
+_PHASE_OF_CODE = {session_table.WAITING: Phase.WAITING, session_table.RUNNING: Phase.RUNNING,
+                  session_table.ENDED: Phase.ENDED}
+_CODE_OF_PHASE = {p: c for c, p in _PHASE_OF_CODE.items()}
+
+
+class _InRow:
+    """A field of `EngineSession` kept in its row of a `SessionTable` (server/session_table.py),
+    read as a Python value (`load` of it, where given)."""
+    __slots__ = ("name", "load", "store")
+
+    def __init__(self, load: Optional[Callable] = None, store: Optional[Callable] = None) -> None:
+        self.load, self.store = load, store
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, s, owner=None):
+        if s is None:
+            return self
+        value = getattr(s._table, self.name).item(s._row)
+        return value if self.load is None else self.load(value)
+
+    def __set__(self, s, value) -> None:
+        getattr(s._table, self.name)[s._row] = value if self.store is None else self.store(value)
 
 
 @dataclass(frozen=True)
@@ -146,7 +177,9 @@ class EngineSession(SessionInput):
         super().__init__(session_id, config, submit, limits)
         self.voice = voice
         self.sink = sink
-        self.phase = Phase.WAITING
+        # the per-step state (`SessionTable`'s fields): a row of its own until the engine binds it
+        self._table, self._row = SessionTable.of_one(config, limits, audio_lag_frames), 0
+        self._bound = False
         self.slot: Optional[int] = None
         # engine-side state (the engine thread)
         self.chunker = Chunker(config.chunking)
@@ -166,41 +199,45 @@ class EngineSession(SessionInput):
         self.unsayable: list[tuple[int, str]] = []
         # words end, and are sent, in order: the ones before these indices are done with
         self._first_open_word = 0
-        # the progress and word count `track_words` last ran with: with neither changed, a
-        # run changes nothing (each mark is set once, from the progress alone)
-        self._words_tracked_at = (-1, 0)
         self._first_unsent_word = 0
-        self.n_chars = 0  # collapsed transcript length so far
         self.input_ended = False  # engine's view (after the queued command ran)
         self.last_text_at: Optional[float] = None  # when the last text piece arrived
-        # chunks up to this index are spoken without waiting for their lookahead (a flush,
-        # or no text for max_buffer_delay_ms: `waive_lookahead`); later ones wait as usual
-        self.lookahead_waived_through = -1
-        # the transcript length whose audio the speech finishes without more text (the
-        # buffer delay expired: `run_out`); -1: none
-        self.run_out_chars = -1
-        self.eos_added = False
-        self.last_progress = 0  # guidance progress, and the step it last changed at
-        self.progress_step = 0
-        # the transcript length the grapheme stream last covered, and the step it did
-        # (`note_progress`); -1: none yet
-        self.covered_chars = -1
-        self.covered_step = 0
-        self.step_count = 0
-        self.audio_lag_frames = audio_lag_frames  # graphemes lead the audio by this (the codebook delays)
-        self.frames_done = 0
-        self.clocked = False  # past the packet ramp: full packets on the packet clock
-        self.pending_frames: list = []  # completed frames' codes (`StepResults.frames` rows), oldest first
         self.encoder = AudioEncoder(config.sample_rate, config.encoding, config.packet_ms, config.min_packet_ms)
         self.packet_seq = 0
-        self.audio_sent_s = 0.0
         self.frames_sent = 0  # frames whose audio has been sent
-        self.done_decoding = False
         # latency bookkeeping (monotonic seconds)
         self.first_text_at: Optional[float] = None
         self.started_at: Optional[float] = None
-        self.first_packet_at: Optional[float] = None
-        self.compute_s = 0.0
+
+    # the per-step state, in its row of a `SessionTable` (what each field is: server/session_table.py)
+    phase = _InRow(_PHASE_OF_CODE.__getitem__, _CODE_OF_PHASE.__getitem__)
+    step_count = _InRow()
+    frames_done = _InRow()
+    n_pending = _InRow()
+    clocked = _InRow()
+    done_decoding = _InRow()
+    first_packet_at = _InRow(lambda v: None if v != v else v, lambda v: np.nan if v is None else v)  # NaN: none
+    audio_sent_s = _InRow()
+    compute_s = _InRow()
+    last_progress = _InRow()
+    progress_step = _InRow()
+    covered_chars = _InRow()
+    covered_step = _InRow()
+    n_chars = _InRow()
+    eos_added = _InRow()
+    run_out_chars = _InRow()
+    lookahead_waived_through = _InRow()
+    audio_lag_frames = _InRow()
+
+    def bind_row(self, table: SessionTable, slot: int) -> None:
+        """The engine's table holds this session's state from now on, in row `slot`."""
+        table.bind(slot, self._table)
+        self._table, self._row, self._bound = table, slot, True
+
+    def unbind_row(self) -> None:
+        """The session's state goes back to a row of its own (it ended: its slot's row is free)."""
+        if self._bound:
+            self._table, self._row, self._bound = self._table.unbind(self._row), 0, False
 
     # --- engine thread ---------------------------------------------------------------------
     def on_text(self, text: str, client_time_s: Optional[float], flush: bool, now: float) -> list[TextChunk]:
@@ -244,6 +281,7 @@ class EngineSession(SessionInput):
                 self.words[-1].char_end = self.n_chars + len(ids)
             else:
                 self.words.append(Word(written or word, self.n_chars + len(ids) - len(g), self.n_chars + len(ids)))
+            self._table.words_mark[self._row] = 0  # `track_words` runs again at the next progress
             if self.letters is not None:
                 self.letters.add_word(letters)
         chunk = Chunk(len(self.chunks), self.timeline.text_chunks - 1, token_ids, len(ids))
@@ -291,24 +329,22 @@ class EngineSession(SessionInput):
         (`running_out`).
 
         With a letter schedule, the speech also waits at the last letter laid, except
-        at its start (`lay_letters_for_this_step`)."""
-        n = self.n_in_memory
-        if n == 0:
+        at its start (`lay_letters_for_this_step`).
+
+        The rule is `SessionTable.start_verdicts`, which the engine runs for its batch, and
+        for a session with a letter schedule `ready_given` its verdict."""
+        verdict = self._table.start_verdicts(np.array([self._row]), self.timeline.table, np.array([self.timeline.slot]))
+        return self.ready_given(int(verdict[0]))
+
+    def ready_given(self, verdict: int) -> bool:
+        """The start policy given its verdict without the letter schedule
+        (`SessionTable.start_verdicts`): the schedule's part, which lays the letters the
+        speech reached (it changes no input of the verdict)."""
+        if self.n_in_memory == 0:  # nothing to lay yet
             return False
         self.lay_letters_reached()
-        if self.eos_added:
-            return True
-        if self.covered_chars == self.n_chars:
-            return self.running_out()
-        c = self.timeline.current_chunk(max(0, self.step_count - self.audio_lag_frames))
-        k = self.chunks[c].text_chunk
-        last = self.chunks[n - 1].text_chunk
-        # the text chunks wholly in memory
-        in_memory = last + (n == len(self.chunks) or self.chunks[n].text_chunk != last)
-        if c > self.lookahead_waived_through and \
-                in_memory - 1 < k + min(self.config.n_future_chunks, self.config.start_future_chunks + k):
-            return False
-        return self.lay_letters_for_this_step()
+        return verdict == session_table.READY or (verdict == session_table.READY_IF_LETTERS_LAID
+                                                  and self.lay_letters_for_this_step())
 
     def lay_letters_reached(self) -> None:
         """Once the speech reaches the last letter laid, lay every letter the text so far
@@ -334,18 +370,6 @@ class EngineSession(SessionInput):
         """The chunks released so far are spoken without waiting for more text."""
         self.lookahead_waived_through = len(self.chunks) - 1
 
-    def note_progress(self) -> None:
-        """Book the guidance progress after a step (before `step_count` moves on): when it
-        last changed, and when the stream first covered all the text so far. Progress can
-        step back after errors; the speech stops at the text all the same (a run-out,
-        which steps past it, would otherwise go on while a babbling stream keeps moving
-        its progress)."""
-        p = self.guidance.progress
-        if p != self.last_progress:
-            self.last_progress, self.progress_step = p, self.step_count
-        if p >= self.n_chars and self.covered_chars != self.n_chars:
-            self.covered_chars, self.covered_step = self.n_chars, self.step_count
-
     def run_out(self) -> None:
         """The text so far is spoken to its end without more text: once the grapheme
         stream has covered it, the speech steps on until the audio, which lags by the
@@ -361,10 +385,9 @@ class EngineSession(SessionInput):
         nor the resampler's look-ahead holds any of that audio back. These steps sample
         what the model makes after the text: EOS stays barred (the input has not ended)
         and guidance favours only the last grapheme (`GuidanceState.guiding_set`)."""
-        if self.run_out_chars != self.n_chars or self.covered_chars != self.n_chars or self.eos_added:
-            return False
-        tail = math.ceil(self.config.min_packet_ms * FRAME_RATE / 1000) + 1
-        return self.step_count < self.covered_step + 1 + self.audio_lag_frames + tail
+        t, r = self._table, self._row
+        return bool(running_out(t.run_out_chars[r], t.n_chars[r], t.covered_chars[r], t.eos_added[r],
+                                t.step_count[r], t.covered_step[r], t.audio_lag_frames[r], t.run_out_tail[r]))
 
     def ran_out(self) -> bool:
         """Whether the speech finished the audio of all the text so far (`run_out`)."""
@@ -424,14 +447,9 @@ class EngineSession(SessionInput):
 
     def must_end(self) -> bool:
         """Runaway guard once the text is complete: speech running past the (re-placed)
-        end of the text, or no transcript progress for a while, ends with EOS."""
-        if self.step_count >= self._limits.max_session_s * FRAME_RATE:
-            return True
-        if not self.eos_added:
-            return False
-        limit = self._limits.max_overrun_s * FRAME_RATE
-        end = self.timeline.last_tau()  # None: the end of the text is still ahead of the speech
-        return (end is not None and self.step_count > end + limit) or self.step_count - self.progress_step > limit
+        end of the text, or no transcript progress for a while, ends with EOS
+        (`SessionTable.runaway`, which the engine runs for its batch)."""
+        return bool(self._table.runaway(np.array([self._row]), self.timeline.table, np.array([self.timeline.slot]))[0])
 
     def waiting_for_text(self) -> bool:
         """Whether the speech is held up for want of text (not started, or the text ran dry)."""
@@ -440,14 +458,16 @@ class EngineSession(SessionInput):
     def track_words(self, frame: int) -> None:
         """Update word frames from the guidance progress: a word starts once the progress
         passes its first grapheme, is spoken in full once it reaches its last, and ends
-        once it reaches the next word (its start, after the space)."""
+        once it reaches the next word (its start, after the space).
+
+        Each mark is set once, at a threshold of the progress, and the words' thresholds
+        grow along the text; so nothing changes before the progress reaches the first
+        open word's next threshold, which this keeps in `SessionTable.words_mark` for the
+        engine to call it only then."""
         progress = self.guidance.progress
         words = self.words
-        if (progress, len(words)) == self._words_tracked_at:
+        if progress < self._table.words_mark[self._row]:
             return
-        self._words_tracked_at = (progress, len(words))
-        while self._first_open_word < len(words) and words[self._first_open_word].end_frame is not None:
-            self._first_open_word += 1
         for i in range(self._first_open_word, len(words)):
             w = words[i]
             if w.end_frame is not None:
@@ -460,6 +480,13 @@ class EngineSession(SessionInput):
                 w.end_frame = frame
             if w.start_frame is None:
                 break
+        while self._first_open_word < len(words) and words[self._first_open_word].end_frame is not None:
+            self._first_open_word += 1  # words end in order
+        mark = session_table.NEVER
+        if self._first_open_word < len(words):
+            w = words[self._first_open_word]
+            mark = w.char_start + 1 if w.start_frame is None else w.char_end + (w.covered_frame is not None)
+        self._table.words_mark[self._row] = mark
 
     def spoken_text(self) -> str:
         """The words whose speech started in the audio sent (a word cut off mid-way too)."""
@@ -538,10 +565,9 @@ class EngineSession(SessionInput):
         )
 
     def audio_ahead_s(self, now: float) -> float:
-        """Seconds of audio the client has buffered (sent minus played)."""
-        if self.first_packet_at is None:
-            return 0.0
-        return self.audio_sent_s - (now - self.first_packet_at)
+        """Seconds of audio the client has buffered (sent minus played:
+        `SessionTable.audio_ahead_s`)."""
+        return self._table.audio_ahead_s(self._row, now)
 
 
 def frames_to_s(frames: int) -> float:

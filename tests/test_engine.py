@@ -14,6 +14,7 @@ from livespeech.models.loading import load_bundle
 from livespeech.server.engine import Engine, EngineConfig
 from livespeech.server.packets import RAMP_MAX_PACKETS, PacketPlan, PacketPolicy, frames_for_ms
 from livespeech.server.session import EngineSession
+from livespeech.server.session_table import SessionTable
 from livespeech.server.runner import ModelRunner, Voice
 from livespeech.api.session import (AudioPacket, CapacityError, ConfigError, Encoding, Failed, Finished,
                                 SessionConfig, StateError, WordTiming)
@@ -56,6 +57,16 @@ class Collector:
 
 
 HARD = dict(guidance_lambda=math.inf, seed=1)  # an untrained model follows the text only when forced
+
+
+def listeners_hold(monkeypatch, ahead_s) -> None:
+    """Pin the audio each session's listener holds (`SessionTable.audio_ahead_s`, which
+    the scheduler, the packet policy and the codec calls read): seconds, or a function of
+    the session's slot."""
+    held = ahead_s if callable(ahead_s) else (lambda slot: ahead_s)
+    monkeypatch.setattr(SessionTable, "audio_ahead_s",
+                        lambda self, rows, now: (np.array([held(int(r)) for r in rows], np.float64)
+                                                 if np.ndim(rows) else held(int(rows))))
 
 
 def say(engine, voice, text, **cfg):
@@ -151,9 +162,9 @@ def test_packets_ramp_up_after_the_first_and_low_buffer_sends_them_sooner(voice,
     lifted so that it still steps."""
     torch.set_num_threads(1)
     runs = {}
-    for low_water, held in ((100.0, lambda self, now: 30 * eng.clock.period_s),
-                            (0.0, lambda self, now: 50.0)):
-        monkeypatch.setattr(EngineSession, "audio_ahead_s", held)
+    for low_water, held in ((100.0, lambda slot: 30 * eng.clock.period_s),
+                            (0.0, lambda slot: 50.0)):
+        listeners_hold(monkeypatch, held)
         eng = Engine(load_bundle(random_init=True),
                      EngineConfig(max_sessions=1, low_water_steps=low_water, max_lead_s=100.0))
         v = eng.make_voice("test", (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32), 24000)
@@ -223,7 +234,7 @@ def test_steady_packets_of_concurrent_sessions_are_decoded_together(voice, monke
     Listeners are made to look far ahead and the lead cap is lifted, so every session
     steps every time and the timing of this machine plays no part."""
     torch.set_num_threads(1)
-    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)
+    listeners_hold(monkeypatch, 50.0)
     eng = Engine(load_bundle(random_init=True), EngineConfig(max_sessions=3, max_lead_s=100.0))
     steady = []  # (engine step, session) of each steady-state full-packet decode
     decode = eng.codec.decode
@@ -266,7 +277,7 @@ def test_packets_after_the_first_are_decoded_on_the_codec_thread_in_order(device
     CUDA, on a stream of its own). The audio is the same as without the codec thread,
     and a session's end comes after all its packets."""
     torch.set_num_threads(1)
-    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)  # no timing in the packet sizes
+    listeners_hold(monkeypatch, 50.0)  # no timing in the packet sizes
     runs = {}
     for codec_thread in (False, True):
         eng = Engine(load_bundle(random_init=True, device=device),
@@ -301,7 +312,7 @@ def test_the_packet_ramp_lasts_until_the_listener_holds_a_clocked_packets_wait(v
     monkeypatch.setattr(PacketPolicy, "on_clock", lambda self, full: True)
     clocked_at = {}
     for held_s in (50.0, 0.0):
-        monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: held_s)
+        listeners_hold(monkeypatch, held_s)
         eng = Engine(load_bundle(random_init=True),
                      EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0, codec_thread=False))
         plans, decode = [], eng.codec.decode  # (frames sent before, clocked) for each packet
@@ -321,7 +332,7 @@ def test_the_ramp_hands_off_to_the_packet_clock_without_a_longer_wait(voice, mon
     two of its packets are further apart. Ending it between ticks had left the listener
     up to 2 x full - 1 steps to wait for that packet."""
     torch.set_num_threads(1)
-    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)  # the ramp ends at 2 packets' worth
+    listeners_hold(monkeypatch, 50.0)  # the ramp ends at 2 packets' worth
     full = 6  # 80 ms at 75 Hz
     gaps = {}
     for text in ("The ramp hands this session over to the packet clock. " * 2,
@@ -379,7 +390,7 @@ def test_steps_go_on_while_the_codec_thread_decodes(voice, monkeypatch):
     complete queue behind it on the codec thread (the engine used to wait for the call in
     flight at its next packet, a packet's worth of steps later)."""
     torch.set_num_threads(1)
-    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)  # no timing in the packet sizes
+    listeners_hold(monkeypatch, 50.0)  # no timing in the packet sizes
     eng = Engine(load_bundle(random_init=True),
                  EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0))
     release, began = hold_codec_thread(eng)
@@ -404,7 +415,7 @@ def test_the_codec_thread_delivers_a_packet_while_the_engine_thread_steps(voice,
     """Audio the codec thread finishes during a model step goes out then, not after the
     step: a listener in its packet ramp holds little more than a step or two of audio."""
     torch.set_num_threads(1)
-    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)
+    listeners_hold(monkeypatch, 50.0)
     eng = Engine(load_bundle(random_init=True),
                  EngineConfig(max_sessions=1, low_water_steps=0, max_lead_s=100.0))
     release, began = hold_codec_thread(eng)
@@ -443,7 +454,7 @@ def test_a_first_packet_does_not_wait_for_another_sessions_codec_call(voice, mon
     codec thread's call for other sessions; admitting it does not wait for that call
     either (only a call holding the admitted slot would be waited for)."""
     torch.set_num_threads(1)
-    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: 50.0)
+    listeners_hold(monkeypatch, 50.0)
     eng = Engine(load_bundle(random_init=True),
                  EngineConfig(max_sessions=2, low_water_steps=0, max_lead_s=100.0))
     release, began = hold_codec_thread(eng)
@@ -470,17 +481,18 @@ def driven_sessions(eng: Engine, voice, in_hand_s, monkeypatch) -> list[tuple[En
     """Sessions admitted on an engine that is not started (its steps driven by the test),
     past their first packets, with 8 frames pending each and the given audio in their
     listeners' hands."""
-    held = {}
-    monkeypatch.setattr(EngineSession, "audio_ahead_s", lambda self, now: held[self.session_id])
+    held = {}  # slot -> seconds
+    listeners_hold(monkeypatch, held.__getitem__)
     q = eng.bundle.model.cfg.n_acoustic_codebooks
     out = []
     for ahead_s in in_hand_s:
         c = Collector()
         s = eng.open_session(SessionConfig(**HARD), voice, c)
         eng._apply_commands()  # admits it
-        held[s.session_id] = ahead_s
+        held[s.slot] = ahead_s
         s.frames_done, s.first_packet_at = 2, 0.0  # past its first packet: its calls go to the thread
-        s.pending_frames = [[1] * q for _ in range(8)]
+        for _ in range(8):
+            eng.table.add_frames(np.array([s.slot]), np.ones((1, q), np.int64))
         out.append((s, c))
     return out
 
@@ -501,7 +513,7 @@ def test_the_codec_thread_takes_the_call_of_the_listener_with_least_audio_first(
     finally:
         eng.stop()
     assert order == [2, 6]
-    assert [len(s.pending_frames) for s in sessions] == [2, 6]
+    assert [s.n_pending for s in sessions] == [2, 6]
 
 
 def test_a_ramp_packet_does_not_join_the_ticks_call(voice, monkeypatch):
@@ -914,7 +926,7 @@ def test_after_the_buffer_delay_the_audio_finishes_the_text_so_far(engine, voice
         last = h.words[-1] if len(h.words) == 2 else None
         return (last is not None and last.covered_frame is not None and h.waiting_for_text()
                 and h.buffer_deadline() is None and h.frames_sent == h.frames_done
-                and not (runs_out and h.pending_frames))
+                and not (runs_out and h.n_pending))
     deadline = time.monotonic() + 20
     while not settled() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -974,15 +986,19 @@ def test_a_run_out_ends_at_the_text_even_when_the_stream_babbles_past_it(engine,
     """After the buffer delay the speech steps past the text to finish its audio. If the
     stream then moves its guidance progress back below the end (errors after the text),
     the speech still stops where the first coverage of the text says, and waits."""
-    orig = EngineSession.note_progress
+    orig = SessionTable.book_step
+    sessions = []
 
-    def babbling(self):
-        orig(self)
-        if self.covered_chars == self.n_chars > 2:  # covered once: progress steps back from now on
-            self.guidance._progress = self.n_chars - 2
-    monkeypatch.setattr(EngineSession, "note_progress", babbling)
+    def babbling(self, *args):
+        track = orig(self, *args)
+        for h in sessions:
+            if h.covered_chars == h.n_chars > 2:  # covered once: progress steps back from now on
+                h.guidance._progress = h.n_chars - 2
+        return track
+    monkeypatch.setattr(SessionTable, "book_step", babbling)
     c = Collector(engine)
     h = engine.open_session(SessionConfig(**HARD, max_buffer_delay_ms=100), voice, c)
+    sessions.append(h)
     h.push_text("Hi there.")
     deadline, last = time.monotonic() + 20, (-1, 0.0)
     while time.monotonic() < deadline:  # until the step count has not moved for 1 s

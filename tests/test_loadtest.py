@@ -551,18 +551,18 @@ def test_precision_compares_the_lower_precision_step_with_float32_along_a_decode
 def test_replay_plays_each_turn_and_restores_the_engine(tmp_path):
     """livespeech.loadtest.replay on a tiny random model: every turn finishes, its stalls are the
     simulated listener's underruns, packets are reported, and the text-wait probe it
-    installs on EngineSession is removed afterwards."""
+    installs on the engine is removed afterwards."""
     from livespeech.loadtest import replay
-    from livespeech.server.session import EngineSession
+    from livespeech.server.engine import Engine
 
     text = tmp_path / "t.txt"
     text.write_text("Hello there.\n")
-    before = EngineSession.lookahead_ready
+    before = Engine._wait_for_text
     out = tmp_path / "r.json"
     assert replay.main(["--model-path", "random:tiny", "--sessions", "2", "--turns", "1", "--stagger-s", "0.1",
                         "--llm-rate", "200", "--sentences-per-turn", "1", "--text-file", str(text),
                         "--json", str(out)]) == 0
-    assert EngineSession.lookahead_ready is before
+    assert Engine._wait_for_text is before
     res = json.loads(out.read_text())
     assert [(r["worker"], r["turn"]) for r in res["turn_results"]] == [(0, 0), (1, 0)]
     for r in res["turn_results"]:

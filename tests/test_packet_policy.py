@@ -17,7 +17,7 @@ class Stub:
     def __init__(self, pending: int, frames_done: int = 0, ahead_s: float = 50.0, clocked: bool = False,
                  waiting: bool = False, done: bool = False, ran_out: bool = False):
         self.config = SimpleNamespace(packet_ms=80, min_packet_ms=40)
-        self.pending_frames = [[0]] * pending
+        self.n_pending = pending
         self.frames_done, self.ahead_s, self.clocked = frames_done, ahead_s, clocked
         self.phase = Phase.WAITING if waiting else Phase.RUNNING
         self.done_decoding, self._ran_out = done, ran_out
