@@ -78,7 +78,8 @@ class CodecWorker:
         groups: dict[tuple[int, bool, bool], list[tuple[object, bool]]] = collections.defaultdict(list)
         for s, plan in due:  # (a clocked packet is never a session's first)
             groups[plan.frames, plan.clocked, not plan.clocked and s.frames_done == 0].append((s, plan.short))
-        calls = []  # (threaded, urgency, n, planned, slots): the engine thread's calls first, then the least audio in hand
+        # (threaded, urgency, n, planned, slots): the engine thread's calls first, then the least audio in hand
+        calls = []
         now = time.monotonic()
         for (n, clocked, _), planned in groups.items():
             slots = np.fromiter((s.slot for s, _ in planned), np.int64, len(planned))

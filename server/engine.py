@@ -33,7 +33,7 @@ from .packets import PacketPlan, PacketPolicy, StepClock
 from .runner import ModelRunner, Voice
 from .scheduler import Scheduler
 from .session import EngineSession, Phase, SessionLimits, new_session_id
-from .session_table import ENDED, READY, READY_IF_LETTERS_LAID, WAITING, SessionTable
+from .session_table import ASK, ENDED, READY, WAITING, SessionTable
 from .text_memory import TextMemory
 from .timeline import SpeechTimelines
 
@@ -303,13 +303,12 @@ class Engine:
 
     def _ready(self, slots: np.ndarray, live: np.ndarray) -> np.ndarray:
         """The start policy of each slot's session (`EngineSession.lookahead_ready`): one
-        compiled pass, and a session's own method where a letter schedule has a say, for
-        the `live` ones."""
+        compiled pass, and a session's own method for the `live` ones whose letter
+        schedule must lay letters first."""
         verdict = self.table.start_verdicts(slots, self.timelines)
-        lettered = self.table.has_letters[slots]
-        ready = (verdict == READY) | ((verdict == READY_IF_LETTERS_LAID) & ~lettered)
-        for i in np.flatnonzero(lettered & live).tolist():
-            ready[i] = self._sessions[int(slots[i])].ready_given(int(verdict[i]))
+        ready = verdict == READY
+        for i in np.flatnonzero((verdict == ASK) & live).tolist():
+            ready[i] = self._sessions[int(slots[i])].lookahead_ready()
         return ready
 
     def _isolated(self, s: EngineSession, what: str) -> "_Isolated":
@@ -365,13 +364,14 @@ class Engine:
         now = time.monotonic()
         live = t.phase[slots] != ENDED  # else its audio failed on the codec thread during the step
         t.compute_s[slots[live]] += step_s / len(batch)
+        if live.all() and not results.failed.any():  # (most steps)
+            self._book_step(slots, batch, results.progress, results.has_frame, results.frames, results.done, now)
+            return
         for i in np.flatnonzero(live & results.failed).tolist():
             self._fail(batch[i], "INTERNAL", "numerical error in the decoder (non-finite logits)")
         rows = np.flatnonzero(live & ~results.failed)
-        slots, stepped = slots[rows], [batch[i] for i in rows.tolist()]
-        progress = results.progress[rows]
-        self._book_step(slots, stepped, progress, results.has_frame[rows], results.frames[rows], results.done[rows],
-                        now)
+        self._book_step(slots[rows], [batch[i] for i in rows.tolist()], results.progress[rows],
+                        results.has_frame[rows], results.frames[rows], results.done[rows], now)
 
     def _book_step(self, slots: np.ndarray, stepped: list[EngineSession], progress: np.ndarray,
                    has_frame: np.ndarray, frames: np.ndarray, done: np.ndarray, now: float) -> None:

@@ -481,15 +481,16 @@ class ModelRunner:
         res = out.numpy(force=True)
         head = 6 if on_device else 5
         if on_device:
-            progress = res[:, head - 1]
+            progress = np.ascontiguousarray(res[:, head - 1])
             for g, p in zip(guidance, progress.tolist()):
                 g.progress = p
         else:
             for g, x in zip(guidance, res[:, 0].tolist()):
                 g.observe(x)
             progress = np.fromiter((g.progress for g in guidance), np.int64, len(guidance))
-        return StepResults(res[:, 0], res[:, 1], res[:, 2] != 0, res[:, 3] != 0, res[:, 4] != 0, res[:, head:],
-                           progress)
+        # rows of their own (the engine's compiled passes read them)
+        return StepResults(res[:, 0], res[:, 1], res[:, 2] != 0, res[:, 3] != 0, res[:, 4] != 0,
+                           np.ascontiguousarray(res[:, head:]), progress)
 
     def _sample_and_commit_batch(self, slots, idx, view, mask, n_visible, span, sets, kmax, scaled, forced, eos,
                                  bias_rows) -> torch.Tensor:

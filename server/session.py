@@ -331,20 +331,19 @@ class EngineSession(SessionInput):
         With a letter schedule, the speech also waits at the last letter laid, except
         at its start (`lay_letters_for_this_step`).
 
-        The rule is `SessionTable.start_verdicts`, which the engine runs for its batch, and
-        for a session with a letter schedule `ready_given` its verdict."""
-        verdict = self._table.start_verdicts(np.array([self._row]), self.timeline.table, np.array([self.timeline.slot]))
-        return self.ready_given(int(verdict[0]))
-
-    def ready_given(self, verdict: int) -> bool:
-        """The start policy given its verdict without the letter schedule
-        (`SessionTable.start_verdicts`): the schedule's part, which lays the letters the
-        speech reached (it changes no input of the verdict)."""
-        if self.n_in_memory == 0:  # nothing to lay yet
-            return False
-        self.lay_letters_reached()
+        The rule is `SessionTable.start_verdicts`, which the engine runs for its batch and
+        which leaves to this the sessions whose letter schedule must lay letters first."""
+        verdict = self._start_verdict(letters=True)
+        if verdict != session_table.ASK:
+            return verdict == session_table.READY
+        self.lay_letters_reached()  # (it changes no input of the verdict but the letters')
+        verdict = self._start_verdict(letters=False)
         return verdict == session_table.READY or (verdict == session_table.READY_IF_LETTERS_LAID
                                                   and self.lay_letters_for_this_step())
+
+    def _start_verdict(self, letters: bool) -> int:
+        rows, tl_rows = np.array([self._row]), np.array([self.timeline.slot])
+        return int(self._table.start_verdicts(rows, self.timeline.table, tl_rows, letters)[0])
 
     def lay_letters_reached(self) -> None:
         """Once the speech reaches the last letter laid, lay every letter the text so far
@@ -354,6 +353,7 @@ class EngineSession(SessionInput):
         a letter is laid once its window is complete, whenever that is."""
         if self.letters is not None and self.step_count >= self.letters.n_frames:
             self.letters.lay(self.step_count, final=self.text_complete)
+            self._letters_laid()
 
     def lay_letters_for_this_step(self) -> bool:
         """Whether the speech has a letter laid for this step: the first word is laid whole
@@ -364,7 +364,12 @@ class EngineSession(SessionInput):
         if self.letters is None or self.step_count < self.letters.n_frames:
             return True
         self.letters.lay_first_word(self.step_count)
+        self._letters_laid()
         return self.step_count < self.letters.n_frames
+
+    def _letters_laid(self) -> None:
+        """The start policy's rows read how far the letters are laid (`SessionTable.letters_frames`)."""
+        self._table.letters_frames[self._row] = self.letters.n_frames
 
     def waive_lookahead(self) -> None:
         """The chunks released so far are spoken without waiting for more text."""
@@ -377,6 +382,7 @@ class EngineSession(SessionInput):
         self.run_out_chars = self.n_chars
         if self.letters is not None:
             self.letters.lay(self.step_count, final=True)
+            self._letters_laid()
 
     def running_out(self) -> bool:
         """Whether the speech, its stream at the end of the text, steps on to finish the

@@ -35,8 +35,10 @@ if TYPE_CHECKING:
 # `SessionTable.phase` codes (`Phase` in server/session.py names them)
 WAITING, RUNNING, ENDED = 0, 1, 2
 
-# the start policy's verdicts (`start_verdicts`)
-NOT_READY, READY, READY_IF_LETTERS_LAID = 0, 1, 2
+# the start policy's verdicts (`start_verdicts`): READY_IF_LETTERS_LAID where the letter
+# schedule is left out and would have the last word; ASK where the schedule must first
+# lay letters the speech reached (Python: `EngineSession.lookahead_ready`)
+NOT_READY, READY, READY_IF_LETTERS_LAID, ASK = 0, 1, 2, 3
 
 NEVER = np.iinfo(np.int64).max  # a `words_mark` no progress reaches
 
@@ -72,7 +74,8 @@ _FIELDS = {
     "run_out_tail": (np.int64, 0),
     "max_steps": (np.float64, np.inf),
     "overrun_steps": (np.float64, np.inf),
-    "has_letters": (np.bool_, False),  # a letter schedule: its own rules run in Python
+    "has_letters": (np.bool_, False),  # a letter schedule (models/front_end.py)
+    "letters_frames": (np.int64, 0),  # the frames its letters are laid on (`LetterSchedule.n_frames`)
 }
 FIELDS = tuple(_FIELDS)
 
@@ -86,14 +89,20 @@ def _running_out(run_out_chars, n_chars, covered_chars, eos_added, step, covered
 
 def _start_verdicts(rows, tl_rows, in_memory, count, tau, fixed_tau_max, fixed_below, text_chunk, n_future,
                     start_future, eos_added, covered_chars, n_chars, run_out_chars, step_count, covered_step, lag,
-                    tail, waived_through, out):
-    """`EngineSession.lookahead_ready` of each row (its timeline's row in `tl_rows`), but
-    for its letter schedule's part: READY_IF_LETTERS_LAID where that part decides."""
+                    tail, waived_through, has_letters, letters_frames, use_letters, out):
+    """`EngineSession.lookahead_ready` of each row (its timeline's row in `tl_rows`): with
+    `use_letters`, ASK for a row whose letter schedule must lay letters first (the
+    speech reached its last letter laid); without, READY_IF_LETTERS_LAID where the
+    schedule would have the last word. While the speech is before its last letter laid
+    the schedule lays nothing and lets it step."""
     for r in range(len(rows)):
         s, t = rows[r], tl_rows[r]
         n = in_memory[t]
         if n == 0:
             out[r] = NOT_READY
+            continue
+        if use_letters and has_letters[s] and step_count[s] >= letters_frames[s]:
+            out[r] = ASK
             continue
         if eos_added[s]:
             out[r] = READY
@@ -111,10 +120,11 @@ def _start_verdicts(rows, tl_rows, in_memory, count, tau, fixed_tau_max, fixed_b
         if c > waived_through[s] and whole - 1 < k + min(n_future[t], start_future[s] + k):
             out[r] = NOT_READY
         else:
-            out[r] = READY_IF_LETTERS_LAID
+            out[r] = READY if use_letters else READY_IF_LETTERS_LAID
 
 
-def _runaway(rows, tl_rows, step_count, max_steps, eos_added, overrun, progress_step, count, fixed, placed_through, tau, out):
+def _runaway(rows, tl_rows, step_count, max_steps, eos_added, overrun, progress_step, count, fixed, placed_through,
+             tau, out):
     """`EngineSession.must_end` of each row (its timeline's row in `tl_rows`)."""
     for r in range(len(rows)):
         s, t = rows[r], tl_rows[r]
@@ -224,17 +234,19 @@ class SessionTable:
             return 0.0 if first != first else float(self.audio_sent_s[rows] - (now - first))
         return np.where(np.isnan(first), 0.0, self.audio_sent_s[rows] - (now - first))
 
-    def start_verdicts(self, rows: np.ndarray, timelines: "SpeechTimelines",
-                       tl_rows: Optional[np.ndarray] = None) -> np.ndarray:
+    def start_verdicts(self, rows: np.ndarray, timelines: "SpeechTimelines", tl_rows: Optional[np.ndarray] = None,
+                       letters: bool = True) -> np.ndarray:
         """The start policy of each row (`EngineSession.lookahead_ready`), its timeline in
-        row `tl_rows` of `timelines` (default: `rows`): NOT_READY, READY, or
-        READY_IF_LETTERS_LAID where a letter schedule has the last word."""
+        row `tl_rows` of `timelines` (default: `rows`): NOT_READY, READY, or, with
+        `letters`, ASK where its letter schedule must lay letters first; without,
+        READY_IF_LETTERS_LAID where the schedule would have the last word."""
         out = np.empty(len(rows), np.int8)
         tl = timelines
-        _start_verdicts(rows, rows if tl_rows is None else tl_rows, tl.in_memory, tl.count, tl.tau, tl.fixed_tau_max, tl.fixed_below, tl.text_chunk,
-                        tl.n_future, self.start_future_chunks, self.eos_added, self.covered_chars, self.n_chars,
-                        self.run_out_chars, self.step_count, self.covered_step, self.audio_lag_frames,
-                        self.run_out_tail, self.lookahead_waived_through, out)
+        _start_verdicts(rows, rows if tl_rows is None else tl_rows, tl.in_memory, tl.count, tl.tau, tl.fixed_tau_max,
+                        tl.fixed_below, tl.text_chunk, tl.n_future, self.start_future_chunks, self.eos_added,
+                        self.covered_chars, self.n_chars, self.run_out_chars, self.step_count, self.covered_step,
+                        self.audio_lag_frames, self.run_out_tail, self.lookahead_waived_through, self.has_letters,
+                        self.letters_frames, letters, out)
         return out
 
     def runaway(self, rows: np.ndarray, timelines: "SpeechTimelines",
@@ -243,8 +255,8 @@ class SessionTable:
         `start_verdicts`."""
         out = np.empty(len(rows), np.bool_)
         tl = timelines
-        _runaway(rows, rows if tl_rows is None else tl_rows, self.step_count, self.max_steps, self.eos_added, self.overrun_steps, self.progress_step,
-                 tl.count, tl.fixed, tl.placed_through, tl.tau, out)
+        _runaway(rows, rows if tl_rows is None else tl_rows, self.step_count, self.max_steps, self.eos_added,
+                 self.overrun_steps, self.progress_step, tl.count, tl.fixed, tl.placed_through, tl.tau, out)
         return out
 
     def book_step(self, rows: np.ndarray, progress: np.ndarray, has_frame: np.ndarray, frames: np.ndarray,
@@ -257,7 +269,7 @@ class SessionTable:
         `has_frame`) appended to its pending frames, whether its last frame was emitted
         (`done`). Returns the rows whose progress reached their `words_mark`: their word
         timings change at this step's frame (`EngineSession.track_words`)."""
-        self._fit(int(self.n_pending[rows].max(initial=0)) + 1, frames.shape[1])
+        self._fit(int(self.n_pending.max()) + 1, frames.shape[1])
         track = np.empty(len(rows), np.bool_)
         _book(rows, progress, has_frame, frames, done, self.step_count, self.last_progress, self.progress_step,
               self.n_chars, self.covered_chars, self.covered_step, self.words_mark, self.n_pending, self.pending,

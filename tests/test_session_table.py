@@ -118,7 +118,8 @@ def test_a_step_between_ticks_runs_no_sessions_own_rules_in_steady_state(monkeyp
         steady = len(slots) == n and all(eng.table.clocked[slots]) and all(eng.table.phase[slots] == RUNNING)
         step(slots)
         if steady:
-            counts.append((eng.clock.steps, {k: v - before.get(k, 0) for k, v in calls.items() if v > before.get(k, 0)}))
+            during = {k: v - before.get(k, 0) for k, v in calls.items() if v > before.get(k, 0)}
+            counts.append((eng.clock.steps, during))
         if len(counts) >= 12:
             done.set()
     done = threading.Event()
