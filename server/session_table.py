@@ -15,9 +15,8 @@ own, so that an ended session never reads the row a later session took.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
-
 import math
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -201,8 +200,9 @@ class SessionTable:
         for name in FIELDS:
             getattr(self, name)[slot] = getattr(own, name)[0]
         n = int(own.n_pending[0])
-        self._fit(n, own.pending.shape[2])
-        self.pending[slot, :n] = own.pending[0, :n]
+        if n:
+            self._fit(n, own.pending.shape[2])
+            self.pending[slot, :n] = own.pending[0, :n]
 
     def unbind(self, slot: int) -> "SessionTable":
         """A session's row, as its own table from now on; the slot's row is free."""
@@ -217,12 +217,14 @@ class SessionTable:
         return own
 
     def _fit(self, frames: int, codebooks: int) -> None:
-        """Room for `frames` pending frames of `codebooks` codes a row."""
+        """Room for `frames` pending frames of `codebooks` codes a row (a table made
+        without a width takes the first frames')."""
         rows, capacity, width = self.pending.shape
+        if width and codebooks != width:
+            raise ValueError(f"frames of {codebooks} codes for rows of {width}")
         if frames > capacity or codebooks != width:  # rare: the rows double
             grown = np.zeros((rows, max(capacity, 1 << max(frames - 1, 0).bit_length()), codebooks), np.int64)
-            if codebooks == width:
-                grown[:, :capacity] = self.pending
+            grown[:, :capacity] = self.pending
             self.pending = grown
 
     # --- rows of a batch ---------------------------------------------------------------

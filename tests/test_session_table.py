@@ -77,6 +77,21 @@ def test_an_ended_sessions_fields_stay_its_own_when_its_slot_is_taken():
     assert table.phase[1] == WAITING
 
 
+def test_a_sessions_pending_frames_stay_as_others_take_and_leave_their_rows():
+    table = SessionTable(3, codebooks=2)
+    table.add_frames(np.array([0]), np.array([[5, 6]]))
+    table.add_frames(np.array([0]), np.array([[7, 8]]))
+    for row in (1, 2):  # others admitted (a new session's own row holds no frames) and ended
+        s = EngineSession(f"s{row}", SessionConfig(), None, lambda ev: None, lambda *x: None, LIMITS, audio_lag_frames=8)
+        s.bind_row(table, row)
+        table.add_frames(np.array([row]), np.array([[row, row]]))
+        s.phase = Phase.ENDED
+        s.unbind_row()
+        assert s.n_pending == 1
+    assert table.n_pending.tolist() == [2, 0, 0]
+    assert table.take_frames(np.array([0]), 2).tolist() == [[[5, 6], [7, 8]]]
+
+
 def test_pending_frames_come_out_oldest_first_and_the_rows_grow():
     table = SessionTable(3, codebooks=2)
     rows = np.array([0, 2])
