@@ -73,6 +73,7 @@ class Engine:
         self.memory = TextMemory(self.runner, bundle.tokenizer, bundle.model.cfg.max_text_tokens, self.metrics,
                                  config.spoken_form)
         self.timelines = SpeechTimelines(config.max_sessions)  # a row a slot: its session's timeline
+        self.table.compile_rules(self.timelines)
         self.scheduler = Scheduler(config.max_lead_s, config.yield_lead_s)
         self._session_limits = SessionLimits(config.max_text_piece_chars, config.max_session_text_chars,
                                              config.max_session_s, config.max_overrun_s)

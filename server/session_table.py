@@ -153,8 +153,10 @@ def _book(rows, progress, has_frame, frames, done, step_count, last_progress, pr
         track[r] = p >= words_mark[s]
         step_count[s] = step + 1
         if has_frame[r]:
-            pending[s, n_pending[s], :] = frames[r]
-            n_pending[s] += 1
+            k = n_pending[s]
+            for q in range(frames.shape[1]):
+                pending[s, k, q] = frames[r, q]
+            n_pending[s] = k + 1
         if done[r]:
             done_decoding[s] = True
 
@@ -193,6 +195,18 @@ class SessionTable:
         self.run_out_tail[row] = math.ceil(config.min_packet_ms * FRAME_RATE / 1000) + 1
         self.max_steps[row] = limits.max_session_s * FRAME_RATE
         self.overrun_steps[row] = limits.max_overrun_s * FRAME_RATE
+
+    def compile_rules(self, timelines: "SpeechTimelines") -> None:
+        """Compile the rules for this table's arrays now: numba compiles at a function's
+        first call (~1.3 s in a fresh process on the 2-core VM, where no cache is kept
+        yet), which must not fall on a session's first audio."""
+        none = np.zeros(0, np.int64)
+        self.start_verdicts(none, timelines)
+        self.runaway(none, timelines)
+        self.book_step(none, none, np.zeros(0, np.bool_), np.zeros((0, self.pending.shape[2]), np.int64),
+                       np.zeros(0, np.bool_))
+        running_out(self.run_out_chars[0], self.n_chars[0], self.covered_chars[0], self.eos_added[0],
+                    self.step_count[0], self.covered_step[0], self.audio_lag_frames[0], self.run_out_tail[0])
 
     # --- a session's row ---------------------------------------------------------------
     def bind(self, slot: int, own: "SessionTable") -> None:
