@@ -320,6 +320,12 @@ def _clock(core: str) -> list[str] | None:
     return None
 
 
+def _part(piece: str) -> list[str]:
+    """A piece of a word joined by "/", "-" or digits: a letter alone spelled ("A/B", "USB-C"),
+    any other piece as its own word is said."""
+    return _letters(piece) if len(piece) == 1 else _core(piece) or [piece]
+
+
 def _fraction_name(a: int, b: int) -> list[str]:
     """The name of a/b's parts ("half", "thirds")."""
     name = {2: ["half"], 4: ["quarter"]}.get(b) or ordinal(b)
@@ -403,7 +409,7 @@ def _core(core: str) -> list[str] | None:
     if _IP_RE.fullmatch(core):
         return [w for i, p in enumerate(core.split(".")) for w in (["dot"] if i else []) + cardinal(int(p))]
     if _SLASHED_WORDS_RE.fullmatch(core):  # "A/B" ay bee, "input/output": the slash not said
-        return [w for p in core.split("/") for w in (_letters(p) if len(p) == 1 else _core(p) or [p])]
+        return [w for p in core.split("/") for w in _part(p)]
     if _SLASHED_RE.fullmatch(core):  # dates, versions: each number, "slash" between
         parts = [_number(p) for p in core.split("/")]
         return [w for i, p in enumerate(parts) for w in (["slash"] if i else []) + p]
@@ -442,7 +448,7 @@ def _core(core: str) -> list[str] | None:
             return words[:-1] + [words[-1] + plural]
         return None
     if _HYPHENATED_RE.fullmatch(core) and any(p.isupper() for p in core.split("-")):  # "USB-C", "T-shirt"
-        return [w for p in core.split("-") for w in (_letters(p) if len(p) == 1 else _core(p) or [p])]
+        return [w for p in core.split("-") for w in _part(p)]
     if re.search(r"\d|[&+=@%#×°]", core) and re.search(r"[\dA-Za-z]", core) and _MIXED_RE.fullmatch(core):
         # letters, digits and symbols run together ("H100", "COVID-19", "R&D", "3D", "v2"):
         # each run read on its own; a hyphen or dot between them is not said
@@ -455,10 +461,8 @@ def _core(core: str) -> list[str] | None:
                 out += _number(*piece.split("."), as_year=False) if "." in piece else _paired(piece)
             elif piece in _SYMBOLS:
                 out += _SYMBOLS[piece].split()
-            elif len(piece) == 1:
-                out += _letters(piece)
             else:
-                out += _core(piece) or [piece]
+                out += _part(piece)
         return out
     return None
 
