@@ -74,7 +74,7 @@ class _InRow:
 @dataclass(frozen=True)
 class SessionLimits:
     """The engine's limits on a session: its text, checked as the text comes in, and its
-    speech (`EngineSession.must_end`)."""
+    speech (the runaway guard, `SessionTable.runaway`)."""
     max_text_piece_chars: int
     max_session_text_chars: int
     max_session_s: float  # also: a speech-time timestamp may not be past it
@@ -450,12 +450,6 @@ class EngineSession(SessionInput):
         if self.eos_added and self.step_count >= self.letters.n_frames:
             return graphemes.EOS
         return self.letters.grapheme(self.step_count)
-
-    def must_end(self) -> bool:
-        """Runaway guard once the text is complete: speech running past the (re-placed)
-        end of the text, or no transcript progress for a while, ends with EOS
-        (`SessionTable.runaway`, which the engine runs for its batch)."""
-        return bool(self._table.runaway(np.array([self._row]), self.timeline.table, np.array([self.timeline.slot]))[0])
 
     def waiting_for_text(self) -> bool:
         """Whether the speech is held up for want of text (not started, or the text ran dry)."""

@@ -124,7 +124,7 @@ def _start_verdicts(rows, tl_rows, in_memory, count, tau, fixed_tau_max, fixed_b
 
 def _runaway(rows, tl_rows, step_count, max_steps, eos_added, overrun, progress_step, count, fixed, placed_through,
              tau, out):
-    """`EngineSession.must_end` of each row (its timeline's row in `tl_rows`)."""
+    """`SessionTable.runaway`, row after row (its timeline's row in `tl_rows`)."""
     for r in range(len(rows)):
         s, t = rows[r], tl_rows[r]
         step = step_count[s]
@@ -267,8 +267,10 @@ class SessionTable:
 
     def runaway(self, rows: np.ndarray, timelines: "SpeechTimelines",
                 tl_rows: Optional[np.ndarray] = None) -> np.ndarray:
-        """The runaway guard of each row (`EngineSession.must_end`), its timeline as in
-        `start_verdicts`."""
+        """The runaway guard of each row, its timeline as in `start_verdicts`: once the
+        text is complete, speech running past the (re-placed) end of the text, or without
+        transcript progress for a while, ends with EOS; and any speech at the longest
+        session's length."""
         out = np.empty(len(rows), np.bool_)
         tl = timelines
         _runaway(rows, rows if tl_rows is None else tl_rows, self.step_count, self.max_steps, self.eos_added,
@@ -291,15 +293,6 @@ class SessionTable:
               self.n_chars, self.covered_chars, self.covered_step, self.words_mark, self.n_pending, self.pending,
               self.done_decoding, track)
         return track
-
-    def add_frames(self, rows: np.ndarray, frames: np.ndarray) -> None:
-        """Append a completed frame's codes to each row's pending frames."""
-        at = self.n_pending[rows]
-        most = int(at.max(initial=0)) + 1
-        if most > self.pending.shape[1] or frames.shape[1] != self.pending.shape[2]:
-            self._fit(most, frames.shape[1])
-        self.pending[rows, at] = frames
-        self.n_pending[rows] = at + 1
 
     def take_frames(self, rows: np.ndarray, n: int) -> np.ndarray:
         """The oldest `n` pending frames of each row, [rows, n, codebooks], off its pending

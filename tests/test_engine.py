@@ -491,8 +491,9 @@ def driven_sessions(eng: Engine, voice, in_hand_s, monkeypatch) -> list[tuple[En
         eng._apply_commands()  # admits it
         held[s.slot] = ahead_s
         s.frames_done, s.first_packet_at = 2, 0.0  # past its first packet: its calls go to the thread
-        for _ in range(8):
-            eng.table.add_frames(np.array([s.slot]), np.ones((1, q), np.int64))
+        for _ in range(8):  # eight steps, a completed frame each
+            eng.table.book_step(np.array([s.slot]), np.zeros(1, np.int64), np.ones(1, np.bool_),
+                                np.ones((1, q), np.int64), np.zeros(1, np.bool_))
         out.append((s, c))
     return out
 

@@ -19,6 +19,13 @@ from livespeech.server.session_table import ENDED, RUNNING, WAITING, SessionTabl
 LIMITS = SessionLimits(1000, 100_000, 600.0, 5.0)
 
 
+def add_frames(table: SessionTable, rows, frames) -> None:
+    """Each row steps once with a completed frame (`frames`, a row of codes each)."""
+    rows, frames = np.asarray(rows, np.int64), np.asarray(frames, np.int64)
+    none = np.zeros(len(rows), np.int64)
+    table.book_step(rows, none, np.ones(len(rows), np.bool_), frames, none.astype(np.bool_))
+
+
 def table_sessions(n: int, rng: np.random.Generator) -> tuple[SessionTable, list[EngineSession]]:
     """`n` sessions bound to the rows of a table, in random packet states."""
     table = SessionTable(n, codebooks=2)
@@ -32,7 +39,7 @@ def table_sessions(n: int, rng: np.random.Generator) -> tuple[SessionTable, list
         s.done_decoding = bool(rng.random() < 0.1)
         s.frames_done = int(rng.choice([0, 3, 12, 60]))
         for _ in range(int(rng.integers(0, 20))):
-            table.add_frames(np.array([row]), np.zeros((1, 2), np.int64))
+            add_frames(table, np.array([row]), np.zeros((1, 2), np.int64))
         s.first_packet_at, s.audio_sent_s = 0.0, float(rng.uniform(0, 2))
         sessions.append(s)
     return table, sessions
@@ -64,8 +71,7 @@ def test_an_ended_sessions_fields_stay_its_own_when_its_slot_is_taken():
     a.step_count, a.frames_done = 5, 3  # before it is admitted: its own row
     a.bind_row(table, 1)
     assert (a.step_count, a.frames_done, a.phase) == (5, 3, Phase.WAITING)
-    table.add_frames(np.array([1]), np.array([[7, 8]]))
-    a.step_count += 1
+    add_frames(table, np.array([1]), np.array([[7, 8]]))  # a step: its count moves on
     a.phase = Phase.ENDED
     a.unbind_row()
     assert table.phase[1] == ENDED and table.n_pending[1] == 0  # the row is free
@@ -79,12 +85,13 @@ def test_an_ended_sessions_fields_stay_its_own_when_its_slot_is_taken():
 
 def test_a_sessions_pending_frames_stay_as_others_take_and_leave_their_rows():
     table = SessionTable(3, codebooks=2)
-    table.add_frames(np.array([0]), np.array([[5, 6]]))
-    table.add_frames(np.array([0]), np.array([[7, 8]]))
+    add_frames(table, np.array([0]), np.array([[5, 6]]))
+    add_frames(table, np.array([0]), np.array([[7, 8]]))
     for row in (1, 2):  # others admitted (a new session's own row holds no frames) and ended
-        s = EngineSession(f"s{row}", SessionConfig(), None, lambda ev: None, lambda *x: None, LIMITS, audio_lag_frames=8)
+        s = EngineSession(f"s{row}", SessionConfig(), None, lambda ev: None, lambda *x: None, LIMITS,
+                          audio_lag_frames=8)
         s.bind_row(table, row)
-        table.add_frames(np.array([row]), np.array([[row, row]]))
+        add_frames(table, np.array([row]), np.array([[row, row]]))
         s.phase = Phase.ENDED
         s.unbind_row()
         assert s.n_pending == 1
@@ -96,7 +103,7 @@ def test_pending_frames_come_out_oldest_first_and_the_rows_grow():
     table = SessionTable(3, codebooks=2)
     rows = np.array([0, 2])
     for k in range(20):  # past the first capacity of 8
-        table.add_frames(rows, np.array([[k, -k], [100 + k, 0]]))
+        add_frames(table, rows, np.array([[k, -k], [100 + k, 0]]))
     assert table.n_pending.tolist() == [20, 0, 20]
     got = table.take_frames(rows, 6)
     assert got.shape == (2, 6, 2)
@@ -117,7 +124,7 @@ def test_a_step_between_ticks_runs_no_sessions_own_rules_in_steady_state(monkeyp
                         lambda self, rows, now: np.full(np.shape(rows), 50.0))
     eng = Engine(random_bundle(), EngineConfig(max_sessions=n, max_lead_s=100.0, codec_thread=False))
     calls: collections.Counter = collections.Counter()
-    for cls, name in ((EngineSession, "lookahead_ready"), (EngineSession, "must_end"),
+    for cls, name in ((EngineSession, "lookahead_ready"),
                       (EngineSession, "audio_ahead_s"), (EngineSession, "begin_step"), (PacketPolicy, "due")):
         method = getattr(cls, name)
 
