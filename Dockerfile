@@ -44,7 +44,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     MAX_JOBS=4
 WORKDIR /src
 COPY . .
-RUN VENV=/opt/livespeech EDITABLE=0 EXTRAS="" TORCH_SPEC="${TORCH_SPEC}" bash scripts/install.sh
+RUN VENV=/opt/livespeech EDITABLE=0 EXTRAS="" NATIVE_STEP=0 TORCH_SPEC="${TORCH_SPEC}" bash scripts/install.sh
 # the `cuda` extra (mamba-ssm) builds against the installed torch: no build isolation,
 # or pip would compile it against whatever torch its isolated build env downloads
 RUN /opt/livespeech/bin/python -m pip install packaging==25.0 ninja==1.13.0 wheel==0.45.1 \
@@ -58,14 +58,22 @@ RUN /opt/livespeech/bin/python -P -c "import livespeech.api.protocol" \
 FROM ${PYTHON_IMAGE} AS cpu-build
 ARG TORCH_CPU_INDEX
 ARG TORCH_SPEC
+# the C++ compiler builds the native CPU step once, here (models/native_step.py); the
+# runtime image runs that build and carries no compiler
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_EXTRA_INDEX_URL=${TORCH_CPU_INDEX}
 WORKDIR /src
 COPY . .
 RUN VENV=/opt/livespeech EDITABLE=0 EXTRAS="" TORCH_SPEC="${TORCH_SPEC}" bash scripts/install.sh
-# compile the wire protocol module now: the runtime root filesystem is read-only
+# compile the wire protocol module now: the runtime root filesystem is read-only; and
+# check that the native CPU step was built (install.sh kept it beside the package)
 RUN /opt/livespeech/bin/python -P -c "import livespeech.api.protocol" \
+ && /opt/livespeech/bin/python -P -c "from livespeech.models import native_step; native_step.build(native_step.INSTALLED_BUILDS)" \
  && /opt/livespeech/bin/livespeech serve --help > /dev/null
 
 # ------------------------------------------------------------------ runtime bases

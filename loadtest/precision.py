@@ -98,20 +98,21 @@ def measure(bundle, sessions: int, turns: int, top_k: int = 20, draws: int = 32,
     rows: dict[str, list[dict]] = {"graphemes": [], "acoustic": []}
     batches: list[int] = []
 
-    def low_step(inputs, frame, view, mask, phones):
+    def low_step(inputs, frame, view, mask, phones, kw):
         state = {name: getattr(view, name).clone() for name in ("conv", "ssm")}  # the step writes them
         state.update({name: getattr(view, name).to(bf16) for name in rounded})
         low_view = dataclasses.replace(view, **state)
         if arm in CPU_ARMS:
-            return step(inputs, frame, low_view, mask, runner.low_precision, phones=phones)
+            return step(inputs, frame, low_view, mask, runner.low_precision, phones=phones, **kw)
         return low_model.step(inputs, frame, low_view, mask, None if arm == "decoder" else bf16, phones=phones)
 
-    def both(inputs, frame, view, mask, dtype=None, phones=None):
-        # the low-precision step from a copy of the recurrent state; the float32 one goes on
+    def both(inputs, frame, view, mask, dtype=None, phones=None, **kw):
+        # the low-precision step from a copy of the recurrent state; the float32 one goes on.
+        # kw: what the runner's step takes besides (the native step's voices)
         if inputs.shape[0] < min_batch:
-            return step(inputs, frame, view, mask, None, phones=phones)
-        low = low_step(inputs, frame, view, mask, phones)
-        out = step(inputs, frame, view, mask, None, phones=phones)
+            return step(inputs, frame, view, mask, None, phones=phones, **kw)
+        low = low_step(inputs, frame, view, mask, phones, kw)
+        out = step(inputs, frame, view, mask, None, phones=phones, **kw)
         batches.append(inputs.shape[0])
         rows["graphemes"].append(_row_stats(out.graphemes.float(), low.graphemes.float(), top_k, draws, gen))
         v = out.acoustic.shape[-1]

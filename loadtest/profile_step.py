@@ -42,7 +42,8 @@ Cost model: FLOPs and bytes of one step are counted from the model's parameter s
 (weights read once per step; per-session MACs; per-session state read/written),
 cross-checked with torch's FlopCounterMode, and compared with this machine's sgemm
 throughput and memcpy bandwidth, both measured in the same run with the same thread
-count: `roofline_fraction` = max(FLOPs / peak FLOP/s, bytes / peak B/s) / measured time.
+count: `roofline_fraction` = max(FLOPs / peak FLOP/s, bytes / peak B/s) / measured time
+(`roofline_fraction_plain`: against the uninstrumented run's step).
 A step with bfloat16 or int8 matmul weights (`--matmul-weights`; bfloat16 from batch 2 on
 the CPU) counts the matmuls it runs in that precision at the measured bf16 gemm (or int8
 dynamically quantised linear) throughput and their weights at 2 (or 1) bytes.
@@ -230,7 +231,8 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     """Run the engine on `batch` sessions of `text_chars` characters each (all sent at
     once, like an LLM far ahead of the speech; a finished session is replaced at once)
     and time `steps` steps after `warmup`. paths: `EngineConfig` fields picking the
-    step's paths (cuda_graphs, frozen_step, matmul_weights, onnx_codec, device_guidance).
+    step's paths (cuda_graphs, frozen_step, native_step, matmul_weights, onnx_codec,
+    device_guidance).
     trace_shapes: the trace's op table by input shapes as well (recording them slows the
     ops it times)."""
     from livespeech.server.engine import Engine, EngineConfig
@@ -247,7 +249,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     scopes = Scopes(record_function, per_call=("engine.step",))
     if bundle.device.type == "cuda":
         scopes.sync = torch.cuda.synchronize
-    frozen = engine.runner.frozen  # before the wrappers replace its step
+    frozen, native = engine.runner.frozen, engine.runner.native  # before the wrappers replace its step
     patches = install(scopes, engine, fine)
     n_steps = [0]
     batch_sizes: list[int] = []
@@ -316,7 +318,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     window = step_starts[-1] - step_starts[0]
     out = {"steps": steps, "window_s": window, "iteration_ms": 1000 * window / steps,
            "mean_batch": statistics.fmean(batch_sizes), "sessions_opened": opened, "sessions_finished": finished[0],
-           "frozen_step": frozen, "matmul_weights": engine.config.matmul_weights,
+           "frozen_step": frozen, "native_step": native, "matmul_weights": engine.config.matmul_weights,
            "low_precision_from_batch": engine.runner.low_precision_from_batch,
            "incl": dict(scopes.incl), "excl": dict(scopes.excl), "calls": dict(scopes.calls),
            "parent": dict(scopes.parent), "per_call": {k: list(v) for k, v in scopes.per_call.items()}}
@@ -608,6 +610,7 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
         rows, cats = scope_table(run)
         # what the runner made of the request
         out["frozen_step"], out["matmul_weights"] = run["frozen_step"], run["matmul_weights"]
+        out["native_step"] = run["native_step"]
         out["low_precision_from_batch"] = run["low_precision_from_batch"]
         plain_ms = own_ms = own_median_ms = None
         if plain:
@@ -631,6 +634,9 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
                  weight_mbytes=(weight_bytes + ccost["weight_bytes"] / pf) / 1e6,
                  state_mbytes_per_session=cost["state_bytes_per_session"] / 1e6,
                  model_only=roofline(model_flops, model_bytes, model_s, machine, low_flops))
+        # the same bound against the uninstrumented step: the fine wrappers' Python is not
+        # the step's cost (0.1-1.2 ms a step at batch 16 on the 2-core VMs)
+        c["roofline_fraction_plain"] = (max(c["t_flops_ms"], c["t_bytes_ms"]) / plain_ms if plain_ms else None)
         ops = counted["aten_ops_runner_step"]
         runner_s = run["incl"].get("runner.step", 0.0) / steps
         out["batches"].append({
@@ -685,8 +691,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="the model step replayed from a CUDA graph (its time then shows in runner.step)")
     ap.add_argument("--eager-step", action="store_true",
-                    help="the eager model step on the CPU, whose layers are timed one by one (default: the frozen "
-                         "graph the server runs, timed as one scope)")
+                    help="the eager model step on the CPU, whose layers are timed one by one (default: the step "
+                         "the server runs, native or a frozen graph, timed as one scope)")
+    ap.add_argument("--no-native-step", action="store_true",
+                    help="the frozen TorchScript graph rather than the native step (models/native_step.py)")
     ap.add_argument("--device-guidance", action="store_true",
                     help="every session's guidance as tensors on the device (the server's --device-guidance)")
     add_path_arguments(ap)
@@ -707,6 +715,7 @@ def main(argv=None) -> int:
     res = profile(bundle, args.batch, args.steps, args.warmup, torch.get_num_threads(),
                   Path(args.trace) if args.trace else None, plain=not args.no_plain, text_chars=args.text_chars,
                   paths=dict(cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
+                             native_step=not args.no_native_step,
                              matmul_weights=matmul_weights(args.matmul_weights, args.device),
                              onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device),
                              device_guidance=args.device_guidance),

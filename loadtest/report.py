@@ -279,6 +279,7 @@ def render_profile_markdown(prof: dict) -> str:
              f"{prof.get('text_chars', '?')} characters of text per session.\n")
     for row in prof.get("batches", []):
         graphs = (", the model step replayed from a CUDA graph" if prof.get("cuda_graphs") else
+                  ", the model step as one native call (one scope)" if prof.get("native_step") else
                   ", the model step as a frozen TorchScript graph (one scope)" if prof.get("frozen_step") else "")
         if prof.get("matmul_weights", "float32") != "float32":
             graphs += f", {prof['matmul_weights']} matmul weights from batch {prof.get('low_precision_from_batch')}"
@@ -296,7 +297,8 @@ def render_profile_markdown(prof: dict) -> str:
                  f"(weights {_f(c.get('weight_mbytes'), '{:.2f}')} MB once + state {_f(c.get('state_mbytes_per_session'), '{:.3f}')} MB per session)")
         L.append(f"- physical limit: {_f(c.get('t_flops_ms'), '{:.3f}')} ms (compute) / {_f(c.get('t_bytes_ms'), '{:.3f}')} ms "
                  f"(memory) -> the step runs at **{_f(100 * c['roofline_fraction'] if c.get('roofline_fraction') is not None else None, '{:.1f}')}%** "
-                 f"of the roofline bound ({_f(c.get('achieved_gflops'), '{:.2f}')} GFLOP/s, {_f(c.get('achieved_gbs'), '{:.2f}')} GB/s)\n")
+                 f"of the roofline bound ({_f(c.get('achieved_gflops'), '{:.2f}')} GFLOP/s, {_f(c.get('achieved_gbs'), '{:.2f}')} GB/s); "
+                 f"uninstrumented **{_f(100 * c['roofline_fraction_plain'] if c.get('roofline_fraction_plain') is not None else None, '{:.1f}')}%**\n")
         L.append("| scope | ms / step | % | calls / step |")
         L.append("|---|---|---|---|")
         for s in row.get("scopes", []):

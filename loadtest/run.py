@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--spawn: the server replays its decode step from a CUDA graph (CUDA devices)")
     g.add_argument("--server-eager-step", action="store_true",
                    help="--spawn: the server runs its CPU decode step eagerly, not as a frozen graph")
+    g.add_argument("--server-frozen-step", action="store_true",
+                   help="--spawn: the server's CPU decode step as the frozen graph, not the native step")
     g.add_argument("--server-device-guidance", action="store_true",
                    help="--spawn: the server keeps every session's guidance as tensors on its device")
     g.add_argument("--server-engine-processes", type=int, default=-1,
@@ -405,12 +407,13 @@ def profile_batches(args: argparse.Namespace, sweep: dict) -> list[int]:
 
 def step_paths(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The spawned server's step paths (`--server-cuda-graphs`, `--server-eager-step`,
-    `--server-device-guidance`) as the server's flags and as profile_step's, so that the
-    profile after a sweep steps as the server did."""
+    `--server-frozen-step`, `--server-device-guidance`) as the server's flags and as
+    profile_step's, so that the profile after a sweep steps as the server did."""
     server: list[str] = []
     profile: list[str] = []
     for on, server_flag, profile_flag in ((args.server_cuda_graphs, ["--cuda-graphs", "true"], "--cuda-graphs"),
                                           (args.server_eager_step, ["--frozen-step", "false"], "--eager-step"),
+                                          (args.server_frozen_step, ["--native-step", "false"], "--no-native-step"),
                                           (args.server_device_guidance, ["--device-guidance", "true"],
                                            "--device-guidance")):
         if on:

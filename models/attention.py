@@ -105,6 +105,13 @@ class CrossAttention(nn.Module):
         out = torch.matmul(w[..., :n], enr_v) + torch.matmul(w[..., n:], txt_v)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    def step_weights(self, matmul_dtype: Optional[torch.dtype] = None) -> tuple:
+        """The q and out projections' weights as a step multiplies them (`matmul_t`),
+        derived once (models/derived.py)."""
+        return derived(self, f"_step_weights_{matmul_dtype}", (self.q_proj.weight, self.out_proj.weight),
+                       lambda: (transposed(self.q_proj.weight, matmul_dtype),
+                                transposed(self.out_proj.weight, matmul_dtype)))
+
     def attend_step(self, x: torch.Tensor, q_rope: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,
                     bias: torch.Tensor, matmul_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Eq. 1 for one query per session, in one fused attention call.
@@ -118,9 +125,7 @@ class CrossAttention(nn.Module):
         matmul_dtype: the q and out projections' weights in it (models/derived.py).
         """
         b = x.shape[0]
-        w_q, w_out = derived(self, f"_step_weights_{matmul_dtype}", (self.q_proj.weight, self.out_proj.weight),
-                             lambda: (transposed(self.q_proj.weight, matmul_dtype),
-                                      transposed(self.out_proj.weight, matmul_dtype)))
+        w_q, w_out = self.step_weights(matmul_dtype)
         q = matmul_t(x, w_q).view(b, self.n_heads, self.head_dim)
         if torch.compiler.is_compiling():  # a product summed, which Inductor fuses: no matmul call
             q2 = (q.unsqueeze(-1) * q_rope.unsqueeze(1)).sum(-2)

@@ -10,6 +10,7 @@ runs on a `view` of any subset of slots (a plain slice when the slots are contig
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Iterator, Optional, Sequence, Union
@@ -113,6 +114,11 @@ class DecodeState(DecodeStateView):
         # anything reads the text memory, so a step's arriving words cost a few writes in
         # all rather than a few each
         st.pending_text = []
+        # each slot's voice as a number, equal for the slots whose enrollment memory is a
+        # copy of one tensor (`reset_slot`): a step may read that memory once for them
+        # (models/native_step.py). Numbered by the tensor's identity while it lives
+        st.voice = np.zeros(capacity, np.int64)
+        st._voice_numbers = {}  # id(enrollment K/V) -> (a weak reference to it, its number)
         return st
 
     @property
@@ -129,6 +135,7 @@ class DecodeState(DecodeStateView):
         self.mem_v[:, slot].zero_()
         self.mem_k[:, slot, :, :n, :hd] = enrollment_kv[:, 0]
         self.mem_v[:, slot, :, :n] = enrollment_kv[:, 1]
+        self.voice[slot] = self._voice_number(enrollment_kv)
         self.txt_chunk[slot] = -1
         self.txt_pos[slot] = 0
         self.host_chunk[slot] = -1
@@ -138,6 +145,18 @@ class DecodeState(DecodeStateView):
         self.inputs[slot] = self.none
         self.step[slot] = 0
         self.eos_frame[slot] = NO_EOS
+
+    def _voice_number(self, enrollment_kv: torch.Tensor) -> int:
+        """A number of its own for each enrollment K/V tensor while it lives (a tensor
+        made later at the same address gets a new one)."""
+        held = self._voice_numbers.get(id(enrollment_kv))
+        if held is not None and held[0]() is enrollment_kv:
+            return held[1]
+        if len(self._voice_numbers) >= 1024:  # forget the voices gone
+            self._voice_numbers = {k: v for k, v in self._voice_numbers.items() if v[0]() is not None}
+        number = 1 + max((v[1] for v in self._voice_numbers.values()), default=int(self.voice.max()))
+        self._voice_numbers[id(enrollment_kv)] = (weakref.ref(enrollment_kv), number)
+        return number
 
     def view(self, slots: Sequence[int], skip: Sequence[str] = (),
              memory_slots: Optional[int] = None) -> DecodeStateView:

@@ -188,21 +188,30 @@ class LiveSpeech2(nn.Module):
     def _fused_heads(self, g: int, hg: torch.Tensor, matmul_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, ...]:
         """Group g's heads on hg [B, D] as one matmul with their stacked, transposed weights."""
         a, z = self.cfg.group_slices()[g]
+        return matmul_t(hg, self.group_head_weights(g, matmul_dtype)).split(self.vocab_sizes[a:z], dim=-1)
+
+    def group_head_weights(self, g: int, matmul_dtype: Optional[torch.dtype] = None):
+        """Group g's heads stacked and transposed for `matmul_t`, derived once."""
+        a, z = self.cfg.group_slices()[g]
         heads = [self.heads[k].weight for k in range(a, z)]
-        w_t = derived(self, f"_group_heads_{g}_{matmul_dtype}", heads, lambda: transposed(torch.cat(heads), matmul_dtype))
-        return matmul_t(hg, w_t).split(self.vocab_sizes[a:z], dim=-1)
+        return derived(self, f"_group_heads_{g}_{matmul_dtype}", heads, lambda: transposed(torch.cat(heads), matmul_dtype))
 
     def _embed_step(self, inputs: torch.Tensor) -> torch.Tensor:
         """inputs [B, K] -> summed code embeddings [B, D], as one lookup in the stacked
         tables (K lookups and adds otherwise)."""
+        table, offsets = self.step_embedding()
+        return F.embedding(inputs + offsets, table).sum(1)
+
+    def step_embedding(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The code embeddings stacked [sum of (vocab + 1), D] and each codebook's first
+        row in it [K], derived once."""
         tables = [e.weight for e in self.code_emb]
 
         def build():
             sizes = torch.tensor([t.shape[0] for t in tables])
             offsets = torch.cumsum(sizes, 0) - sizes
             return torch.cat([t.detach() for t in tables]), offsets.to(tables[0].device)
-        table, offsets = derived(self, "_step_embedding", tables, build)
-        return F.embedding(inputs + offsets, table).sum(1)
+        return derived(self, "_step_embedding", tables, build)
 
     # --- inference ---------------------------------------------------------------
     def step(self, inputs: torch.Tensor, frame: torch.Tensor, state: "DecodeStateView",

@@ -288,7 +288,7 @@ class MambaBlock(nn.Module):
         y = self.scan(x, delta, A, B, C, _f32(self.D), z, self.chunk_size)
         return F.linear(y, self.out_proj.weight, self.out_proj.bias)
 
-    def _step_tensors(self, matmul_dtype: Optional[torch.dtype]) -> tuple:
+    def step_tensors(self, matmul_dtype: Optional[torch.dtype]) -> tuple:
         """What `step` reads, derived once (models/derived.py): A * log2(e), the conv
         weight as [d_inner, d_conv], the projections transposed (the in and out ones in
         `matmul_dtype`), and the biases and D themselves (in-place updates show through)."""
@@ -312,7 +312,7 @@ class MambaBlock(nn.Module):
         dtype (bfloat16; models/derived.py), None = the block's own.
         """
         squeeze = hidden_states.dim() == 3
-        A2, conv_w, ones, conv_b, w_in, b_in, w_x, w_dt, b_dt, D, w_out, b_out = self._step_tensors(matmul_dtype)
+        A2, conv_w, ones, conv_b, w_in, b_in, w_x, w_dt, b_dt, D, w_out, b_out = self.step_tensors(matmul_dtype)
         x, z = matmul_t(hidden_states.squeeze(1) if squeeze else hidden_states, w_in, b_in).chunk(2, dim=-1)
         # shift the conv window left by one and append x; a contiguous state shifts as one
         # flat copy (the element wrapping into each row's last slot is overwritten by x)

@@ -6,12 +6,15 @@
 #   EDITABLE=0  install a regular (non-editable) copy, as the container does
 #   TORCH_SPEC  torch requirement (default torch==2.13.0, the CPU wheel these machines
 #               carry; pip would otherwise pull a multi-GB CUDA build)
+#   NATIVE_STEP=0  skip building the native CPU step (models/native_step.py; default: built
+#               where a C++ compiler is, ~30 s, else the server steps through the frozen graph)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 EXTRAS=${EXTRAS-dev}
 EDITABLE=${EDITABLE:-1}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+NATIVE_STEP=${NATIVE_STEP:-1}
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
@@ -26,5 +29,12 @@ if [ "$EDITABLE" = 1 ]; then
   $PIP install -q -e "$target"
 else
   $PIP install -q "$target"
+fi
+if [ "$NATIVE_STEP" = 1 ]; then
+  if "$VENV/bin/python" -m livespeech.models.native_step >/dev/null 2>&1; then
+    echo "the native CPU step is built"
+  else
+    echo "warning: the native CPU step was not built (no C++ compiler?); the server steps through the frozen graph"
+  fi
 fi
 echo "livespeech installed in $VENV ($($VENV/bin/python -c 'import torch; print("torch", torch.__version__)'))"

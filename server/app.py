@@ -225,6 +225,7 @@ def engine_config(config: ServerConfig):
         cuda_graphs=config.cuda_graphs,
         compile_step=config.compile_step,
         frozen_step=config.frozen_step,
+        native_step=config.native_step,
         codec_thread=config.codec_thread,
         matmul_weights=matmul_weights(config.matmul_weights, config.device),
         onnx_codec=onnx_codec_enabled(config.codec_runtime, config.device),

@@ -55,6 +55,10 @@ class ServerConfig:
     # frozen TorchScript graphs (models/step_graph.py): the same ops without Python
     # between them; false = eager
     frozen_step: bool = True
+    # on the CPU, run the model step as one native call (models/native_step.py: the
+    # matmuls in MKL and fbgemm, everything between them fused into loops), built by the
+    # C++ compiler at first start and cached; where it cannot be built, the frozen graph
+    native_step: bool = True
     # on the CPU, decode steady-state packets on a second thread, beside the next model step
     codec_thread: bool = True
     # the weights of the decode step's widest matmuls (output heads, Mamba in/out
@@ -318,6 +322,8 @@ class EngineConfig:
     compile_step: bool = ServerConfig.compile_step
     # on the CPU, the model step and the codec as frozen TorchScript graphs (models/step_graph.py)
     frozen_step: bool = ServerConfig.frozen_step
+    # on the CPU, the model step as one native call where it builds (models/native_step.py)
+    native_step: bool = ServerConfig.native_step
     # the weights of the step's widest matmuls: float32, bfloat16 or int8 (server/runner.py)
     matmul_weights: str = "float32"
     # the batch size bfloat16 or int8 weights start at (None: server/runner.py's

@@ -55,7 +55,8 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(bundle, config.max_sessions, cuda_graphs=config.cuda_graphs,
                                   compile_step=config.compile_step,
-                                  frozen_step=config.frozen_step, matmul_weights=config.matmul_weights,
+                                  frozen_step=config.frozen_step, native_step=config.native_step,
+                                  matmul_weights=config.matmul_weights,
                                   onnx_codec=config.onnx_codec, warm_text_tokens=config.warm_text_tokens,
                                   device_guidance=config.device_guidance,
                                   # the transcript a session's text may become, said in words

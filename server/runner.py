@@ -28,6 +28,7 @@ from livespeech.models.inference import DecodeState, DecodeStateView, StepResult
 from livespeech.models.livespeech import StepLogits, text_guided
 from livespeech.models.loading import ModelBundle
 from livespeech.models.scripted import kernel_fusion
+from livespeech.models.native_step import NativeStep
 from livespeech.models.step_graph import (CapturedCodecStep, CapturedStep, FrozenCodecStep, FrozenStep, OnnxCodecStep,
                                           frozen_or_eager)
 from livespeech.models.upload import Upload
@@ -207,6 +208,7 @@ class _StepRows:
 
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
+                 native_step: bool = True,
                  matmul_weights: str = "float32", onnx_codec: bool = False, device_guidance: bool = False,
                  max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0,
                  low_precision_from_batch: Optional[int] = None, compile_step: bool = False):
@@ -235,14 +237,16 @@ class ModelRunner:
         self.state = DecodeState.allocate(self.model, capacity, device=self.device, memory_dtype=memory_dtype)
         if self.device.type == "cuda":
             kernel_fusion(False)  # no kernel compiled mid-service for a new batch size
-        # on the CPU, the model step and the streaming codec as frozen TorchScript graphs
-        # (the same ops, no Python between them), the codec on ONNX Runtime when asked
-        # (`_codec_step`); the eager calls elsewhere
+        # on the CPU, the model step as one native call (where it builds) or a frozen
+        # TorchScript graph, and the streaming codec as a frozen graph or on ONNX Runtime
+        # when asked (`_codec_step`); the eager calls elsewhere
         frozen = frozen_step and self.device.type == "cpu"
         self.model_step, self.codec_step = self.model.step, self.codec.decode_step
         if frozen and not cuda_graphs:
-            self.model_step = frozen_or_eager(lambda: FrozenStep(self.model, matmul_dtype=self.low_precision),
-                                              self.model.step)
+            self.model_step = self._cpu_model_step(native_step, memory_dtype)
+        # whether the model step is one native call (models/native_step.py), which takes the
+        # rows' voices; kept, so that a wrapped step (a profiler's) still gets them
+        self.native = isinstance(self.model_step, NativeStep)
         # with the CUDA graphs, the codec's too, for the packet most calls decode (the
         # sessions' default packet_ms)
         self.steady_packet_frames = frames_for_ms(SessionConfig().packet_ms)
@@ -315,6 +319,17 @@ class ModelRunner:
                 log.warning("recording the step %s failed (%s: %s); recording it %s", name(c, a),
                             type(e).__name__, e, name(*then))
         return make(*tries[-1])
+
+    def _cpu_model_step(self, native: bool, memory_dtype: Optional[torch.dtype]):
+        """The native step (models/native_step.py) when asked and where it builds, for a
+        float32 memory; else the frozen graph, else the eager step."""
+        if native and memory_dtype in (None, torch.float32):
+            try:
+                return NativeStep(self.model, matmul_dtype=self.low_precision)
+            except Exception as e:  # noqa: BLE001 - any failure here only costs speed
+                log.warning("the model step runs as a frozen graph: the native step failed (%s: %s)",
+                            type(e).__name__, e)
+        return frozen_or_eager(lambda: FrozenStep(self.model, matmul_dtype=self.low_precision), self.model.step)
 
     def _memory_dtype(self) -> Optional[torch.dtype]:
         """The text memory's dtype: bfloat16 on a GPU with bf16 matmul weights, else float32 (None)."""
@@ -510,7 +525,8 @@ class ModelRunner:
                 phone_in = (self._phone_of_row(bias_rows) if bias_rows is not None
                             else torch.full((len(slots),), -1, device=self.device))
             if span is None:
-                logits = self.model_step(view.inputs, view.step, view, visible, dtype, phones=phone_in)
+                logits = self.model_step(view.inputs, view.step, view, visible, dtype, phones=phone_in,
+                                         **self._voices(slots))
             else:
                 logits = self._span_step(slots, span, visible, dtype, phone_in)
         if self.unconditioned is not None:
@@ -543,6 +559,13 @@ class ModelRunner:
             return None
         return range(first, last + 1)
 
+    def _voices(self, rows: Sequence[int]) -> dict:
+        """The native step's `voices` argument for the state's `rows` (which of them hold
+        one voice's enrollment memory); nothing for the other steps."""
+        if not self.native:
+            return {}
+        return {"voices": torch.from_numpy(self.state.voice[np.asarray(rows)])}
+
     def _span_step(self, slots: Sequence[int], span: range, visible: torch.Tensor, dtype: Optional[torch.dtype],
                    phones: Optional[torch.Tensor]) -> StepLogits:
         """The model step of `slots` run over `span`, a slice of the state: the span's
@@ -555,7 +578,7 @@ class ModelRunner:
             phones = phones.new_full((len(span),), -1).index_copy_(0, rows, phones)
         stepped = set(slots)
         with self.state.recurrent_state_kept([s for s in span if s not in stepped]):
-            logits = self.model_step(whole.inputs, whole.step, whole, mask, dtype, phones=phones)
+            logits = self.model_step(whole.inputs, whole.step, whole, mask, dtype, phones=phones, **self._voices(span))
         return StepLogits(graphemes=logits.graphemes.index_select(0, rows),
                           acoustic=logits.acoustic.index_select(0, rows))
 

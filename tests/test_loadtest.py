@@ -654,9 +654,9 @@ def test_bench_step_gives_each_batch_the_model_steps_bound_from_rates_measured_i
 
 
 def test_the_profile_after_a_sweep_steps_as_the_spawned_server_did(tmp_path, monkeypatch):
-    """`--server-cuda-graphs`, `--server-eager-step` and `--server-device-guidance` reach the
-    spawned server as flags its configuration reads, and the step profile after the sweep
-    as profile_step's."""
+    """`--server-cuda-graphs`, `--server-eager-step`, `--server-frozen-step` and
+    `--server-device-guidance` reach the spawned server as flags its configuration reads,
+    and the step profile after the sweep as profile_step's."""
     import subprocess
 
     from livespeech.loadtest import run
@@ -672,6 +672,9 @@ def test_the_profile_after_a_sweep_steps_as_the_spawned_server_did(tmp_path, mon
     assert run.run_profile(args, tmp_path, [1, 16]) is None  # the stub wrote no profile
     assert profile == ["--cuda-graphs", "--eager-step", "--device-guidance"] and set(profile) <= set(seen[0])
     assert run.step_paths(run.build_parser().parse_args(["--spawn"])) == ([], [])
+    server, profile = run.step_paths(run.build_parser().parse_args(["--spawn", "--server-frozen-step"]))
+    assert not ServerConfig.from_args(server).native_step and ServerConfig().native_step
+    assert profile == ["--no-native-step"]
 
 
 def test_replay_keeps_the_guidance_on_the_device_when_asked(tmp_path, monkeypatch):

@@ -177,11 +177,12 @@ def test_frozen_step_with_a_phone_input_equals_the_eager_step():
 
 
 def test_runner_steps_through_the_frozen_graph_unless_told_not_to():
+    """(Without the native step, which tests/test_native_step.py covers.)"""
     from livespeech.models.loading import load_bundle
     from livespeech.server.runner import ModelRunner
 
     bundle = load_bundle(random_init=True)
-    frozen, eager = ModelRunner(bundle, 2), ModelRunner(bundle, 2, frozen_step=False)
+    frozen, eager = ModelRunner(bundle, 2, native_step=False), ModelRunner(bundle, 2, frozen_step=False)
     assert isinstance(frozen.model_step, FrozenStep) and isinstance(frozen.codec_step, FrozenCodecStep)
     assert eager.model_step == bundle.model.step and eager.codec_step == bundle.codec.decode_step
 
@@ -459,7 +460,7 @@ def test_the_runner_steps_in_bf16_from_two_sessions_and_in_int8_from_one_when_as
     for weights, dtype, want in (("bfloat16", bf16, [None, bf16, bf16, None]), ("int8", INT8, [INT8] * 4),
                                  ("float32", None, [None] * 4)):
         runner = ModelRunner(bundle, 3, matmul_weights=weights)
-        assert set(runner.model_step.graphs) == {None, dtype}
+        assert set(runner.model_step.steps if runner.native else runner.model_step.graphs) == {None, dtype}
         voice = runner.make_voice("v", (np.random.default_rng(0).standard_normal(24000) * 0.1).astype(np.float32), 24000)
         for s in range(3):
             runner.admit(s, voice, seed=s)
