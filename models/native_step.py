@@ -66,11 +66,11 @@ def _import(name: str, path: Path) -> ModuleType:
 
 
 def build(into: Optional[Path] = None) -> ModuleType:
-    """The extension: a kept build (the install's, else the cache's), else built now into
-    `into` (default: the cache) by torch's loader, which needs a C++ compiler and ninja.
-    Raises where neither is possible."""
+    """The extension: a kept build (the install's, else the cache's; with `into`, the one
+    there), else built now into `into` (default: the cache) by torch's loader, which needs
+    a C++ compiler and ninja. Raises where neither is possible."""
     name = build_name()
-    for root in (INSTALLED_BUILDS, cache_builds()):
+    for root in (into,) if into else (INSTALLED_BUILDS, cache_builds()):
         library = root / name / f"{name}.so"
         if library.exists():
             return _import(name, library)
