@@ -41,7 +41,10 @@ from .livespeech import LiveSpeech2, StepLogits
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "step.cpp"
-CFLAGS = ["-O3", "-fopenmp-simd"]
+# -fno-trapping-math: the loops' clamps and selects vectorise for AVX2 and SSE too (with
+# trapping maths GCC kept them as branches there: the state update 3.7x slower on AVX2);
+# NaN and infinity still propagate (no -ffinite-math-only)
+CFLAGS = ["-O3", "-fopenmp-simd", "-fno-trapping-math"]
 # where an install keeps its build, and where a first use builds one
 INSTALLED_BUILDS = SOURCE.parent / "build"
 
