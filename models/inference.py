@@ -119,6 +119,7 @@ class DecodeState(DecodeStateView):
         # (models/native_step.py). Numbered by the tensor's identity while it lives
         st.voice = np.zeros(capacity, np.int64)
         st._voice_numbers = {}  # id(enrollment K/V) -> (a weak reference to it, its number)
+        st._next_voice = 1  # numbers are never reused: a slot may still hold a gone voice's copy
         return st
 
     @property
@@ -154,7 +155,7 @@ class DecodeState(DecodeStateView):
             return held[1]
         if len(self._voice_numbers) >= 1024:  # forget the voices gone
             self._voice_numbers = {k: v for k, v in self._voice_numbers.items() if v[0]() is not None}
-        number = 1 + max((v[1] for v in self._voice_numbers.values()), default=int(self.voice.max()))
+        number, self._next_voice = self._next_voice, self._next_voice + 1
         self._voice_numbers[id(enrollment_kv)] = (weakref.ref(enrollment_kv), number)
         return number
 

@@ -56,8 +56,9 @@ class ServerConfig:
     # between them; false = eager
     frozen_step: bool = True
     # on the CPU, run the model step as one native call (models/native_step.py: the
-    # matmuls in MKL and fbgemm, everything between them fused into loops), built by the
-    # C++ compiler at first start and cached; where it cannot be built, the frozen graph
+    # matmuls in MKL and fbgemm, everything between them fused into loops), built once by
+    # the C++ compiler (at install, else at the first start); without a build or a
+    # compiler, the frozen graph
     native_step: bool = True
     # on the CPU, decode steady-state packets on a second thread, beside the next model step
     codec_thread: bool = True
