@@ -316,7 +316,11 @@ def build_engine(config: ServerConfig, metrics: Metrics, cpus: int) -> EngineAPI
     settings = engine_config(config)
     log.info("matmul weights: %s (%s)", settings.matmul_weights, config.matmul_weights)
     log.info("codec runtime: %s (%s)", "onnx" if settings.onnx_codec else "torch", config.codec_runtime)
-    return Engine(bundle, settings, metrics)
+    engine = Engine(bundle, settings, metrics)
+    runner = engine.runner
+    log.info("model step: %s", "native" if runner.native else "frozen graph" if runner.frozen
+             else "CUDA graphs" if runner.captured is not None else "eager")
+    return engine
 
 
 async def _serve(config: ServerConfig, engine: Optional[EngineAPI]) -> None:
