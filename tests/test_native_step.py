@@ -54,6 +54,22 @@ def test_the_native_step_equals_the_eager_step_along_a_decode(dtype, atol):
                               atol=1e-4 if dtype == INT8 else 1e-5), name
 
 
+def test_other_state_and_window_sizes_equal_the_eager_step():
+    """A model whose Mamba state and conv window are not the default model's (16, 4), which
+    the loops take at run time rather than when compiled."""
+    torch.manual_seed(0)
+    model = LiveSpeech2(small_cfg(d_state=4, d_conv=3)).eval()
+    native = NativeStep(model)
+    eager_state, native_state = _state(model), _state(model)
+    with torch.no_grad():
+        want = _run(model, eager_state, None, BATCHES, whole_state=False)
+        got = _run(model, native_state, native, BATCHES, whole_state=False)
+    for a, b in zip(want, got):
+        assert torch.allclose(a.acoustic, b.acoustic, atol=1e-5) and torch.allclose(a.graphemes, b.graphemes, atol=1e-5)
+    assert torch.allclose(eager_state.ssm, native_state.ssm, atol=1e-5)
+    assert torch.allclose(eager_state.conv, native_state.conv, atol=1e-5)
+
+
 def _one_voice_state(model, n=4):
     """n slots speaking one voice, each with its own text and its own recurrent state."""
     cfg = model.cfg

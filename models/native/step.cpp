@@ -180,41 +180,36 @@ struct StateRows {
   int64_t stride;
 };
 
-// The depthwise causal conv's step for each row: each channel's window [k] shifted left
-// by one with x appended, out = silu(window . weight + bias). x [rows, x_stride].
+// The depthwise causal conv's step for one row: each channel's window shifted left by
+// one with x appended, out = window . weight + bias. K: the window's length where it is
+// known when compiled (the default model's 4), 0: `k`, at run time.
 template <int K>
-inline void conv_row(float* window, const float* x, const float* w, const float* b, float* out, int64_t channels) {
+inline void conv_row(int64_t k, float* window, const float* x, const float* w, const float* b, float* out,
+                     int64_t channels) {
+  const int64_t n = K > 0 ? K : k;
   for (int64_t c = 0; c < channels; ++c) {
-    float* s = window + c * K;
-    const float* k = w + c * K;
+    float* s = window + c * n;
+    const float* wc = w + c * n;
     float acc = b ? b[c] : 0.f;
 #pragma GCC unroll 8
-    for (int j = 0; j < K - 1; ++j) s[j] = s[j + 1];
-    s[K - 1] = x[c];
+    for (int64_t j = 0; j + 1 < n; ++j) s[j] = s[j + 1];
+    s[n - 1] = x[c];
 #pragma GCC unroll 8
-    for (int j = 0; j < K; ++j) acc += s[j] * k[j];
+    for (int64_t j = 0; j < n; ++j) acc += s[j] * wc[j];
     out[c] = acc;
   }
 }
 
+// ... for every row, then out = silu(out). x [rows, x_stride].
 LS_KERNEL void conv_rows(StateRows state, int64_t k, const float* x, int64_t x_stride, const float* w,
                          const float* b, float* out, int64_t rows, int64_t channels) {
   for (int64_t r = 0; r < rows; ++r) {
     float* window = state.data + r * state.stride;
-    const float* xr = x + r * x_stride;
     float* o = out + r * channels;
-    if (k == 4) {
-      conv_row<4>(window, xr, w, b, o, channels);
-    } else {
-      for (int64_t c = 0; c < channels; ++c) {
-        float* s = window + c * k;
-        float acc = b ? b[c] : 0.f;
-        for (int64_t j = 0; j + 1 < k; ++j) s[j] = s[j + 1];
-        s[k - 1] = xr[c];
-        for (int64_t j = 0; j < k; ++j) acc += s[j] * w[c * k + j];
-        o[c] = acc;
-      }
-    }
+    if (k == 4)
+      conv_row<4>(k, window, x + r * x_stride, w, b, o, channels);
+    else
+      conv_row<0>(k, window, x + r * x_stride, w, b, o, channels);
 #pragma omp simd
     for (int64_t c = 0; c < channels; ++c) o[c] = silu(o[c]);
   }
@@ -222,15 +217,17 @@ LS_KERNEL void conv_rows(StateRows state, int64_t k, const float* x, int64_t x_s
 
 // Mamba's selective-state step for one row: for each channel c,
 // state[c] = state[c] * 2^(dt[c] a2[c]) + dt[c] x[c] B; y[c] = state[c] . C + D[c] x[c].
+// N: the states a channel where known when compiled (the default model's 16), 0: `n`.
 template <int N>
-inline void ssm_row(float* state, const float* a2, const float* dt, const float* x, const float* bv,
+inline void ssm_row(int64_t n, float* state, const float* a2, const float* dt, const float* x, const float* bv,
                     const float* cv, const float* d_skip, float* y, int64_t channels) {
+  const int64_t m = N > 0 ? N : n;
   for (int64_t c = 0; c < channels; ++c) {
-    float* s = state + c * N;
-    const float* a = a2 + c * N;
+    float* s = state + c * m;
+    const float* a = a2 + c * m;
     const float d = dt[c], dx = d * x[c];
     float lane[kLanes] = {};
-    for (int j = 0; j < N; ++j) {
+    for (int64_t j = 0; j < m; ++j) {
       const float v = s[j] * exp2_fast(d * a[j]) + dx * bv[j];
       s[j] = v;
       lane[j % kLanes] += v * cv[j];
@@ -247,24 +244,12 @@ LS_KERNEL void ssm_rows(StateRows state, int64_t n, const float* a2, const float
   for (int64_t r = 0; r < rows; ++r) {
     float* st = state.data + r * state.stride;
     const float* bv = dbc + r * dbc_stride + b_at;
-    const float* cv = bv + n;
-    const float* dtr = dt + r * channels;
     const float* xr = x + r * channels;
     float* yr = y + r * channels;
-    if (n == 16) {
-      ssm_row<16>(st, a2, dtr, xr, bv, cv, d_skip, yr, channels);
-    } else {
-      for (int64_t c = 0; c < channels; ++c) {
-        float* s = st + c * n;
-        const float d = dtr[c], dx = d * xr[c];
-        float acc = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = s[j] * exp2_fast(d * a2[c * n + j]) + dx * bv[j];
-          acc += s[j] * cv[j];
-        }
-        yr[c] = acc + xr[c] * d_skip[c];
-      }
-    }
+    if (n == 16)
+      ssm_row<16>(n, st, a2, dt + r * channels, xr, bv, bv + n, d_skip, yr, channels);
+    else
+      ssm_row<0>(n, st, a2, dt + r * channels, xr, bv, bv + n, d_skip, yr, channels);
     const float* zr = z + r * z_stride;
 #pragma omp simd
     for (int64_t c = 0; c < channels; ++c) yr[c] *= silu(zr[c]);
