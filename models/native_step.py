@@ -122,7 +122,6 @@ class NativeStep:
             raise RuntimeError("the native CPU step could not be built here")
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("the native step runs on the CPU")
-        self.model = model
         with torch.no_grad():
             self.steps = {dtype: self._build(module, model, dtype) for dtype in dict.fromkeys((None, matmul_dtype))}
 
