@@ -115,14 +115,14 @@ def main(argv=None) -> int:
         for b in args.batch:
             print(json.dumps(guidance_cost(b, args.steps, args.device)))
         return 0
-    from livespeech.server.runner import matmul_weights, onnx_codec_enabled
+    from livespeech.server.runner import codec_runtime, matmul_weights
 
     bundle = load_bundle(random_init=True, model_preset=args.preset, codec_preset_name=args.codec, device=args.device)
     out = {"preset": args.preset, "threads": args.threads, "device": args.device,
            "cuda_graphs": args.cuda_graphs, "compile_step": args.compile_step, "device_guidance": args.device_guidance,
            "frozen_step": None, "rows": [],
            "matmul_weights": matmul_weights(args.matmul_weights, args.device),
-           "onnx_codec": onnx_codec_enabled(args.codec_runtime, args.device)}
+           "codec_runtime": codec_runtime(args.codec_runtime, args.device)}
     if args.roofline:
         out["machine"] = measure_machine(bundle.device, weights=out["matmul_weights"])
         out["analytic"] = analytic_cost(bundle.model, cuda=bundle.device.type == "cuda")
@@ -187,7 +187,7 @@ def runner_with_sessions(bundle, args, out: dict, capacity: int):
 
     runner = ModelRunner(bundle, capacity, cuda_graphs=args.cuda_graphs, compile_step=args.compile_step,
                          frozen_step=not args.eager_step,
-                         matmul_weights=out["matmul_weights"], onnx_codec=out["onnx_codec"],
+                         matmul_weights=out["matmul_weights"], codec_runtime=out["codec_runtime"],
                          device_guidance=args.device_guidance)
     out["frozen_step"] = runner.frozen
     # torch.compile's step in use (the runner falls back to the uncompiled one where it fails)

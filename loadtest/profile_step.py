@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 from livespeech.server.config import CODEC_RUNTIMES, MATMUL_WEIGHTS
-from livespeech.server.runner import matmul_weights, onnx_codec_enabled
+from livespeech.server.runner import codec_runtime, matmul_weights
 
 # ------------------------------------------------------------------ scopes
 
@@ -231,7 +231,7 @@ def _engine_run(bundle, batch: int, steps: int, warmup: int, fine: bool, record_
     """Run the engine on `batch` sessions of `text_chars` characters each (all sent at
     once, like an LLM far ahead of the speech; a finished session is replaced at once)
     and time `steps` steps after `warmup`. paths: `EngineConfig` fields picking the
-    step's paths (cuda_graphs, frozen_step, native_step, matmul_weights, onnx_codec,
+    step's paths (cuda_graphs, frozen_step, native_step, matmul_weights, codec_runtime,
     device_guidance).
     trace_shapes: the trace's op table by input shapes as well (recording them slows the
     ops it times)."""
@@ -601,7 +601,8 @@ def profile(bundle, batches: list[int], steps: int, warmup: int, threads: int, t
     out: dict[str, Any] = {"model": bundle.source, "device": str(bundle.device), "threads": threads,
                            "torch": torch.__version__, "machine": machine, "analytic": cost,
                            "codec": ccost, "packet_frames": pf, "text_chars": text_chars, "steps": steps,
-                           **{k: paths.get(k, False) for k in ("cuda_graphs", "onnx_codec", "device_guidance")},
+                           **{k: paths.get(k, False) for k in ("cuda_graphs", "device_guidance")},
+                           "codec_runtime": paths.get("codec_runtime", "torch"),
                            "warmup": warmup, "batches": []}
     for b in batches:
         la = list(os.getloadavg())
@@ -667,7 +668,7 @@ def add_path_arguments(ap: argparse.ArgumentParser) -> None:
                          "float32)")
     ap.add_argument("--codec-runtime", choices=CODEC_RUNTIMES, default="auto",
                     help="what runs the streaming codec on the CPU, as the server's setting "
-                         "(auto: ONNX Runtime where it imports)")
+                         "(auto: native)")
 
 
 def main(argv=None) -> int:
@@ -717,7 +718,7 @@ def main(argv=None) -> int:
                   paths=dict(cuda_graphs=args.cuda_graphs, frozen_step=not args.eager_step,
                              native_step=not args.no_native_step,
                              matmul_weights=matmul_weights(args.matmul_weights, args.device),
-                             onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device),
+                             codec_runtime=codec_runtime(args.codec_runtime, args.device),
                              device_guidance=args.device_guidance),
                   trace_shapes=args.trace_shapes)
     res["loadavg"] = list(os.getloadavg())

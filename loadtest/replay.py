@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from livespeech.server.runner import matmul_weights, onnx_codec_enabled
+from livespeech.server.runner import codec_runtime, matmul_weights
 
 from .playback import Packet, describe, simulate_playback
 from .profile_step import Patches, add_path_arguments, noise_reference
@@ -42,7 +42,7 @@ from .workload import Pacing, load_sentences, make_turn
 def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pacing = Pacing(),
            sentences_per_turn: int = 2, text_file: Optional[str] = None, frozen_step: bool = True,
            seed: int = 0, timeout_s: float = 120.0, start_future_chunks: Optional[int] = None,
-           release_when_waiting: Optional[bool] = None, weights: str = "float32", onnx_codec: bool = False,
+           release_when_waiting: Optional[bool] = None, weights: str = "float32", codec: str = "torch",
            chunk_words: Optional[tuple[int, int]] = None, cuda_graphs: bool = False,
            first_chunk_words: Optional[int] = None, device_guidance: bool = False) -> dict[str, Any]:
     from livespeech.server.engine import Engine, EngineConfig
@@ -59,7 +59,7 @@ def replay(bundle, sessions: int, turns: int, stagger_s: float = 0.5, pacing: Pa
     if chunking:
         options["chunking"] = ChunkingConfig(**chunking)
     engine = Engine(bundle, EngineConfig(max_sessions=sessions, frozen_step=frozen_step, matmul_weights=weights,
-                                         onnx_codec=onnx_codec, cuda_graphs=cuda_graphs,
+                                         codec_runtime=codec, cuda_graphs=cuda_graphs,
                                          device_guidance=device_guidance))
     voice = engine.make_voice("replay", noise_reference(seed), 24000)
     waits: dict[int, list[dict]] = {}  # id(EngineSession) -> its text waits
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                  start_future_chunks=args.start_future_chunks,
                  release_when_waiting=None if args.release_when_waiting is None else args.release_when_waiting == "on",
                  weights=matmul_weights(args.matmul_weights, args.device),
-                 onnx_codec=onnx_codec_enabled(args.codec_runtime, args.device),
+                 codec=codec_runtime(args.codec_runtime, args.device),
                  chunk_words=None if args.chunk_words is None else tuple(int(x) for x in args.chunk_words.split(",")),
                  cuda_graphs=args.cuda_graphs, first_chunk_words=args.first_chunk_words,
                  device_guidance=args.device_guidance)

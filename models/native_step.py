@@ -8,13 +8,14 @@ keeps the matmuls in the libraries (MKL, fbgemm's int8) and fuses everything bet
 them into loops over a session's rows; its attention reads only the memory slots a
 session's window shows, and one copy of a voice's enrollment for the sessions sharing it.
 
-It is a C++ extension built once by torch's loader with the machine's compiler (~30 s),
-then kept: by an install, beside this module (`python -m livespeech.models.native_step`:
+It is a C++ extension, with the streaming codec's decoder step beside it
+(models/native/codec.cpp, `step_graph.NativeCodecStep`), built once by torch's loader
+with the machine's compiler (~1 min), then kept: by an install, beside this module (`python -m livespeech.models.native_step`:
 scripts/install.sh, the container image's build stage), else at first use in the user's
 cache (~/.cache/livespeech/native), one build a source, torch and Python version. Its
 loops carry code for AVX-512, AVX2 and baseline x86-64 and pick at load time, so a
 build made where a compiler is runs where none is. Where there is neither a build nor a
-compiler, the caller keeps the frozen graph.
+compiler, the caller keeps the frozen graph (and the codec ONNX Runtime).
 
 Like `FrozenStep`, its weights are taken once: a model that changes needs a new one.
 """
@@ -40,13 +41,17 @@ from .livespeech import LiveSpeech2, StepLogits
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "step.cpp"
+NATIVE = Path(__file__).with_name("native")
+# one extension: the model step, the codec decoder's step (models/native/codec.cpp,
+# models/step_graph.py `NativeCodecStep`) and the loops they share (kernels.h)
+SOURCES = [NATIVE / "step.cpp", NATIVE / "codec.cpp"]
+HEADERS = [NATIVE / "kernels.h"]
 # -fno-trapping-math: the loops' clamps and selects vectorise for AVX2 and SSE too (with
 # trapping maths GCC kept them as branches there: the state update 3.7x slower on AVX2);
 # NaN and infinity still propagate (no -ffinite-math-only)
 CFLAGS = ["-O3", "-fopenmp-simd", "-fno-trapping-math"]
 # where an install keeps its build, and where a first use builds one
-INSTALLED_BUILDS = SOURCE.parent / "build"
+INSTALLED_BUILDS = NATIVE / "build"
 
 
 def cache_builds() -> Path:
@@ -56,7 +61,7 @@ def cache_builds() -> Path:
 
 def build_name() -> str:
     """The build's name: a digest of what it is made from and what it runs against."""
-    key = b"\0".join([SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    key = b"\0".join([*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                       sys.version.encode(), platform.machine().encode()])
     return f"livespeech_native_step_{hashlib.sha256(key).hexdigest()[:12]}"
 
@@ -85,12 +90,12 @@ def build(into: Optional[Path] = None) -> ModuleType:
             shutil.rmtree(old, ignore_errors=True)
     where = root / name
     where.mkdir(parents=True, exist_ok=True)
-    log.info("building the native CPU step (once per source and torch) in %s", where)
+    log.info("building the native CPU step and codec (once per source and torch) in %s", where)
     # ninja from the environment's own bin (the `ninja` package), on PATH or not
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
     try:
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(where))
+        return cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS, build_directory=str(where))
     finally:
         os.environ["PATH"] = path
 

@@ -1,8 +1,9 @@
 """The decode step recorded once and replayed: as a CUDA graph on a GPU
 (`CapturedStep`, and `CapturedCodecStep` for the streaming codec's steady packets), as
 frozen TorchScript graphs on the CPU (`FrozenStep` for the model, `FrozenCodecStep` for
-the streaming codec), and the streaming codec as an ONNX Runtime session on the CPU
-(`OnnxCodecStep`, the server's default there).
+the streaming codec), and the streaming codec on the CPU as one native call
+(`NativeCodecStep`, the server's default there) or an ONNX Runtime session
+(`OnnxCodecStep`).
 
 CUDA graph: the decode step over the first slots of a DecodeState, one graph per
 batch-size bucket, with what the caller runs after the model step recorded too (`after`:
@@ -351,6 +352,82 @@ class OnnxCodecStep(_CodecStepGraph):
         feeds.update((name, t.contiguous().numpy()) for name, t in zip(self._names, tensors))
         wav, *new = (torch.from_numpy(a) for a in self.session.run(None, feeds))
         return wav, new
+
+
+class NativeCodecStep(_CodecStepGraph):
+    """`CodecModel.decode_step` as one native call (models/native/codec.cpp), called like
+    it (`FrozenCodecStep`): the activations channels-last, each convolution one sgemm
+    over every session's samples with the ELU before it applied as its windows are
+    built, the LSTM's gate maths one loop after each frame's sgemm. Its weights are
+    taken once (a codec that changes needs a new one); its outputs equal the torch
+    step's to float rounding (tests/test_native_codec.py). Decoders of other layers
+    than SEANet's raise NotImplementedError."""
+
+    def __init__(self, codec: CodecModel, n_codebooks: int):
+        from .codec.modules import SConv1d, SConvTranspose1d, SEANetResnetBlock, SLSTM
+        from .native_step import native_module
+
+        super().__init__(codec, n_codebooks)
+        module = native_module()
+        if module is None:
+            raise RuntimeError("the native CPU code could not be built here")
+        if next(codec.parameters()).device.type != "cpu":
+            raise ValueError("the native codec step runs on the CPU")
+
+        def conv(layer, elu: bool) -> tuple:
+            if not isinstance(layer, SConv1d):
+                raise NotImplementedError(f"a native codec step of a decoder with {type(layer).__name__}")
+            c = layer.conv.conv
+            return layer.window_weight(), _bias(c), layer.kernel_size, c.dilation[0], elu
+
+        def is_elu(layer) -> bool:
+            return type(layer) is nn.ELU and layer.alpha == 1.0
+
+        with torch.no_grad():
+            tables = [vq._codebook.embed for vq in codec.quantizer.vq.layers]
+            self.decoder = module.CodecDecoder(torch.stack(tables).float())
+            elu = False
+            for layer in codec.decoder.model:
+                if is_elu(layer) and not elu:
+                    elu = True
+                    continue
+                if isinstance(layer, SConv1d):
+                    self.decoder.add_conv(*conv(layer, elu))
+                elif isinstance(layer, SConvTranspose1d):
+                    w = layer.window_weight()
+                    m = w.shape[0] // layer.convtr.convtr.in_channels
+                    self.decoder.add_conv_transpose(w, _bias(layer.convtr.convtr).repeat(layer.stride), m,
+                                                    layer.stride, elu)
+                elif isinstance(layer, SLSTM) and not elu:
+                    w_ih, w_hh, bias = zip(*layer.loop_weights())
+                    self.decoder.add_lstm(list(w_ih), list(w_hh), list(bias))
+                elif isinstance(layer, SEANetResnetBlock) and not elu:
+                    block = list(layer.block)
+                    if not (len(block) == 4 and is_elu(block[0]) and is_elu(block[2])
+                            and block[3].kernel_size == 1):
+                        raise NotImplementedError("a native codec step of another residual block")
+                    a, b = conv(block[1], True), conv(block[3], True)
+                    short = layer.shortcut
+                    if isinstance(short, SConv1d) and short.kernel_size == 1:
+                        shortcut = (short.window_weight(), _bias(short.conv.conv))
+                    elif isinstance(short, nn.Identity):
+                        shortcut = (None, None)
+                    else:
+                        raise NotImplementedError("a native codec step of another residual shortcut")
+                    self.decoder.add_residual(a[0], a[1], a[2], a[3], b[0], b[1], *shortcut)
+                else:
+                    raise NotImplementedError(f"a native codec step of a decoder with {type(layer).__name__}")
+                elu = False
+            if elu:
+                raise NotImplementedError("a native codec step of a decoder ending in an ELU")
+
+    def _run(self, codes, tensors):
+        wav, new = self.decoder.decode(codes, list(tensors))
+        return wav, list(new)
+
+
+def _bias(conv: nn.Module) -> torch.Tensor:
+    return conv.bias.detach().float() if conv.bias is not None else torch.zeros(conv.out_channels)
 
 
 def _frozen(module: nn.Module, args: tuple, warmup: int):

@@ -6,8 +6,9 @@
 #   EDITABLE=0  install a regular (non-editable) copy, as the container does
 #   TORCH_SPEC  torch requirement (default torch==2.13.0, the CPU wheel these machines
 #               carry; pip would otherwise pull a multi-GB CUDA build)
-#   NATIVE_STEP=0  skip building the native CPU step (models/native_step.py; default: built
-#               where a C++ compiler is, ~30 s, else the server steps through the frozen graph)
+#   NATIVE_STEP=0  skip building the native CPU step and codec (models/native_step.py; default:
+#               built where a C++ compiler is, ~1 min, else the server steps through the frozen
+#               graph and decodes on ONNX Runtime)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -32,9 +33,9 @@ else
 fi
 if [ "$NATIVE_STEP" = 1 ]; then
   if "$VENV/bin/python" -m livespeech.models.native_step >/dev/null 2>&1; then
-    echo "the native CPU step is built"
+    echo "the native CPU step and codec are built"
   else
-    echo "warning: the native CPU step was not built (no C++ compiler?); the server steps through the frozen graph"
+    echo "warning: the native CPU step and codec were not built (no C++ compiler?); the server steps through the frozen graph and decodes on ONNX Runtime"
   fi
 fi
 echo "livespeech installed in $VENV ($($VENV/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -216,7 +216,7 @@ async def build_server(
 def engine_config(config: ServerConfig):
     """The engine's settings that come from the server's."""
     from livespeech.models.inference import TEXT_KV_CAPACITY
-    from livespeech.server.runner import matmul_weights, onnx_codec_enabled
+    from livespeech.server.runner import codec_runtime, matmul_weights
 
     return EngineConfig(
         max_sessions=config.max_sessions,
@@ -228,7 +228,7 @@ def engine_config(config: ServerConfig):
         native_step=config.native_step,
         codec_thread=config.codec_thread,
         matmul_weights=matmul_weights(config.matmul_weights, config.device),
-        onnx_codec=onnx_codec_enabled(config.codec_runtime, config.device),
+        codec_runtime=codec_runtime(config.codec_runtime, config.device),
         warm_text_tokens=TEXT_KV_CAPACITY,
         warm_up=True,
         device_guidance=config.device_guidance,
@@ -315,9 +315,9 @@ def build_engine(config: ServerConfig, metrics: Metrics, cpus: int) -> EngineAPI
         raise SystemExit(f"livespeech: cannot load the model: {e}") from None
     settings = engine_config(config)
     log.info("matmul weights: %s (%s)", settings.matmul_weights, config.matmul_weights)
-    log.info("codec runtime: %s (%s)", "onnx" if settings.onnx_codec else "torch", config.codec_runtime)
     engine = Engine(bundle, settings, metrics)
     runner = engine.runner
+    log.info("codec runtime: %s (%s)", runner.codec_runtime, config.codec_runtime)
     log.info("model step: %s", "native" if runner.native else "frozen graph" if runner.frozen
              else "CUDA graphs" if runner.captured is not None else "eager")
     return engine

@@ -23,7 +23,7 @@ ENV_ONLY = frozenset({"auth_tokens"})
 # ServerConfig.matmul_weights (server/runner.py resolves auto); EngineConfig's is one of the rest
 MATMUL_WEIGHTS = ("auto", "int8", "bfloat16", "float32")
 # a CPU-only choice, in the order (auto, on, off) that server/runner.py reads
-CODEC_RUNTIMES = ("auto", "onnx", "torch")  # ServerConfig.codec_runtime
+CODEC_RUNTIMES = ("auto", "native", "onnx", "torch")  # ServerConfig.codec_runtime
 
 
 def default_voices_dir() -> Path:
@@ -69,9 +69,10 @@ class ServerConfig:
     # auto = int8 on an x86 CPU with AVX2, else bfloat16 where the CPU has bf16 dot
     # products or the GPU bfloat16, else float32 (server/runner.py; docs/loadtest.md)
     matmul_weights: str = "auto"
-    # on the CPU, what runs the streaming codec: onnx = ONNX Runtime (its kernels run the
-    # codec's small ops ~1.3-2.2x faster than TorchScript), torch = the frozen graph above,
-    # auto = onnx where onnxruntime and onnx import (server/runner.py; docs/loadtest.md)
+    # on the CPU, what runs the streaming codec: native = one native call (models/native/
+    # codec.cpp, built with the native step; where it cannot be built, onnx), onnx = ONNX
+    # Runtime (its kernels run the codec's small ops ~1.3-2.2x faster than TorchScript),
+    # torch = the frozen graph above; auto = native (server/runner.py; docs/loadtest.md)
     codec_runtime: str = "auto"
     # every session's grapheme guidance as tensors on the model's device
     # (models/guidance_batch.py: no per-session Python and no device read for it in a
@@ -170,7 +171,8 @@ class ServerConfig:
         need(self.matmul_weights != "int8" or self.device == "cpu", "matmul_weights int8 applies to the cpu device")
         need(self.codec_runtime in CODEC_RUNTIMES,
              f"codec_runtime must be one of {', '.join(CODEC_RUNTIMES)}, got {self.codec_runtime!r}")
-        need(self.codec_runtime != "onnx" or self.device == "cpu", "codec_runtime onnx applies to the cpu device")
+        need(self.codec_runtime not in ("native", "onnx") or self.device == "cpu",
+             f"codec_runtime {self.codec_runtime} applies to the cpu device")
         need(0 <= self.text_cfg_scale <= 10, f"text_cfg_scale must be in [0, 10], got {self.text_cfg_scale}")
         need(1 <= self.max_sessions <= 4096, f"max_sessions must be in [1, 4096], got {self.max_sessions}")
         need(self.max_text_piece_chars >= 1, "max_text_piece_chars must be >= 1")
@@ -330,8 +332,9 @@ class EngineConfig:
     # the batch size bfloat16 or int8 weights start at (None: server/runner.py's
     # LOW_PRECISION_FROM_BATCH on the CPU, 1 on a GPU)
     low_precision_from_batch: Optional[int] = None
-    # on the CPU, the streaming codec run by ONNX Runtime (server/runner.py)
-    onnx_codec: bool = False
+    # what runs the streaming codec on the CPU: native, onnx or torch (server/runner.py
+    # `codec_runtime`)
+    codec_runtime: str = "torch"
     # the text tokens with the lowest ids (the BPE's first merges, its most frequent)
     # projected into the text K/V cache at start-up, so a fresh server's first sessions
     # do not pay a projection a word (models/inference.py, TextKV); the server: 2,048

@@ -57,7 +57,7 @@ class Engine:
                                   compile_step=config.compile_step,
                                   frozen_step=config.frozen_step, native_step=config.native_step,
                                   matmul_weights=config.matmul_weights,
-                                  onnx_codec=config.onnx_codec, warm_text_tokens=config.warm_text_tokens,
+                                  codec_runtime=config.codec_runtime, warm_text_tokens=config.warm_text_tokens,
                                   device_guidance=config.device_guidance,
                                   # the transcript a session's text may become, said in words
                                   max_text_chars=config.max_session_text_chars * (MAX_EXPANSION if config.spoken_form

@@ -9,7 +9,7 @@ knows about gRPC, timers or text chunking.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -29,8 +29,8 @@ from livespeech.models.livespeech import StepLogits, text_guided
 from livespeech.models.loading import ModelBundle
 from livespeech.models.scripted import kernel_fusion
 from livespeech.models.native_step import NativeStep
-from livespeech.models.step_graph import (CapturedCodecStep, CapturedStep, FrozenCodecStep, FrozenStep, OnnxCodecStep,
-                                          frozen_or_eager)
+from livespeech.models.step_graph import (CapturedCodecStep, CapturedStep, FrozenCodecStep, FrozenStep, NativeCodecStep,
+                                          OnnxCodecStep, frozen_or_eager)
 from livespeech.models.upload import Upload
 from livespeech.server.packets import frames_for_ms
 from livespeech.server.config import CODEC_RUNTIMES
@@ -79,12 +79,16 @@ def matmul_weights(setting: str, device: str) -> str:
     return "bfloat16" if kind == "cpu" and cpu_has_bf16_dot() else "float32"
 
 
-def onnx_codec_enabled(setting: str, device: str) -> bool:
-    """Whether ONNX Runtime runs the streaming codec (`ServerConfig.codec_runtime`): "auto"
-    on the CPU where onnxruntime and onnx (its export) import, "onnx" on the CPU, never
-    on a GPU."""
-    return _cpu_choice("codec_runtime", setting, CODEC_RUNTIMES, device,
-                       lambda: all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx")))
+def codec_runtime(setting: str, device: str) -> str:
+    """What runs the streaming codec (`ServerConfig.codec_runtime`): on the CPU the setting,
+    "native" for "auto" (one native call, models/native/codec.cpp; where it cannot be
+    built the runner falls back to ONNX Runtime, then torch); on a GPU "torch" (its CUDA
+    graphs where the runner records them)."""
+    if setting not in CODEC_RUNTIMES:
+        raise ValueError(f"codec_runtime must be one of {', '.join(CODEC_RUNTIMES)}, got {setting!r}")
+    if torch.device(device).type != "cpu":
+        return "torch"
+    return "native" if setting == "auto" else setting
 
 
 def _choice(name: str, setting: str, choices: Sequence[str], auto: Callable[[], bool]) -> bool:
@@ -209,7 +213,7 @@ class _StepRows:
 class ModelRunner:
     def __init__(self, bundle: ModelBundle, capacity: int, cuda_graphs: bool = False, frozen_step: bool = True,
                  native_step: bool = True,
-                 matmul_weights: str = "float32", onnx_codec: bool = False, device_guidance: bool = False,
+                 matmul_weights: str = "float32", codec_runtime: str = "torch", device_guidance: bool = False,
                  max_text_chars: int = 100_000, text_cfg_scale: float = 0.0, warm_text_tokens: int = 0,
                  low_precision_from_batch: Optional[int] = None, compile_step: bool = False):
         if bundle.model.cfg.n_phones and (cuda_graphs or text_cfg_scale > 0):
@@ -238,8 +242,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             kernel_fusion(False)  # no kernel compiled mid-service for a new batch size
         # on the CPU, the model step as one native call (where it builds) or a frozen
-        # TorchScript graph, and the streaming codec as a frozen graph or on ONNX Runtime
-        # when asked (`_codec_step`); the eager calls elsewhere
+        # TorchScript graph, and the streaming codec as `codec_runtime` says (`_codec_step`);
+        # the eager calls elsewhere
         frozen = frozen_step and self.device.type == "cpu"
         self.model_step, self.codec_step = self.model.step, self.codec.decode_step
         if frozen and not cuda_graphs:
@@ -250,8 +254,11 @@ class ModelRunner:
         # with the CUDA graphs, the codec's too, for the packet most calls decode (the
         # sessions' default packet_ms)
         self.steady_packet_frames = frames_for_ms(SessionConfig().packet_ms)
-        self.codec_step = self._codec_step(frozen, onnx_codec and self.device.type == "cpu",
+        self.codec_step = self._codec_step(frozen, codec_runtime if self.device.type == "cpu" else "torch",
                                            self.steady_packet_frames if cuda_graphs else 0)
+        # what decodes (the server logs it)
+        self.codec_runtime = {NativeCodecStep: "native", OnnxCodecStep: "ONNX Runtime", FrozenCodecStep: "frozen graph",
+                              CapturedCodecStep: "CUDA graphs"}.get(type(self.codec_step), "eager")
         self.codec_state = self.codec.streaming_state(capacity)
         # on CUDA the codec runs on a stream of its own, so its calls (on the codec thread,
         # server/codec_worker.py) overlap the model steps; every use of its streaming
@@ -598,10 +605,11 @@ class ModelRunner:
         return _step_result(tokens, bad, r.forced[:b], r.force_eos[:b],
                             lambda tokens: self.state.commit_first(b, tokens, r.active[:b]))
 
-    def _codec_step(self, frozen: bool, onnx: bool, graph_frames: int):
+    def _codec_step(self, frozen: bool, runtime: str, graph_frames: int):
         """What decodes packets: with `graph_frames`, CUDA graphs for packets of that many
-        frames (eagerly off CUDA, which only tests use); ONNX Runtime's codec step, else the
-        frozen graph (where either fails to build, the next; each gives the same audio),
+        frames (eagerly off CUDA, which only tests use); on the CPU `runtime`'s step (native:
+        one native call, else ONNX Runtime's; onnx: ONNX Runtime's), else the frozen graph
+        (where one fails to build, the next, with a warning; each gives the same audio),
         else the eager one."""
         n_codebooks = self.model.cfg.n_acoustic_codebooks
         if graph_frames:
@@ -611,11 +619,12 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - any failure here only costs speed
                 log.warning("the codec runs eagerly: recording its CUDA graphs failed (%s: %s)", type(e).__name__, e)
                 return self.codec.decode_step
-        if onnx:
+        makers = {"native": NativeCodecStep, "onnx": functools.partial(OnnxCodecStep, threads=torch.get_num_threads())}
+        for name in {"native": ("native", "onnx"), "onnx": ("onnx",), "torch": ()}[runtime]:
             try:
-                return OnnxCodecStep(self.codec, n_codebooks, threads=torch.get_num_threads())
+                return makers[name](self.codec, n_codebooks)
             except Exception as e:  # noqa: BLE001 - any failure here only costs speed
-                log.warning("the codec runs on torch: its ONNX Runtime step failed (%s: %s)", type(e).__name__, e)
+                log.warning("the codec does not run %s (%s: %s)", name, type(e).__name__, e)
         if frozen:
             return frozen_or_eager(lambda: FrozenCodecStep(self.codec, n_codebooks), self.codec.decode_step)
         return self.codec.decode_step

@@ -218,23 +218,21 @@ def test_matmul_weights_auto_follows_the_cpus_features_and_reaches_the_engine(mo
         ServerConfig.from_args(["--matmul-weights", "on"], env={})
 
 
-def test_codec_runtime_auto_follows_onnx_runtime_and_reaches_the_engine(monkeypatch) -> None:
-    """auto: ONNX Runtime on the CPU where onnxruntime and onnx import, torch elsewhere;
-    onnx / torch as set; never on a GPU; anything else refused at the edge."""
-    import importlib.util
-
+def test_codec_runtime_reaches_the_engine_and_auto_is_native_on_the_cpu() -> None:
+    """auto: the native codec step on the CPU, torch on a GPU; native / onnx / torch as
+    set on the CPU; the CPU's runtimes refused on a GPU, anything else refused at the
+    edge."""
     from livespeech.server.app import engine_config
-    real = importlib.util.find_spec
-    for missing, want in ((None, True), ("onnxruntime", False), ("onnx", False)):
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name, m=missing: None if name == m else real(name))
-        assert engine_config(ServerConfig()).onnx_codec is want
-        assert engine_config(ServerConfig.from_args(["--codec-runtime", "onnx"], env={})).onnx_codec
-        assert not engine_config(ServerConfig.from_args([], env={"LIVESPEECH_CODEC_RUNTIME": "torch"})).onnx_codec
-        assert not engine_config(ServerConfig.from_args(["--device", "cuda"], env={})).onnx_codec
-    with pytest.raises(ConfigError, match="codec_runtime must be one of auto, onnx, torch"):
+
+    assert engine_config(ServerConfig()).codec_runtime == "native"
+    assert engine_config(ServerConfig.from_args(["--codec-runtime", "onnx"], env={})).codec_runtime == "onnx"
+    assert engine_config(ServerConfig.from_args([], env={"LIVESPEECH_CODEC_RUNTIME": "torch"})).codec_runtime == "torch"
+    assert engine_config(ServerConfig.from_args(["--device", "cuda"], env={})).codec_runtime == "torch"
+    with pytest.raises(ConfigError, match="codec_runtime must be one of auto, native, onnx, torch"):
         ServerConfig.from_args(["--codec-runtime", "tensorrt"], env={})
-    with pytest.raises(ConfigError, match="codec_runtime onnx applies to the cpu"):
-        ServerConfig.from_args(["--codec-runtime", "onnx", "--device", "cuda"], env={})
+    for runtime in ("native", "onnx"):
+        with pytest.raises(ConfigError, match=f"codec_runtime {runtime} applies to the cpu"):
+            ServerConfig.from_args(["--codec-runtime", runtime, "--device", "cuda"], env={})
 
 
 def test_the_server_starts_with_a_warm_text_cache() -> None:

@@ -6,11 +6,12 @@ them equals the eager step of those slots alone, and leaves every other slot as 
 
 The frozen steps (TorchScript, CPU): the model's equals the eager step at every batch
 size and text length, on gathered and sliced batches; the codec's equals `decode_step`
-at every batch and packet size, and so do ONNX Runtime's (`OnnxCodecStep`) and the
-codec's CUDA graphs for steady packets (`CapturedCodecStep`, eagerly here); the runner
-uses them unless told not to.
+at every batch and packet size, and so do ONNX Runtime's (`OnnxCodecStep`), the native
+codec step (`NativeCodecStep`) and the codec's CUDA graphs for steady packets
+(`CapturedCodecStep`, eagerly here); the runner uses them unless told not to.
 """
 import functools
+import importlib.util
 import logging
 import shutil
 
@@ -21,23 +22,25 @@ import torch
 from livespeech.models.derived import INT8
 from livespeech.models.inference import DecodeState, enrollment_kv
 from livespeech.models.livespeech import LiveSpeech2
-from livespeech.models.step_graph import (CapturedCodecStep, CapturedStep, FrozenCodecStep, FrozenStep, OnnxCodecStep,
-                                          buckets, frozen_or_eager)
+from livespeech.models.native_step import native_module
+from livespeech.models.step_graph import (CapturedCodecStep, CapturedStep, FrozenCodecStep, FrozenStep, NativeCodecStep,
+                                          OnnxCodecStep, buckets, frozen_or_eager)
 from tests.test_livespeech import small_cfg
 
 
 def _codec_steps():
-    """The codec steps to check: the frozen graph, ONNX Runtime's where it imports, and the
-    CUDA graphs' buffers for 6-frame packets of up to 4 streams (without the recording)."""
+    """The codec steps to check: the frozen graph, ONNX Runtime's where it imports, the
+    native step where it builds, and the CUDA graphs' buffers for 6-frame packets of up
+    to 4 streams (without the recording)."""
     onnx = pytest.mark.skipif(not _onnx_runtime(), reason="onnxruntime or onnx not installed")
+    native = pytest.mark.skipif(native_module() is None, reason="the native CPU code cannot be built here")
     captured = functools.partial(CapturedCodecStep, capacity=4, frames=6, capture=False)
-    return [FrozenCodecStep, pytest.param(OnnxCodecStep, marks=onnx), pytest.param(captured, id="CapturedCodecStep")]
+    return [FrozenCodecStep, pytest.param(OnnxCodecStep, marks=onnx), pytest.param(NativeCodecStep, marks=native),
+            pytest.param(captured, id="CapturedCodecStep")]
 
 
 def _onnx_runtime() -> bool:
-    from livespeech.server.runner import onnx_codec_enabled
-
-    return onnx_codec_enabled("auto", "cpu")
+    return all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "onnx"))
 
 
 def _state(model, device="cpu", memory_dtype=None):
@@ -53,13 +56,18 @@ def _state(model, device="cpu", memory_dtype=None):
     return st
 
 
-def _run(model, st, step_fn, batches, whole_state=True):
-    """Steps `batches` (lists of slots) in turn; each step's greedy tokens are committed.
+def _greedy(out) -> torch.Tensor:
+    return torch.cat((out.graphemes.argmax(-1, keepdim=True), out.acoustic.argmax(-1)), 1)
+
+
+def _run(model, st, step_fn, batches, whole_state=True, tokens=None):
+    """Steps `batches` (lists of slots) in turn; each step's greedy tokens are committed,
+    or with `tokens` those of another run's outputs (the same history for both).
     `step_fn`: None (the eager step), a step over the whole state (`whole_state`,
     called with the slots) or one called like `LiveSpeech2.step`. Returns the logits of
     every step."""
     outs = []
-    for slots in batches:
+    for i, slots in enumerate(batches):
         whole = step_fn is not None and whole_state
         view = st.view(slots, skip=("conv", "ssm", "mem_k", "mem_v") if whole else ())
         mask = st.window_mask(view, [0] * len(slots), [0] * len(slots))
@@ -67,8 +75,7 @@ def _run(model, st, step_fn, batches, whole_state=True):
             out = step_fn(slots, view.inputs, view.step, mask)
         else:
             out = (step_fn or model.step)(view.inputs, view.step, view, mask)
-        tok = torch.cat((out.graphemes.argmax(-1, keepdim=True), out.acoustic.argmax(-1)), 1)
-        st.commit(view, tok)
+        st.commit(view, _greedy(out if tokens is None else tokens[i]))
         st.write_back(view)
         outs.append(out)
     return outs
@@ -187,29 +194,38 @@ def test_runner_steps_through_the_frozen_graph_unless_told_not_to():
     assert eager.model_step == bundle.model.step and eager.codec_step == bundle.codec.decode_step
 
 
-@pytest.mark.skipif(not _onnx_runtime(), reason="onnxruntime or onnx not installed")
-def test_runner_decodes_with_onnx_runtime_when_told_to_and_with_torch_where_it_fails(monkeypatch, caplog):
-    """`onnx_codec`: ONNX Runtime's codec step, whose packets equal the frozen graph's;
-    where it cannot be built, the frozen graph, with a warning."""
+@pytest.mark.skipif(not _onnx_runtime() or native_module() is None, reason="no ONNX Runtime or no native build")
+def test_runner_decodes_with_the_codec_runtime_asked_for_and_falls_back_where_it_fails(monkeypatch, caplog):
+    """`codec_runtime`: native (where it fails, ONNX Runtime), onnx (where it fails, the
+    frozen graph), torch (the frozen graph); the packets of each equal the frozen graph's,
+    and a fallback is logged."""
     from livespeech.models.loading import load_bundle
     from livespeech.server.runner import ModelRunner
 
     bundle = load_bundle(random_init=True)
-    onnx, frozen = ModelRunner(bundle, 2, onnx_codec=True), ModelRunner(bundle, 2)
-    assert isinstance(onnx.codec_step, OnnxCodecStep)
+    native, onnx = ModelRunner(bundle, 2, codec_runtime="native"), ModelRunner(bundle, 2, codec_runtime="onnx")
+    frozen = ModelRunner(bundle, 2, codec_runtime="torch")
+    assert isinstance(native.codec_step, NativeCodecStep) and native.codec_runtime == "native"
+    assert isinstance(onnx.codec_step, OnnxCodecStep) and isinstance(frozen.codec_step, FrozenCodecStep)
     g = torch.Generator().manual_seed(2)
     for n in (6, 1, 4):
         frames = torch.randint(0, 1024, (2, n, 8), generator=g).tolist()
-        for a, b in zip(onnx.decode([0, 1], frames), frozen.decode([0, 1], frames)):
-            assert np.allclose(a, b, atol=1e-4)
+        want = frozen.decode([0, 1], frames)
+        for runner in (native, onnx):
+            for a, b in zip(runner.decode([0, 1], frames), want):
+                assert np.allclose(a, b, atol=1e-4)
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("no ONNX Runtime here")
+    def broken(name):
+        def make(*args, **kwargs):
+            raise RuntimeError(f"no {name} here")
+        return make
 
-    monkeypatch.setattr("livespeech.server.runner.OnnxCodecStep", broken)
+    monkeypatch.setattr("livespeech.server.runner.NativeCodecStep", broken("native build"))
     with caplog.at_level(logging.WARNING, logger="livespeech.server.runner"):
-        assert isinstance(ModelRunner(bundle, 2, onnx_codec=True).codec_step, FrozenCodecStep)
-    assert "no ONNX Runtime here" in caplog.text
+        assert isinstance(ModelRunner(bundle, 2, codec_runtime="native").codec_step, OnnxCodecStep)
+        monkeypatch.setattr("livespeech.server.runner.OnnxCodecStep", broken("ONNX Runtime"))
+        assert isinstance(ModelRunner(bundle, 2, codec_runtime="onnx").codec_step, FrozenCodecStep)
+    assert "no native build here" in caplog.text and "no ONNX Runtime here" in caplog.text
 
 
 def test_runner_with_cuda_graphs_records_the_codec_steady_packet_or_decodes_eagerly(monkeypatch, caplog):

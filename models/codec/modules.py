@@ -168,6 +168,12 @@ class SConv1d(nn.Module):
         states_out.append(x[..., -ctx:].contiguous())
         return self._stream_conv(x)
 
+    def window_weight(self) -> Tensor:
+        """The weight as one matrix over input windows, [k * C_in, C_out]: row j * C_in + c
+        is tap j of input channel c (a channels-last window's order)."""
+        w = self.conv.conv.effective_weight()  # [C_out, C_in, k]
+        return w.permute(2, 1, 0).reshape(-1, w.shape[0]).contiguous()
+
     def _stream_conv(self, x: Tensor) -> Tensor:
         """The conv of a streaming step (no padding left to add). On CPU the last layer's
         conv to one channel runs as one [k, C] matmul over every tap, then k shifted adds:
@@ -216,6 +222,15 @@ class SConvTranspose1d(nn.Module):
         m = _ceil_div(k, self.stride)
         w = F.pad(w, (0, m * self.stride - k)).view(c, o, m, self.stride)
         return w.flip(2).permute(1, 3, 0, 2).reshape(o * self.stride, c, m).contiguous()
+
+    def window_weight(self) -> Tensor:
+        """The polyphase weight as one matrix over windows of m input frames, channels
+        last: [m * C_in, s * C_out], row t * C_in + c the input channel c of frame j + t in
+        the window of output frame j (whose state frames come first), column p * C_out + o
+        the output channel o of sample j * s + p."""
+        poly = self._polyphase_weight()  # [C_out * s, C_in, m]
+        c, m = poly.shape[1:]
+        return poly.view(-1, self.stride, c, m).permute(3, 2, 1, 0).reshape(m * c, -1).contiguous()
 
     def stream_init(self, batch: int, ref: Tensor) -> list[Tensor]:
         if not self.causal:
@@ -269,7 +284,7 @@ class SLSTM(nn.Module):
         shape = (batch, self.lstm.num_layers, self.lstm.hidden_size)
         return [ref.new_zeros(shape), ref.new_zeros(shape)]
 
-    def _loop_weights(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+    def loop_weights(self) -> list[tuple[Tensor, Tensor, Tensor]]:
         """Per layer: W_ih^T, W_hh^T (contiguous) and b_ih + b_hh, with the gates reordered
         from nn.LSTM's (i, f, g, o) to (i, f, o, g), so one sigmoid covers three gates."""
         hid = self.lstm.hidden_size
@@ -285,7 +300,7 @@ class SLSTM(nn.Module):
         """nn.LSTM's recurrence written out; seq [T, B, H], h/c [B, layers, H]."""
         hid = self.lstm.hidden_size
         hs, cs = [], []
-        for layer, (w_ih, w_hh, bias) in enumerate(_cached(self, "_loop_cache", self._loop_weights)):
+        for layer, (w_ih, w_hh, bias) in enumerate(_cached(self, "_loop_cache", self.loop_weights)):
             gates_x = torch.addmm(bias, seq.flatten(0, 1), w_ih).view(seq.shape[0], seq.shape[1], -1)
             seq, h_l, c_l = _lstm_recurrence()(gates_x, h[:, layer], c[:, layer], w_hh, hid)
             hs.append(h_l)

@@ -11,93 +11,18 @@
 // non-zero halves (the layout of `DecodeStateView`: enrollment keys in the first half of
 // the last dim, rotated text keys in the second, zeros elsewhere), and one copy of the
 // enrollment for the rows that share a voice.
-//
-// The loops (`LS_KERNEL`) are compiled for AVX-512, for AVX2 + FMA and for baseline
-// x86-64, and the CPU picks at load time: one build runs on any x86-64 machine, so it
-// can be built where a compiler is and run where none is.
 #include <torch/extension.h>
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/csrc/jit/api/object.h>
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LS_KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define LS_KERNEL
-#endif
+#include "kernels.h"
 
 namespace {
 
 using at::Tensor;
-
-// 2^x for x <= 126 (a relative error ~2e-7): Cephes' polynomial on [-0.5, 0.5] and the
-// exponent's bits, rounded by the float adder (1.5 * 2^23), so that the compiler
-// vectorises it (libm's exp2f stays a scalar call). Below -126 it gives 2^-126 rather
-// than a denormal or zero; NaN stays NaN.
-inline float exp2_fast(float x) {
-  x = x < -126.f ? -126.f : x;
-  x = x > 126.f ? 126.f : x;
-  const float shifted = x + 12582912.f;
-  const float f = x - (shifted - 12582912.f);
-  int32_t n;
-  std::memcpy(&n, &shifted, sizeof n);
-  n -= 0x4B400000;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-inline float silu(float x) { return x / (1.f + exp2_fast(-x * kLog2e)); }
-
-// Sums kept in 16 lanes and added as a tree: a reduction the compiler keeps in vector
-// registers, where a loop's own reduction (without -ffast-math) ends in 16 dependent
-// scalar adds, in order.
-constexpr int kLanes = 16;
-
-inline float tree_sum(float* lane) {
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) lane[j] += lane[j + 8];
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) lane[j] += lane[j + 4];
-  lane[0] += lane[2];
-  lane[1] += lane[3];
-  return lane[0] + lane[1];
-}
-
-// sum of a[i] * b[i], i < n
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lane[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] += a[i + j] * b[i + j];
-  for (int j = 0; i + j < n; ++j) lane[j] += a[i + j] * b[i + j];
-  return tree_sum(lane);
-}
-
-// sum of x[i], i < n
-inline float sum(const float* x, int64_t n) {
-  float lane[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] += x[i + j];
-  for (int j = 0; i + j < n; ++j) lane[j] += x[i + j];
-  return tree_sum(lane);
-}
+using namespace livespeech_native;
 
 // ---------------------------------------------------------------- the loops
 
@@ -605,6 +530,7 @@ Linear make_linear(c10::optional<Tensor> w_t, c10::optional<Tensor> bias, py::ob
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_codec(m);
   py::class_<Linear>(m, "Linear");
   py::class_<Norm>(m, "Norm");
   py::class_<Layer>(m, "Layer");

@@ -579,14 +579,14 @@ def main(argv=None) -> int:
         log(f"loaded {bundle.source} in {time.perf_counter() - t0:.1f} s")
         if modes:
             from livespeech.server.engine import Engine, EngineConfig
-            from livespeech.server.runner import onnx_codec_enabled
+            from livespeech.server.runner import codec_runtime
 
             # no pacing to real time: sessions run as fast as compute allows (RTF is measured);
             # the codec on the runtime the server picks
             engine = Engine(bundle, EngineConfig(max_sessions=1, max_lead_s=1e6, max_overrun_s=a.max_overrun_s,
                                                  text_cfg_scale=a.text_cfg_scale, letter_schedule=a.letter_schedule,
                                                  matmul_weights=a.matmul_weights, low_precision_from_batch=1,
-                                                 onnx_codec=onnx_codec_enabled("auto", a.device)))
+                                                 codec_runtime=codec_runtime("auto", a.device)))
             engine.start()
     else:
         modes = []

@@ -46,12 +46,12 @@ def evaluate(model: str, texts: list[str], voice: str = "default", asr: Optional
     spoken_form: the engine's (numbers and symbols said in words, models/spoken_form.py)."""
     from livespeech.models.loading import load_bundle
     from livespeech.server.engine import Engine, EngineConfig
-    from livespeech.server.runner import onnx_codec_enabled
+    from livespeech.server.runner import codec_runtime
 
     bundle = load_bundle(None if model == "default" else model)
     if voice not in bundle.builtin_voices:
         raise ValueError(f"voice {voice!r} is not built in: {sorted(bundle.builtin_voices)}")
-    engine = Engine(bundle, EngineConfig(max_sessions=1, max_lead_s=1e6, onnx_codec=onnx_codec_enabled("auto", "cpu"),
+    engine = Engine(bundle, EngineConfig(max_sessions=1, max_lead_s=1e6, codec_runtime=codec_runtime("auto", "cpu"),
                                          spoken_form=spoken_form))
     engine.start()
     normalize = get_normalizer()
