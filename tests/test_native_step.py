@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from livespeech.models import native_step
-from livespeech.models.derived import INT8
+from livespeech.models.derived import INT8, INT8_REDUCE_RANGE
 from livespeech.models.inference import DecodeState, enrollment_kv
 from livespeech.models.livespeech import LiveSpeech2
 from livespeech.models.native_step import NativeStep
@@ -32,9 +32,11 @@ def test_it_builds_where_a_compiler_is():
 
 @pytest.mark.parametrize("dtype, atol", [(None, 1e-5), (torch.bfloat16, 1e-4), (INT8, None)])
 def test_the_native_step_equals_the_eager_step_along_a_decode(dtype, atol):
-    """Gathered ([0, 2, 3]) and sliced ([2, 3]) batches of 1 to 4 rows as the text grows.
-    int8 quantises each call's activations, so a rounding apart moves a code a step: its
-    logits stay within 2 % of their largest."""
+    """Gathered ([0, 2, 3]) and sliced ([2, 3]) batches of 1 to 4 rows as the text grows,
+    both decodes committing the eager step's greedy tokens. int8 quantises each call's
+    activations, so a rounding apart moves a code a step: its logits stay within 2 % of
+    their largest (4 % with fbgemm's 7-bit activations, on a CPU without VNNI: a step
+    twice as coarse)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LiveSpeech2(small_cfg()).eval()
@@ -43,15 +45,18 @@ def test_the_native_step_equals_the_eager_step_along_a_decode(dtype, atol):
     batches = BATCHES + [[0], [0, 1, 2, 3]]
     with torch.no_grad():
         want = _run(model, eager_state, lambda *a: model.step(*a, matmul_dtype=dtype), batches, whole_state=False)
-        got = _run(model, native_state, lambda *a: native(*a, dtype), batches, whole_state=False)
+        got = _run(model, native_state, lambda *a: native(*a, dtype), batches, whole_state=False, tokens=want)
     for a, b in zip(want, got):
         for x, y in ((a.graphemes, b.graphemes), (a.acoustic, b.acoustic)):
             assert y.dtype == torch.float32 and y.shape == x.shape
-            tol = atol if atol is not None else 0.02 * x.abs().max()
+            tol = atol if atol is not None else (0.04 if INT8_REDUCE_RANGE else 0.02) * x.abs().max()
             assert (x - y).abs().max() <= tol
     for name in ("conv", "ssm", "inputs", "step", "ring"):
-        assert torch.allclose(getattr(eager_state, name).float(), getattr(native_state, name).float(),
-                              atol=1e-4 if dtype == INT8 else 1e-5), name
+        a, b = getattr(eager_state, name).float(), getattr(native_state, name).float()
+        # with int8, the recurrent state within a rounding of the activations too (7-bit
+        # ones: a step is 1/64 of a row's largest)
+        tol = (0.02 * a.abs().max() if INT8_REDUCE_RANGE else 1e-4) if dtype == INT8 else 1e-5
+        assert (a - b).abs().max() <= tol, name
 
 
 def test_other_state_and_window_sizes_equal_the_eager_step():
