@@ -434,7 +434,14 @@ def test_chaos(server_factory, client, caplog) -> None:
             warm.stub = Stub(ch)
             return await warm.normal(random.Random(SEED))
 
-    assert client.run(warm_up())[0].code == C.OK
+    # the first session meets the compiled loops' first calls, which numba compiles where
+    # its cache is cold (a fresh clone): on the 2-core AVX2 EPYC that stalled the engine
+    # past the 3 s idle timeout; the next one must then pass
+    first = client.run(warm_up())[0]
+    if first.code != C.OK:
+        assert first.code == C.DEADLINE_EXCEEDED and "idle" in first.details, first
+        assert h.wait_idle()
+        assert client.run(warm_up())[0].code == C.OK
     assert h.wait_idle()
     baseline = server_tasks(h)
 
