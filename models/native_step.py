@@ -35,6 +35,8 @@ from typing import Optional
 
 import torch
 
+from livespeech.api.cache import user_cache
+
 from .derived import INT8_REDUCE_RANGE
 from .inference import DecodeStateView
 from .livespeech import LiveSpeech2, StepLogits
@@ -55,8 +57,7 @@ INSTALLED_BUILDS = NATIVE / "build"
 
 
 def cache_builds() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "livespeech" / "native"
+    return user_cache("native")
 
 
 def build_name() -> str:

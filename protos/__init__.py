@@ -6,4 +6,5 @@
 - `session`: the session types (`SessionConfig`, the events, `Summary`) and the engine's
   interface to the service
 - `audio`: PCM16, G.711 mu-law and WAV conversions
+- `cache`: the user's cache directory (what is made once and kept between runs)
 """

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import grpc
 
+from .cache import user_cache
 from .session import (AudioPacket, ChunkingConfig, ConfigError, Encoding, SessionConfig, Started, Summary,
                       VoiceInfo, WordTiming)
 
@@ -69,8 +70,7 @@ def _gen_dirs() -> list[Path]:
     env = os.environ.get("LIVESPEECH_GEN_DIR")
     if env:
         return [Path(env)]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return [Path(__file__).resolve().parent / "gen", cache / "livespeech" / "gen"]
+    return [Path(__file__).resolve().parent / "gen", user_cache("gen")]
 
 
 def _generate(root: Path, out_dir: Path, stamp: str) -> Path:

