@@ -32,7 +32,7 @@ from livespeech.models.native_step import NativeStep
 from livespeech.models.step_graph import (CapturedCodecStep, CapturedStep, FrozenCodecStep, FrozenStep, NativeCodecStep,
                                           OnnxCodecStep, frozen_or_eager)
 from livespeech.models.upload import Upload
-from livespeech.server.packets import frames_for_ms
+from livespeech.server.session_table import frames_for_ms
 from livespeech.server.config import CODEC_RUNTIMES
 
 log = logging.getLogger(__name__)
@@ -89,19 +89,6 @@ def codec_runtime(setting: str, device: str) -> str:
     if torch.device(device).type != "cpu":
         return "torch"
     return "native" if setting == "auto" else setting
-
-
-def _choice(name: str, setting: str, choices: Sequence[str], auto: Callable[[], bool]) -> bool:
-    """A setting of the form (auto, on, off): auto asks `auto()`."""
-    if setting not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {setting!r}")
-    return auto() if setting == choices[0] else setting == choices[1]
-
-
-def _cpu_choice(name: str, setting: str, choices: Sequence[str], device: str, auto: Callable[[], bool]) -> bool:
-    """`_choice` for a CPU-only setting: never on a GPU."""
-    cpu = torch.device(device).type == "cpu"
-    return _choice(name, setting, choices, lambda: cpu and auto()) and cpu
 
 
 @dataclass
@@ -233,6 +220,8 @@ class ModelRunner:
             raise ValueError(f"matmul_weights must be one of {', '.join(MATMUL_DTYPES)}, got {matmul_weights!r}")
         if matmul_weights == "int8" and self.device.type != "cpu":
             raise ValueError("int8 matmul weights run on the CPU only")
+        if codec_runtime not in ("native", "onnx", "torch"):  # as `codec_runtime` resolves the setting
+            raise ValueError(f"codec_runtime must be native, onnx or torch, got {codec_runtime!r}")
         self.low_precision = MATMUL_DTYPES[matmul_weights]
         self.low_precision_from_batch = (
             low_precision_from_batch if low_precision_from_batch is not None

@@ -12,9 +12,9 @@ from conftest import numbered_words
 from livespeech.models.derived import cpu_has_int8_matmuls
 from livespeech.models.loading import load_bundle
 from livespeech.server.engine import Engine, EngineConfig
-from livespeech.server.packets import RAMP_MAX_PACKETS, PacketPlan, PacketPolicy, frames_for_ms
+from livespeech.server.packets import RAMP_MAX_PACKETS, PacketPlan, PacketPolicy
 from livespeech.server.session import EngineSession
-from livespeech.server.session_table import SessionTable
+from livespeech.server.session_table import SessionTable, frames_for_ms
 from livespeech.server.runner import ModelRunner, Voice
 from livespeech.api.session import (AudioPacket, CapacityError, ConfigError, Encoding, Failed, Finished,
                                 SessionConfig, StateError, WordTiming)

@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from livespeech.server.packets import RAMP_MAX_PACKETS, PacketPlan, PacketPolicy, StepClock, frames_for_ms
+from livespeech.server.packets import RAMP_MAX_PACKETS, PacketPlan, PacketPolicy, StepClock
+from livespeech.server.session_table import frames_for_ms
 from livespeech.server.session import Phase
 
 FULL = 6  # 80 ms at 75 Hz

@@ -12,9 +12,9 @@ from conftest import numbered_words, random_bundle
 
 from livespeech.api.session import SessionConfig
 from livespeech.server.engine import Engine, EngineConfig
-from livespeech.server.packets import PacketPlan, PacketPolicy, StepClock, frames_for_ms
+from livespeech.server.packets import PacketPlan, PacketPolicy, StepClock
 from livespeech.server.session import EngineSession, Phase, SessionLimits
-from livespeech.server.session_table import ENDED, RUNNING, WAITING, SessionTable
+from livespeech.server.session_table import ENDED, RUNNING, WAITING, SessionTable, frames_for_ms
 
 LIMITS = SessionLimits(1000, 100_000, 600.0, 5.0)
 
