@@ -17,19 +17,12 @@ from torch import nn
 from livespeech.models.codec import StreamState
 from livespeech.models.native_step import native_module
 from livespeech.models.step_graph import NativeCodecStep
+from tests.test_codec import _one_thread  # noqa: F401 - autouse: one torch thread, as there
 from tests.test_codec import N_FRAMES, PRESET_NAMES, TOL, model_for, random_codes, schedule
 
 pytestmark = pytest.mark.skipif(native_module() is None, reason="the native CPU code cannot be built here")
 
 NAMES = [*PRESET_NAMES, "odd"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _native(name: str) -> tuple:
