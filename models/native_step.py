@@ -10,9 +10,10 @@ session's window shows, and one copy of a voice's enrollment for the sessions sh
 
 It is a C++ extension, with the streaming codec's decoder step beside it
 (models/native/codec.cpp, `step_graph.NativeCodecStep`), built once by torch's loader
-with the machine's compiler (~1 min), then kept: by an install, beside this module (`python -m livespeech.models.native_step`:
-scripts/install.sh, the container image's build stage), else at first use in the user's
-cache (~/.cache/livespeech/native), one build a source, torch and Python version. Its
+with the machine's compiler (~1 min), then kept: by an install, beside this module
+(`python -m livespeech.models.native_step`: scripts/install.sh, the container image's
+build stage), else at first use in the user's cache (~/.cache/livespeech/native), one
+build a source, torch and Python version. Its
 loops carry code for AVX-512, AVX2 and baseline x86-64 and pick at load time, so a
 build made where a compiler is runs where none is. Where there is neither a build nor a
 compiler, the caller keeps the frozen graph (and the codec ONNX Runtime).
@@ -62,8 +63,8 @@ def cache_builds() -> Path:
 
 def build_name() -> str:
     """The build's name: a digest of what it is made from and what it runs against."""
-    key = b"\0".join([*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                      sys.version.encode(), platform.machine().encode()])
+    key = b"\0".join([*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(CFLAGS).encode(),
+                      torch.__version__.encode(), sys.version.encode(), platform.machine().encode()])
     return f"livespeech_native_step_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
@@ -96,7 +97,8 @@ def build(into: Optional[Path] = None) -> ModuleType:
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
     try:
-        return cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS, build_directory=str(where))
+        return cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS,
+                                  build_directory=str(where))
     finally:
         os.environ["PATH"] = path
 
