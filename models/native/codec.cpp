@@ -57,12 +57,6 @@ LS_KERNEL void lstm_cells(const float* gates, int64_t g_stride, float* c, float*
   }
 }
 
-// dst += codeword
-LS_KERNEL void add_codeword(const float* codeword, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] += codeword[i];
-}
-
 // y[r] = x[r * x_step : + n] . w + bias: a convolution to one channel, its windows read
 // in place (no window rows to build for a 1-column product)
 LS_KERNEL void dot_rows(const float* x, int64_t x_step, const float* w, int64_t n, float bias, float* y,
@@ -447,7 +441,7 @@ class CodecDecoder {
         for (int64_t f = 0; f < F; ++f) {
           const int64_t id = cs[(b * K + k) * F + f];
           TORCH_CHECK(id >= 0 && id < size, "a code outside its codebook");
-          add_codeword(table + (k * size + id) * D, xs + (b * F + f) * D, D);
+          add_rows(xs + (b * F + f) * D, table + (k * size + id) * D, D);
         }
     return x;
   }

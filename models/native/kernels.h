@@ -105,6 +105,12 @@ inline float elu(float x) {
   return x <= 0.f ? e : x;
 }
 
+// dst[i] += src[i], i < n (static: each source file keeps its own clones)
+static LS_KERNEL void add_rows(float* dst, const float* src, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
 }  // namespace livespeech_native
 
 // the codec decoder's classes and calls (models/native/codec.cpp), on the one module

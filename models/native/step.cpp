@@ -93,11 +93,6 @@ LS_KERNEL void unscale_rows(float* y, const float* scales, const float* bias, in
   }
 }
 
-LS_KERNEL void add_rows(float* dst, const float* src, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
-}
-
 // A state tensor's rows for one layer: row r's block at data + r * stride, its inner dims
 // contiguous (a slice of the state's slots, or a gathered copy).
 struct StateRows {
