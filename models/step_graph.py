@@ -364,7 +364,7 @@ class NativeCodecStep(_CodecStepGraph):
     than SEANet's raise NotImplementedError."""
 
     def __init__(self, codec: CodecModel, n_codebooks: int):
-        from .codec.modules import SConv1d, SConvTranspose1d, SEANetResnetBlock, SLSTM
+        from .codec.modules import SConv1d, SConvTranspose1d, SEANetResnetBlock, SLSTM, is_unit_elu
         from .native_step import native_module
 
         super().__init__(codec, n_codebooks)
@@ -380,15 +380,12 @@ class NativeCodecStep(_CodecStepGraph):
             c = layer.conv.conv
             return layer.window_weight(), _bias(c), layer.kernel_size, c.dilation[0], elu
 
-        def is_elu(layer) -> bool:
-            return type(layer) is nn.ELU and layer.alpha == 1.0
-
         with torch.no_grad():
             tables = [vq._codebook.embed for vq in codec.quantizer.vq.layers]
             self.decoder = module.CodecDecoder(torch.stack(tables).float())
             elu = False
             for layer in codec.decoder.model:
-                if is_elu(layer) and not elu:
+                if is_unit_elu(layer) and not elu:
                     elu = True
                     continue
                 if isinstance(layer, SConv1d):
@@ -403,7 +400,7 @@ class NativeCodecStep(_CodecStepGraph):
                     self.decoder.add_lstm(list(w_ih), list(w_hh), list(bias))
                 elif isinstance(layer, SEANetResnetBlock) and not elu:
                     block = list(layer.block)
-                    if not (len(block) == 4 and is_elu(block[0]) and is_elu(block[2])
+                    if not (len(block) == 4 and is_unit_elu(block[0]) and is_unit_elu(block[2])
                             and block[3].kernel_size == 1):
                         raise NotImplementedError("a native codec step of another residual block")
                     a, b = conv(block[1], True), conv(block[3], True)

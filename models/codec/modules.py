@@ -367,12 +367,18 @@ def _elu(x: Tensor) -> Tensor:
     return out
 
 
+def is_unit_elu(layer: nn.Module) -> bool:
+    """An ELU of alpha 1, which the streaming decoder runs as `_elu` (and the native codec
+    step fuses into the next convolution's inputs)."""
+    return type(layer) is nn.ELU and layer.alpha == 1.0
+
+
 def _stream_seq(layers: list[nn.Module], x: Tensor, states_in: Iterator[Tensor],
                 states_out: list[Tensor], started: Tensor | None) -> Tensor:
     for layer in layers:
         if hasattr(layer, "stream_step"):
             x = layer.stream_step(x, states_in, states_out, started)
-        elif type(layer) is nn.ELU and layer.alpha == 1.0:
+        elif is_unit_elu(layer):
             x = _elu(x)
         else:
             x = layer(x)
