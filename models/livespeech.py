@@ -18,7 +18,7 @@ from torch import nn
 
 from .attention import CrossAttention, rope_angles, rope_query_matrix
 from .config import ModelConfig
-from .derived import derived, matmul_t, transposed
+from .derived import INT8, derived, matmul_t, transposed
 from .mamba import MambaBlock, make_mamba
 from .speech_encoder import SpeechEncoder
 from .spelling import SpellingEmbedding
@@ -44,6 +44,20 @@ class DecoderLayer(nn.Module):
         a = self.xattn.attend(self.norm2(h), qpos, *enr_kv, *txt_kv, txt_pos, txt_mask, text_weights)
         return h + a
 
+    @staticmethod
+    def attention_matmul_dtype(matmul_dtype: Optional[torch.dtype],
+                               memory_dtype: torch.dtype = torch.float32) -> Optional[torch.dtype]:
+        """The weights of the attention's query and output projections for a step whose
+        widest matmuls take `matmul_dtype`: int8 as those; bfloat16 with a bfloat16
+        memory (a GPU's bf16 path, server/runner.py); else float32 (None): on the CPU
+        its 256-wide projections ran slower with bf16 weights (16 x 256 x 256, 38 against
+        20 us), while int8 halved them (16 sessions, an AVX2 EPYC: 0.85 -> 0.41 ms a step,
+        their distributions' distance from float32 as the other int8 matmuls' left it:
+        loadtest/precision.py)."""
+        if matmul_dtype == INT8 or memory_dtype != torch.float32:
+            return matmul_dtype
+        return None
+
     def step(self, h, conv_state, ssm_state, q_rope, mem_k, mem_v, bias, matmul_dtype=None):
         """h [B, D]; Mamba states updated in place (mamba-ssm's step convention)."""
         # only our block takes a matmul dtype; mamba-ssm's (on CUDA where it is installed)
@@ -51,10 +65,7 @@ class DecoderLayer(nn.Module):
         kw = {"matmul_dtype": matmul_dtype} if matmul_dtype is not None and isinstance(self.mamba, MambaBlock) else {}
         y, _, _ = self.mamba.step(self.norm1(h).unsqueeze(1), conv_state, ssm_state, **kw)
         h = h + y.squeeze(1)
-        # with the memory in bfloat16 (a GPU's bf16 path, server/runner.py) the attention's
-        # projections take bf16 weights too; the CPU keeps both in float32 (its 256-wide
-        # projections ran slower with bf16 weights: 16 x 256 x 256, 38 against 20 us)
-        attn_dtype = matmul_dtype if mem_k.dtype != torch.float32 else None
+        attn_dtype = self.attention_matmul_dtype(matmul_dtype, mem_k.dtype)
         return h + self.xattn.attend_step(self.norm2(h), q_rope, mem_k, mem_v, bias, attn_dtype)
 
 

@@ -32,22 +32,25 @@ import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from livespeech.api.cache import user_cache
 
 from .derived import INT8_REDUCE_RANGE
-from .inference import DecodeStateView
 from .livespeech import LiveSpeech2, StepLogits
+
+if TYPE_CHECKING:  # the decode state's module calls the extension too
+    from .inference import DecodeStateView
 
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).with_name("native")
 # one extension: the model step, the codec decoder's step (models/native/codec.cpp,
-# models/step_graph.py `NativeCodecStep`) and the loops they share (kernels.h)
-SOURCES = [NATIVE / "step.cpp", NATIVE / "codec.cpp"]
+# models/step_graph.py `NativeCodecStep`), the sampler (models/native/sampler.cpp,
+# models/cpu_sampler.py) and the loops they share (kernels.h)
+SOURCES = [NATIVE / "step.cpp", NATIVE / "codec.cpp", NATIVE / "sampler.cpp"]
 HEADERS = [NATIVE / "kernels.h"]
 # -fno-trapping-math: the loops' clamps and selects vectorise for AVX2 and SSE too (with
 # trapping maths GCC kept them as branches there: the state update 3.7x slower on AVX2);
@@ -153,11 +156,11 @@ class NativeStep:
                                  float(cfg.rope_base), table.float(), offsets, phones, groups, list(model.vocab_sizes))
         for layer in model.layers:
             a2, conv_w, _, conv_b, w_in, b_in, w_x, w_dt, b_dt, d_skip, w_out, b_out = layer.mamba.step_tensors(dtype)
-            w_q, w_o = layer.xattn.step_weights(None)
+            w_q, w_o = layer.xattn.step_weights(layer.attention_matmul_dtype(dtype))
             step.add_layer(module.layer(norm(layer.norm1), norm(layer.norm2), linear(w_in, b_in), linear(w_out, b_out),
                                         _detached(conv_w), _detached(conv_b), _detached(w_x), _detached(w_dt),
-                                        _detached(b_dt), _detached(a2), _detached(d_skip), _detached(w_q),
-                                        _detached(w_o)))
+                                        _detached(b_dt), _detached(a2), _detached(d_skip), linear(w_q),
+                                        linear(w_o)))
         for g in range(len(cfg.codebook_groups)):
             step.add_group(norm(model.group_norms[g]), linear(model.group_head_weights(g, dtype)))
         return step

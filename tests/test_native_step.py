@@ -30,13 +30,19 @@ def test_it_builds_where_a_compiler_is():
     assert native_step.native_module() is not None
 
 
+def int8_rounding(logits: torch.Tensor) -> torch.Tensor:
+    """How far int8's rounding may move `logits` (each call's activations quantised): 2 %
+    of their largest, 4 % with fbgemm's 7-bit activations (a CPU without VNNI: a step
+    twice as coarse)."""
+    return (0.04 if INT8_REDUCE_RANGE else 0.02) * logits.abs().max()
+
+
 @pytest.mark.parametrize("dtype, atol", [(None, 1e-5), (torch.bfloat16, 1e-4), (INT8, None)])
 def test_the_native_step_equals_the_eager_step_along_a_decode(dtype, atol):
     """Gathered ([0, 2, 3]) and sliced ([2, 3]) batches of 1 to 4 rows as the text grows,
     both decodes committing the eager step's greedy tokens. int8 quantises each call's
-    activations, so a rounding apart moves a code a step: its logits stay within 2 % of
-    their largest (4 % with fbgemm's 7-bit activations, on a CPU without VNNI: a step
-    twice as coarse)."""
+    activations, so a rounding apart moves a code a step: its logits stay within
+    `int8_rounding`."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LiveSpeech2(small_cfg()).eval()
@@ -49,7 +55,7 @@ def test_the_native_step_equals_the_eager_step_along_a_decode(dtype, atol):
     for a, b in zip(want, got):
         for x, y in ((a.graphemes, b.graphemes), (a.acoustic, b.acoustic)):
             assert y.dtype == torch.float32 and y.shape == x.shape
-            tol = atol if atol is not None else (0.04 if INT8_REDUCE_RANGE else 0.02) * x.abs().max()
+            tol = atol if atol is not None else int8_rounding(x)
             assert (x - y).abs().max() <= tol
     for name in ("conv", "ssm", "inputs", "step", "ring"):
         a, b = getattr(eager_state, name).float(), getattr(native_state, name).float()
@@ -161,7 +167,7 @@ def test_a_non_finite_row_fails_alone(dtype, where):
     """A session whose recurrent state or voice (its enrollment memory) went NaN gets
     non-finite logits; the other rows of its batch step as they would without it (int8:
     each row scaled on its own before fbgemm's one quantisation a call, a non-finite row
-    as zeros, so the others move by its rounding only)."""
+    as zeros, so the others move by its rounding only: `int8_rounding`)."""
     torch.manual_seed(0)
     model = LiveSpeech2(small_cfg()).eval()
     native = NativeStep(model, matmul_dtype=dtype)
@@ -176,7 +182,7 @@ def test_a_non_finite_row_fails_alone(dtype, where):
     assert not torch.isfinite(outs[1].acoustic[1]).any()
     for row in (0, 2):
         assert torch.isfinite(outs[1].acoustic[row]).all()
-        tol = 1e-5 if dtype is None else 0.02 * outs[0].acoustic[row].abs().max()
+        tol = 1e-5 if dtype is None else int8_rounding(outs[0].acoustic[row])
         assert (outs[0].acoustic[row] - outs[1].acoustic[row]).abs().max() <= tol
 
 

@@ -89,6 +89,37 @@ inline float sum(const float* x, int64_t n) {
   return tree_sum(lane);
 }
 
+// log(1 + t) for t in [0, 1] (a relative error ~2e-7): Cephes' logf polynomial for
+// log(1 + t) rounded, corrected by t / ((1 + t) - 1) for what the rounding lost (which
+// keeps a tiny t's log1p ~t rather than 0); branch-free, so that it vectorises.
+inline float log1p_unit(float t) {
+  const float u = 1.f + t;
+  const bool high = u > 1.41421356f;
+  const float m = high ? 0.5f * u : u;
+  const float e = high ? 1.f : 0.f;
+  const float x = m - 1.f, z = x * x;
+  float p = 7.0376836292e-2f;
+  p = p * x - 1.1514610310e-1f;
+  p = p * x + 1.1676998740e-1f;
+  p = p * x - 1.2420140846e-1f;
+  p = p * x + 1.4249322787e-1f;
+  p = p * x - 1.6668057665e-1f;
+  p = p * x + 2.0000714765e-1f;
+  p = p * x - 2.4999993993e-1f;
+  p = p * x + 3.3333331174e-1f;
+  const float log_u = x + (p * x * z - 2.12194440e-4f * e - 0.5f * z) + 0.693359375f * e;
+  const float lost = u - 1.f;
+  return lost == 0.f ? t : log_u * (t / lost);
+}
+
+// torch's softplus (beta 1, threshold 20): x above 20, else max(x, 0) + log1p(e^-|x|);
+// NaN stays NaN
+inline float softplus(float x) {
+  const float pos = x > 0.f ? x : 0.f;
+  const float y = pos + log1p_unit(exp2_fast(-std::fabs(x) * kLog2e));
+  return x > 20.f ? x : (x != x ? x : y);
+}
+
 // 1 / (1 + e^-x)
 inline float sigmoid(float x) { return 1.f / (1.f + exp2_fast(-x * kLog2e)); }
 
@@ -113,5 +144,7 @@ static LS_KERNEL void add_rows(float* dst, const float* src, int64_t n) {
 
 }  // namespace livespeech_native
 
-// the codec decoder's classes and calls (models/native/codec.cpp), on the one module
+// the codec decoder's classes and calls (models/native/codec.cpp) and the sampler's
+// (models/native/sampler.cpp), on the one module
 void register_codec(pybind11::module_& m);
+void register_sampler(pybind11::module_& m);

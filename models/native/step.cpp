@@ -13,6 +13,7 @@
 // enrollment for the rows that share a voice.
 #include <torch/extension.h>
 #include <ATen/native/quantized/PackedParams.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/jit/api/object.h>
 
 #include <vector>
@@ -156,20 +157,33 @@ inline void ssm_row(int64_t n, float* state, const float* a2, const float* dt, c
   }
 }
 
-// ... for every row, then y *= silu(z). dbc [rows, dbc_stride]: dt's input, then B, then C
-// from column `b_at`; z [rows, z_stride].
-LS_KERNEL void ssm_rows(StateRows state, int64_t n, const float* a2, const float* dt, const float* x,
-                        const float* dbc, int64_t dbc_stride, int64_t b_at, const float* d_skip, const float* z,
-                        int64_t z_stride, float* y, int64_t rows, int64_t channels) {
+// ... for every row, its dt = softplus(dbc's first `rank` columns . w_dt + b_dt) first
+// (w_dt [rank, channels]; fused here, where torch's softplus alone took a third of the
+// state update's time), then y *= silu(z). dbc [rows, dbc_stride]: dt's input, then B,
+// then C from column `b_at`; z [rows, z_stride]; dt: scratch [channels].
+LS_KERNEL void ssm_rows(StateRows state, int64_t n, const float* a2, const float* w_dt, const float* b_dt,
+                        int64_t rank, const float* x, const float* dbc, int64_t dbc_stride, int64_t b_at,
+                        const float* d_skip, const float* z, int64_t z_stride, float* y, int64_t rows,
+                        int64_t channels, float* dt) {
   for (int64_t r = 0; r < rows; ++r) {
     float* st = state.data + r * state.stride;
-    const float* bv = dbc + r * dbc_stride + b_at;
+    const float* dr = dbc + r * dbc_stride;
+    std::memcpy(dt, b_dt, channels * sizeof(float));
+    for (int64_t k = 0; k < rank; ++k) {
+      const float a = dr[k];
+      const float* wk = w_dt + k * channels;
+#pragma omp simd
+      for (int64_t c = 0; c < channels; ++c) dt[c] += a * wk[c];
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < channels; ++c) dt[c] = softplus(dt[c]);
+    const float* bv = dr + b_at;
     const float* xr = x + r * channels;
     float* yr = y + r * channels;
     if (n == 16)
-      ssm_row<16>(n, st, a2, dt + r * channels, xr, bv, bv + n, d_skip, yr, channels);
+      ssm_row<16>(n, st, a2, dt, xr, bv, bv + n, d_skip, yr, channels);
     else
-      ssm_row<0>(n, st, a2, dt + r * channels, xr, bv, bv + n, d_skip, yr, channels);
+      ssm_row<0>(n, st, a2, dt, xr, bv, bv + n, d_skip, yr, channels);
     const float* zr = z + r * z_stride;
 #pragma omp simd
     for (int64_t c = 0; c < channels; ++c) yr[c] *= silu(zr[c]);
@@ -288,7 +302,7 @@ struct Layer {
   Tensor dt_proj_t, dt_bias;  // [dt_rank, d_inner], [d_inner]
   Tensor a2;  // [d_inner, d_state]: -exp(A_log) * log2(e)
   Tensor d_skip;  // [d_inner]
-  Tensor q_t, attn_out_t;  // [D, D] each, transposed
+  Linear q_proj, attn_out;  // the attention's query and output projections, [D, D] each
 };
 
 // What every layer of one step reads besides its weights.
@@ -351,9 +365,12 @@ class NativeStep {
     const auto opts = at::TensorOptions().dtype(at::kFloat);
 
     Batch batch{conv, ssm, mem_k, mem_v};
-    prepare(batch, frame.contiguous(), text_mask.contiguous(), voices, b);
     Tensor h = at::empty({b, d_}, opts);
-    embed(inputs.contiguous(), phones, h);
+    {
+      RECORD_FUNCTION("step.prepare", std::vector<c10::IValue>());
+      prepare(batch, frame.contiguous(), text_mask.contiguous(), voices, b);
+      embed(inputs.contiguous(), phones, h);
+    }
     const int64_t n_shared = static_cast<int64_t>(layers_.size()) - n_group_layers();
     for (int64_t i = 0; i < n_shared; ++i) layer_step(i, h, batch);
 
@@ -362,6 +379,7 @@ class NativeStep {
     for (size_t g = 0; g < group_layers_.size(); ++g) {
       Tensor branch = h.clone();
       for (int64_t i : group_layers_[g]) layer_step(i, branch, batch);
+      RECORD_FUNCTION("step.heads", std::vector<c10::IValue>());
       group_norms_[g](branch, hg);
       logits.push_back(group_heads_[g](hg));
     }
@@ -445,36 +463,60 @@ class NativeStep {
   }
 
   // h += Mamba(norm1(h)); h += CrossAttention(norm2(h), memory) for layer li
+  // h += Mamba(norm1(h)); h += CrossAttention(norm2(h), memory) for layer li. The
+  // `step.*` scopes show in torch.profiler's traces (loadtest/profile_step.py --trace).
   void layer_step(int64_t li, Tensor& h, Batch& batch) const {
     const Layer& L = layers_[li];
     const int64_t b = h.size(0), di = L.d_skip.size(0);
     const auto opts = h.options();
     Tensor xn = at::empty_like(h), x = at::empty({b, di}, opts), y = at::empty({b, di}, opts);
-
-    L.norm1(h, xn);
-    const Tensor xz = L.in_proj(xn);  // [B, 2 di]: x, then z
+    Tensor xz, dbc, q, o;
+    {
+      RECORD_FUNCTION("step.in_proj", std::vector<c10::IValue>());
+      L.norm1(h, xn);
+      xz = L.in_proj(xn);  // [B, 2 di]: x, then z
+    }
     const float* xzp = xz.data_ptr<float>();
-    conv_rows(StateRows{batch.conv.data_ptr<float>() + li * batch.conv.stride(0), batch.conv.stride(1)}, d_conv_,
-              xzp, 2 * di, L.conv_w.data_ptr<float>(), L.conv_b.defined() ? L.conv_b.data_ptr<float>() : nullptr,
-              x.data_ptr<float>(), b, di);
-    const Tensor dbc = at::mm(x, L.x_proj_t);  // [B, dt_rank + 2 d_state]
-    const Tensor dt = at::softplus(at::addmm(L.dt_bias, dbc.narrow(1, 0, dt_rank_), L.dt_proj_t));
-    ssm_rows(StateRows{batch.ssm.data_ptr<float>() + li * batch.ssm.stride(0), batch.ssm.stride(1)}, d_state_,
-             L.a2.data_ptr<float>(), dt.data_ptr<float>(), x.data_ptr<float>(), dbc.data_ptr<float>(), dbc.size(1),
-             dt_rank_, L.d_skip.data_ptr<float>(), xzp + di, 2 * di, y.data_ptr<float>(), b, di);
-    add_rows(h.data_ptr<float>(), L.out_proj(y).data_ptr<float>(), b * d_);
-
-    L.norm2(h, xn);
-    const Tensor q = at::mm(xn, L.q_t);
-    Tensor o = at::empty_like(h);
+    {
+      RECORD_FUNCTION("step.conv", std::vector<c10::IValue>());
+      conv_rows(StateRows{batch.conv.data_ptr<float>() + li * batch.conv.stride(0), batch.conv.stride(1)}, d_conv_,
+                xzp, 2 * di, L.conv_w.data_ptr<float>(), L.conv_b.defined() ? L.conv_b.data_ptr<float>() : nullptr,
+                x.data_ptr<float>(), b, di);
+    }
+    {
+      RECORD_FUNCTION("step.x_proj", std::vector<c10::IValue>());
+      dbc = at::mm(x, L.x_proj_t);  // [B, dt_rank + 2 d_state]
+    }
+    {
+      RECORD_FUNCTION("step.ssm", std::vector<c10::IValue>());
+      std::vector<float> dt(di);
+      ssm_rows(StateRows{batch.ssm.data_ptr<float>() + li * batch.ssm.stride(0), batch.ssm.stride(1)}, d_state_,
+               L.a2.data_ptr<float>(), L.dt_proj_t.data_ptr<float>(), L.dt_bias.data_ptr<float>(), dt_rank_,
+               x.data_ptr<float>(), dbc.data_ptr<float>(), dbc.size(1), dt_rank_, L.d_skip.data_ptr<float>(),
+               xzp + di, 2 * di, y.data_ptr<float>(), b, di, dt.data());
+    }
+    {
+      RECORD_FUNCTION("step.out_proj", std::vector<c10::IValue>());
+      add_rows(h.data_ptr<float>(), L.out_proj(y).data_ptr<float>(), b * d_);
+    }
+    {
+      RECORD_FUNCTION("step.q_proj", std::vector<c10::IValue>());
+      L.norm2(h, xn);
+      q = L.q_proj(xn);
+    }
+    o = at::empty_like(h);
     const Tensor& k = batch.mem_k;
     const Tensor& v = batch.mem_v;
-    attend_rows(Memory{k.data_ptr<float>() + li * k.stride(0), v.data_ptr<float>() + li * v.stride(0), k.stride(1),
-                       k.stride(2), v.stride(1), v.stride(2)},
-                q.data_ptr<float>(), batch.cosv.data(), batch.sinv.data(), batch.visible.data(),
-                batch.visible_at.data(), batch.enroll_row.data(), n_enroll_, heads_, hd_, o.data_ptr<float>(), b,
-                batch.scratch.data());
-    add_rows(h.data_ptr<float>(), at::mm(o, L.attn_out_t).data_ptr<float>(), b * d_);
+    {
+      RECORD_FUNCTION("step.attend", std::vector<c10::IValue>());
+      attend_rows(Memory{k.data_ptr<float>() + li * k.stride(0), v.data_ptr<float>() + li * v.stride(0), k.stride(1),
+                         k.stride(2), v.stride(1), v.stride(2)},
+                  q.data_ptr<float>(), batch.cosv.data(), batch.sinv.data(), batch.visible.data(),
+                  batch.visible_at.data(), batch.enroll_row.data(), n_enroll_, heads_, hd_, o.data_ptr<float>(), b,
+                  batch.scratch.data());
+    }
+    RECORD_FUNCTION("step.attn_out", std::vector<c10::IValue>());
+    add_rows(h.data_ptr<float>(), L.attn_out(o).data_ptr<float>(), b * d_);
   }
 
   // the groups' head outputs [B, their codebooks' sizes summed] -> graphemes [B, G] and
@@ -526,17 +568,18 @@ Linear make_linear(c10::optional<Tensor> w_t, c10::optional<Tensor> bias, py::ob
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_codec(m);
+  register_sampler(m);
   py::class_<Linear>(m, "Linear");
   py::class_<Norm>(m, "Norm");
   py::class_<Layer>(m, "Layer");
   m.def("linear", &make_linear, py::arg("w_t"), py::arg("bias"), py::arg("packed"), py::arg("reduce_range"));
   m.def("norm", [](Tensor w, Tensor b, double eps) { return Norm{w.contiguous(), b.contiguous(), static_cast<float>(eps)}; });
   m.def("layer", [](Norm n1, Norm n2, Linear in_proj, Linear out_proj, Tensor conv_w, c10::optional<Tensor> conv_b,
-                    Tensor x_proj_t, Tensor dt_proj_t, Tensor dt_bias, Tensor a2, Tensor d_skip, Tensor q_t,
-                    Tensor attn_out_t) {
+                    Tensor x_proj_t, Tensor dt_proj_t, Tensor dt_bias, Tensor a2, Tensor d_skip, Linear q_proj,
+                    Linear attn_out) {
     return Layer{n1, n2, in_proj, out_proj, conv_w.contiguous(), conv_b ? conv_b->contiguous() : Tensor(),
                  x_proj_t.contiguous(), dt_proj_t.contiguous(), dt_bias.contiguous(), a2.contiguous(),
-                 d_skip.contiguous(), q_t.contiguous(), attn_out_t.contiguous()};
+                 d_skip.contiguous(), q_proj, attn_out};
   });
   py::class_<NativeStep>(m, "NativeStep")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, Tensor, Tensor,
