@@ -1,8 +1,8 @@
 """Plain loops over numpy arrays, compiled by numba where it imports.
 
 A loop over a batch's rows in Python costs microseconds a row; compiled, it costs
-nanoseconds and one call (models/cpu_sampler.py; the speech timelines,
-server/timeline.py). Where numba is missing, the same function runs as Python: slower,
+nanoseconds and one call (the speech timelines, server/timeline.py; the decode state's
+text index, models/inference.py). Where numba is missing, the same function runs as Python: slower,
 the same results. The search they share over sorted rows (`first_at_least`) is here too.
 """
 from __future__ import annotations

@@ -738,6 +738,22 @@ def sent_guiding_sets(sent: Sequence[torch.Tensor], staged: tuple[int, int, int]
     return GuidingSets(_guide_mask((barred.shape[0], n_graphemes), rows, cols), barred)
 
 
+class FirstCodeBias(NamedTuple):
+    """The front end's bias of codebook 1's logits given each row's phone
+    (models/front_end.py `first_code_bias`): `table` [P, V], and each row's row of it
+    (`rows` [B] on the device; -1: none)."""
+    table: torch.Tensor
+    rows: torch.Tensor
+
+    def add_to(self, acoustic: torch.Tensor) -> torch.Tensor:
+        """acoustic [B, Q, V] with each row's bias added to codebook 1, in place (the step's
+        logits are its own, read by nothing else, and a concatenation copied every code's
+        logit)."""
+        bias = self.table[self.rows.clamp_min(0)] * (self.rows >= 0).unsqueeze(1)
+        acoustic[:, 0].add_(bias.to(acoustic.dtype))
+        return acoustic
+
+
 class SamplingRows(NamedTuple):
     """Each row's sampling settings as tensors on the device (`SlotSampling.rows`): what a
     step's sampling reads besides the logits and the draws."""
@@ -751,9 +767,16 @@ class SamplingRows(NamedTuple):
     greedy: torch.Tensor  # [B, 3] bool: temperature 0
 
     def sample(self, g_logits: torch.Tensor, a_logits: torch.Tensor, u: torch.Tensor, kmax_g: int, kmax_a: int,
-               scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+               scaled: bool = True, first_code: Optional[FirstCodeBias] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [B, 1 + Q], bad [B]); `kmax_*` at least every row's k (more draws the
-        same tokens); `scaled` False skips the temperatures (when they are all 1)."""
+        same tokens); `scaled` False skips the temperatures (when they are all 1);
+        `first_code`: a bias added to codebook 1's logits first (in place here)."""
+        if cpu_sampler.applies(a_logits, kmax_a):  # the CPU's: one native call
+            return cpu_sampler.sample_step(g_logits, a_logits, self.eos_barred, self.guide, self.bonus, self.hard,
+                                           self.k_g, self.k_a, u, EOS, self.inv_t, self.greedy, scaled,
+                                           *(first_code or (None, None)))
+        if first_code is not None:
+            a_logits = first_code.add_to(a_logits)
         g_tok, a, k_rows, bad = _scripted_step_scores()(g_logits, a_logits, self.eos_barred, self.guide, self.bonus,
                                                         self.hard, self.k_g, kmax_g, self.k_a, u, EOS, self.inv_t,
                                                         self.greedy, scaled)

@@ -22,6 +22,7 @@ from . import graphemes
 from .attention import apply_rope, rope_angles
 from .compiled import compiled, first_at_least
 from .livespeech import LiveSpeech2
+from .native_step import native_module
 from .scripted import scripted
 from .upload import Upload
 
@@ -424,8 +425,11 @@ class DecodeState(DecodeStateView):
         """Record the tokens sampled at this step (sampled [B, K]); returns the frame that
         became complete, if any. Tokens at positions the delay pattern leaves empty are
         replaced by the none id, exactly as in training (models/delay.py)."""
-        frames, index, has, done = _scripted_commit()(view.step, view.eos_frame, view.ring, view.inputs,
-                                                      self.delays, self.none, sampled, graphemes.EOS, NO_EOS)
+        native = native_module() if sampled.device.type == "cpu" else None
+        # on the CPU one native call (its ~15 TorchScript ops took 0.3 ms of a 16-session step)
+        commit = native.commit if native is not None else _scripted_commit()
+        frames, index, has, done = commit(view.step, view.eos_frame, view.ring, view.inputs, self.delays, self.none,
+                                          sampled, graphemes.EOS, NO_EOS)
         return StepResult(frames=frames, frame_index=index, has_frame=has, done=done)
 
     def commit_first(self, b: int, sampled: torch.Tensor, active: torch.Tensor) -> StepResult:

@@ -21,8 +21,8 @@ import torch
 from livespeech.api.session import SessionConfig
 from livespeech.models import graphemes
 from livespeech.models.derived import INT8, cpu_has_bf16_dot, cpu_has_int8_matmuls
-from livespeech.models.guidance import (GuidanceState, GuidingSets, SamplingSettings, SlotSampling, Temperatures,
-                                        counter_uniforms, sample_step, sent_guiding_sets, stage_guiding_sets)
+from livespeech.models.guidance import (FirstCodeBias, GuidanceState, GuidingSets, SamplingSettings, SlotSampling,
+                                        Temperatures, counter_uniforms, sample_step, sent_guiding_sets, stage_guiding_sets)
 from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
 from livespeech.models.inference import DecodeState, DecodeStateView, StepResult, enrollment_kv, window_bounds
 from livespeech.models.livespeech import StepLogits, text_guided
@@ -528,11 +528,9 @@ class ModelRunner:
         if self.unconditioned is not None:
             logits = text_guided(logits, self._step_without_text(slots, view, dtype), self.text_cfg_scale)
         # a row with non-finite logits fails alone (`bad`); its tokens stay in range, so the batch goes on
-        acoustic = logits.acoustic
-        if bias_rows is not None:
-            acoustic = self._first_code_given_phone(acoustic, bias_rows)
-        tokens, bad = self.sampling.rows(idx, sets).sample(logits.graphemes, acoustic, self.uniforms(idx, view.step),
-                                                           *kmax, scaled)
+        tokens, bad = self.sampling.rows(idx, sets).sample(logits.graphemes, logits.acoustic,
+                                                           self.uniforms(idx, view.step), *kmax, scaled,
+                                                           self._first_code(bias_rows))
 
         def commit(tokens: torch.Tensor) -> StepResult:
             res = self.state.commit(view, tokens)
@@ -585,12 +583,11 @@ class ModelRunner:
         rows the step filled (`_StepRows`); the slots not stepped are left as they were.
         [b, 5 + Q] as `_sample_and_commit_batch`'s."""
         r = self._rows
-        acoustic = logits.acoustic
-        if self.first_code_bias is not None:
-            acoustic = self._first_code_given_phone(acoustic, r.bias_row[:b])
         u = self.uniforms(slice(b), self.state.step[:b])
         sets = GuidingSets(*(t[:b] for t in r.sets))
-        tokens, bad = self.sampling.rows(slice(b), sets).sample(logits.graphemes, acoustic, u, *self._kmax)
+        first_code = self._first_code(r.bias_row[:b]) if self.first_code_bias is not None else None
+        tokens, bad = self.sampling.rows(slice(b), sets).sample(logits.graphemes, logits.acoustic, u, *self._kmax,
+                                                                first_code=first_code)
         return _step_result(tokens, bad, r.forced[:b], r.force_eos[:b],
                             lambda tokens: self.state.commit_first(b, tokens, r.active[:b]))
 
@@ -622,15 +619,14 @@ class ModelRunner:
         """The phone of each `first_code_bias` row (row [B] on the device; -1 stays -1)."""
         return torch.where(row >= 0, self.bias_phones[row.clamp_min(0)], row)
 
-    def _first_code_given_phone(self, acoustic: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-        """Codebook 1's logits plus the front end's bias row for each row (row [B] on the
-        device; -1 keeps them as they are), added in place: the step's logits are its own,
-        read by nothing else, and a concatenation copied every code's logit."""
+    def _first_code(self, rows: Optional[torch.Tensor]) -> Optional[FirstCodeBias]:
+        """The front end's bias rows (rows [B] on the device, -1: none) for the sampler to
+        add to codebook 1's logits; None without rows."""
+        if rows is None:
+            return None
         if self.first_code_bias is None:
             raise ValueError("first_code_rows needs a bundle with a front end")
-        bias = self.first_code_bias[row.clamp_min(0)] * (row >= 0).unsqueeze(1)
-        acoustic[:, 0].add_(bias.to(acoustic.dtype))
-        return acoustic
+        return FirstCodeBias(self.first_code_bias, rows)
 
     def uniforms(self, slots: Union[torch.Tensor, slice], steps: torch.Tensor) -> torch.Tensor:
         """[B, 1 + Q] the draws of `slots` (a tensor on the device, or a slice) at their decode

@@ -11,6 +11,15 @@ import torch
 
 from conftest import random_bundle
 from livespeech.loadtest.host_reads import HostReads, engine_step_reads
+from livespeech.models import cpu_sampler, inference
+
+
+@pytest.fixture(autouse=True)
+def tensor_sampling_and_commit(monkeypatch):
+    """The sampling and commit as the tensor work a GPU runs, whose reads are counted:
+    on the CPU each is otherwise one native call, with no device to read."""
+    monkeypatch.setattr(cpu_sampler, "native_module", lambda: None)
+    monkeypatch.setattr(inference, "native_module", lambda: None)
 
 
 def test_the_counter_counts_what_hands_data_to_python() -> None:

@@ -602,3 +602,37 @@ def test_a_warmed_text_kv_projects_no_warmed_token_again(model):
     finally:
         del model.project_text
     assert torch.allclose(warmed, TextKV(model)(list(range(10))), atol=1e-6)
+
+
+def test_the_native_commit_equals_torchs(model, monkeypatch):
+    """On the CPU `commit` is one native call (models/native/sampler.cpp): the same
+    frames, flags and state as the TorchScript commit, step by step, for rows at
+    different steps (a ring wrapping), ending at different EOS, on a gathered view."""
+    from livespeech.models import inference
+
+    if inference.native_module() is None:
+        pytest.skip("the native extension is not built here (no compiler)")
+    cfg = model.cfg
+    states = [DecodeState.allocate(model, capacity=4) for _ in range(2)]
+    gen = torch.Generator().manual_seed(4)
+    for st in states:
+        for slot in range(4):
+            st.reset_slot(slot, torch.zeros(model.n_layers, 2, 4, 4, 16))
+    eos_at = {0: 3, 2: 40, 3: 11}  # slot 1 never ends
+    for s in range(60):
+        rows = [0, 2, 3] if s % 3 else [0, 1, 2, 3]
+        tok = torch.randint(graphemes.SPACE + 1, cfg.codebook_size, (len(rows), cfg.n_codebooks), generator=gen)
+        tok[:, 0] = torch.tensor([graphemes.EOS if eos_at.get(r) == s else graphemes.SPACE + 1 for r in rows])
+        results = []
+        for st, native in zip(states, (True, False)):
+            if not native:
+                monkeypatch.setattr(inference, "native_module", lambda: None)
+            v = st.view(rows)
+            results.append(st.commit(v, tok.clone()))
+            st.write_back(v)
+            monkeypatch.undo()
+        a, b = results
+        for name in ("frames", "frame_index", "has_frame", "done"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (s, name)
+    for name in ("step", "eos_frame", "ring", "inputs"):
+        assert torch.equal(getattr(states[0], name), getattr(states[1], name)), name
