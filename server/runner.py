@@ -22,7 +22,8 @@ from livespeech.api.session import SessionConfig
 from livespeech.models import graphemes
 from livespeech.models.derived import INT8, cpu_has_bf16_dot, cpu_has_int8_matmuls
 from livespeech.models.guidance import (FirstCodeBias, GuidanceState, GuidingSets, SamplingSettings, SlotSampling,
-                                        Temperatures, counter_uniforms, sample_step, sent_guiding_sets, stage_guiding_sets)
+                                        Temperatures, counter_uniforms, sample_step, sent_guiding_sets,
+                                        stage_guiding_sets)
 from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
 from livespeech.models.inference import DecodeState, DecodeStateView, StepResult, enrollment_kv, window_bounds
 from livespeech.models.livespeech import StepLogits, text_guided
