@@ -655,6 +655,33 @@ def test_a_batch_with_gaps_steps_its_run_of_slots_as_it_steps_its_gathered_copy(
         assert torch.allclose(getattr(want_state, name).float(), getattr(got_state, name).float(), atol=1e-5), name
 
 
+def test_each_row_samples_with_its_slots_settings_in_order_or_not():
+    """A batch of consecutive slots in order reads its rows' sampling settings as a slice
+    (`runner._as_run`), any other as gathered rows: each slot samples with its own top-k
+    and temperatures either way, the same tokens as the batch in another order."""
+    from livespeech.models.guidance import SamplingSettings, Temperatures
+    import livespeech.server.runner as runner_module
+
+    assert runner_module._as_run([2, 3, 4]) == slice(2, 5)
+    assert runner_module._as_run([2, 4]) is None and runner_module._as_run([3, 2]) is None
+    torch.set_num_threads(1)
+    bundle = load_bundle(random_init=True)
+    orders = [list(range(6)), [5, 3, 1, 0, 2, 4]]
+    results = []
+    for order in orders:
+        runner, guides = _runner_with_sessions(bundle, 6)
+        for slot in range(6):  # greedy rows, one k 1, the others their own temperatures
+            runner.set_sampling(slot, SamplingSettings(math.inf, 1 + 4 * slot,
+                                                       temperatures=Temperatures(1.0, 0.3 * slot, 0.2 * slot)))
+        rows = []
+        for _ in range(12):
+            res = runner.step(order, [(0, 0)] * 6, [guides[s] for s in order], [False] * 6)
+            step = np.concatenate((res.grapheme[:, None], res.frames), 1)
+            rows.append(step[np.argsort(order)])  # by slot
+        results.append(np.stack(rows))
+    assert np.array_equal(results[0], results[1])
+
+
 @pytest.mark.skipif(not cpu_has_int8_matmuls(), reason="int8 matmuls need fbgemm (x86 with AVX2)")
 def test_a_free_slot_inside_a_run_of_slots_does_not_spoil_the_batch():
     """A session that failed on non-finite logits leaves them in its slot's state; the
