@@ -35,7 +35,6 @@ struct Candidate {
   int32_t index;
 };
 
-
 // What one draw needs besides its row, sized for rows of `v` scores (reused row to row).
 struct DrawScratch {
   std::vector<float> block_max, group_max, cdf;
@@ -52,8 +51,7 @@ LS_KERNEL int64_t draw(const float* row, int64_t v, int64_t k, float u, DrawScra
   const int64_t kr = std::min(std::max<int64_t>(k, 1), v);
   const int64_t nb = static_cast<int64_t>(s.block_max.size()), full = v / kBlock;
   const int64_t ng = static_cast<int64_t>(s.group_max.size());
-  // each block's maximum as a tree (a chain of 8 dependent maxima took most of a draw);
-  // a NaN is not taken
+  // each block's maximum as a tree of independent maxima; a NaN is not taken
   static_assert(kBlock == 8, "the block maximum's tree is written for 8 scores");
   for (int64_t b = 0; b < full; ++b) {
     const float* x = row + b * kBlock;
@@ -132,6 +130,7 @@ Tensor draw_rows(const Tensor& scores, const Tensor& k, const Tensor& u) {
   const Tensor s = scores.to(at::kFloat).contiguous(), kk = k.to(at::kLong).contiguous(),
                uu = u.to(at::kFloat).contiguous();
   const int64_t n = s.size(0), v = s.size(1);
+  TORCH_CHECK(v > 0, "draw_rows: rows of no scores");
   Tensor out = at::empty({n}, at::kLong);
   DrawScratch scratch(v);
   const float* sp = s.data_ptr<float>();
@@ -156,7 +155,7 @@ std::vector<Tensor> sample_step(const Tensor& g_logits, const Tensor& a_logits, 
   TORCH_CHECK(g_logits.dim() == 2 && a_logits.dim() == 3 && a_logits.size(0) == g_logits.size(0),
               "sample_step: g_logits [B, G], a_logits [B, Q, V]");
   const int64_t b = g_logits.size(0), ng = g_logits.size(1), q = a_logits.size(1), v = a_logits.size(2);
-  TORCH_CHECK(eos >= 0 && eos < ng, "sample_step: EOS outside the graphemes");
+  TORCH_CHECK(eos >= 0 && eos < ng && v > 0, "sample_step: EOS outside the graphemes, or no codes");
   TORCH_CHECK(u.dim() == 2 && u.size(0) == b && u.size(1) == 1 + q, "sample_step: u [B, 1 + Q]");
   const Tensor g = g_logits.to(at::kFloat).contiguous(), a = a_logits.to(at::kFloat).contiguous();
   const Tensor barred = eos_barred.to(at::kBool).contiguous(), gd = guide.to(at::kBool).contiguous(),
