@@ -68,9 +68,11 @@ inline float tree_sum(const float* lane) {
   std::memcpy(&a, lane, sizeof a);
   std::memcpy(&b, lane + 8, sizeof b);
   const v8 s8 = a + b;
-  const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-  const v4 s2 = s4 + __builtin_shufflevector(s4, s4, 2, 3, 2, 3);
-  return s2[0] + s2[1];
+  v4 lo, hi;  // the halves by copies (GCC before 12 has no __builtin_shufflevector)
+  std::memcpy(&lo, &s8, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&s8) + sizeof lo, sizeof hi);
+  const v4 s4 = lo + hi;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 // sum of a[i] * b[i], i < n
