@@ -313,6 +313,7 @@ struct Batch {
   std::vector<int64_t> visible_at;  // [B + 1]: row r's at visible[visible_at[r] .. visible_at[r + 1]]
   std::vector<int64_t> enroll_row;  // [B]: the row whose enrollment memory row r reads
   std::vector<float> scratch;  // the attention's per-head scratch
+  std::vector<float> dt;  // a row's dt in the state update [d_inner]
 };
 
 class NativeStep {
@@ -462,7 +463,6 @@ class NativeStep {
     }
   }
 
-  // h += Mamba(norm1(h)); h += CrossAttention(norm2(h), memory) for layer li
   // h += Mamba(norm1(h)); h += CrossAttention(norm2(h), memory) for layer li. The
   // `step.*` scopes show in torch.profiler's traces (loadtest/profile_step.py --trace).
   void layer_step(int64_t li, Tensor& h, Batch& batch) const {
@@ -489,11 +489,11 @@ class NativeStep {
     }
     {
       RECORD_FUNCTION("step.ssm", std::vector<c10::IValue>());
-      std::vector<float> dt(di);
+      batch.dt.resize(di);
       ssm_rows(StateRows{batch.ssm.data_ptr<float>() + li * batch.ssm.stride(0), batch.ssm.stride(1)}, d_state_,
                L.a2.data_ptr<float>(), L.dt_proj_t.data_ptr<float>(), L.dt_bias.data_ptr<float>(), dt_rank_,
                x.data_ptr<float>(), dbc.data_ptr<float>(), dbc.size(1), dt_rank_, L.d_skip.data_ptr<float>(),
-               xzp + di, 2 * di, y.data_ptr<float>(), b, di, dt.data());
+               xzp + di, 2 * di, y.data_ptr<float>(), b, di, batch.dt.data());
     }
     {
       RECORD_FUNCTION("step.out_proj", std::vector<c10::IValue>());
