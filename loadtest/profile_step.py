@@ -460,6 +460,22 @@ def _scratch_runner(bundle, batch: int):
     return runner, slots
 
 
+def lstm_flops(input_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of `aten.lstm` (its arguments' shapes), which FlopCounterMode counts as none:
+    the torch codec's LSTM runs as that op for packets of over four frames, and the
+    native codec does the same products. Each weight matrix multiplies every (time,
+    batch) row once, whatever the layer, direction or projection; the weights are the
+    one list of 1-D and 2-D shapes (the states' are 3-D)."""
+    params = next(a for a in args if isinstance(a, list) and a and all(len(p) in (1, 2) for p in a))
+    rows = math.prod(input_shape[:-1])
+    return 2 * rows * sum(p[0] * p[1] for p in params if len(p) == 2)
+
+
+# FlopCounterMode looks an op's overload up before it runs it (one it lacks is decomposed,
+# aten.lstm into oneDNN's per-layer op, which it lacks too) and counts by the packet
+LSTM_FLOPS = {op: lstm_flops for op in (torch.ops.aten.lstm, torch.ops.aten.lstm.input, torch.ops.aten.lstm.data)}
+
+
 def counted_cost(bundle, batch: int, packet_frames: int) -> dict:
     """FlopCounterMode FLOPs of one model.step and one packet's codec decode, and the aten
     op count of one full runner.step (model + sampling + commit)."""
@@ -502,7 +518,7 @@ def counted_cost(bundle, batch: int, packet_frames: int) -> dict:
         n_frames = max(packet_frames, runner.min_first_frames)
         codec = copy.deepcopy(bundle.codec).cpu()
         codes = torch.ones(batch, bundle.model.cfg.n_acoustic_codebooks, n_frames, dtype=torch.long)
-        fc = FlopCounterMode(display=False)
+        fc = FlopCounterMode(display=False, custom_mapping=LSTM_FLOPS)
         with fc:
             codec.decode_step(codes, codec.streaming_state(batch))
         out["codec_packet_flops"] = fc.get_total_flops()

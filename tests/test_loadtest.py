@@ -511,6 +511,30 @@ def test_step_profile_runs_and_attributes_the_step(tmp_path):
         profile_step.main(["--cuda-graphs", "--device", "cpu"])
 
 
+def test_the_codec_lstms_flops_are_counted_as_its_written_out_loop_counts_them():
+    """FlopCounterMode counts `aten.lstm` (the torch codec's LSTM for packets of over four
+    frames) as nothing; `profile_step.lstm_flops` counts it as the same recurrence written
+    out as matmuls (`SLSTM._cell_loop`, what short packets and the native codec run)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from livespeech.loadtest.profile_step import LSTM_FLOPS
+    from livespeech.models.codec.modules import SLSTM
+
+    lstm = SLSTM(24, 2)
+    seq = torch.randn(5, 3, 24)
+    state = torch.zeros(3, 2, 24)
+    counted = {}
+    for name, mapping, run in (("op", {}, lambda: lstm.lstm(seq)),
+                               ("op+formula", LSTM_FLOPS, lambda: lstm.lstm(seq)),
+                               ("loop", {}, lambda: lstm._cell_loop(seq, state, state))):
+        fc = FlopCounterMode(display=False, custom_mapping=mapping)
+        with torch.inference_mode(), fc:  # as profile_step counts
+            run()
+        counted[name] = fc.get_total_flops()
+    assert counted["op"] == 0
+    assert counted["op+formula"] == counted["loop"] == 2 * 5 * 3 * 2 * (24 * 96 + 24 * 96)
+
+
 def test_step_profile_traces_the_ops_by_input_shape(tmp_path):
     """`--trace-shapes` adds the trace's op table grouped by input shapes (the batch of two
     in its rows); it needs `--trace`."""
