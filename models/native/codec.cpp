@@ -64,40 +64,88 @@ LS_KERNEL void dot_rows(const float* x, int64_t x_step, const float* w, int64_t 
   for (int64_t r = 0; r < rows; ++r) y[r] = dot(x + r * x_step, w, n) + bias;
 }
 
+// 8 floats in a vector register (a pair of SSE registers in the baseline build)
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+
+// One block of exactly R rows of `narrow_rows`: the R x N sums in R * N / 8 vector
+// registers (as plain arrays, GCC kept a single row's on the stack, every k a store and a
+// reload on the sums' dependency chain)
+template <int N, int R>
+__attribute__((always_inline)) inline void narrow_block(const float* x, int64_t xs, int64_t K, const float* w,
+                                                        const float* bias, float* y, int64_t ys, bool acc) {
+  constexpr int V = N / 8;
+  v8 sums[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < V; ++j) sums[i][j] = load8(acc ? y + i * ys + 8 * j : bias + 8 * j);
+  for (int64_t k = 0; k < K; ++k) {
+    v8 wk[V];
+    for (int j = 0; j < V; ++j) wk[j] = load8(w + k * N + 8 * j);
+    for (int i = 0; i < R; ++i) {
+      const float s = x[i * xs + k];
+      const v8 v = {s, s, s, s, s, s, s, s};  // a broadcast load (0 + s would be an add as well)
+      for (int j = 0; j < V; ++j) sums[i][j] += v * wk[j];
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < V; ++j) store8(y + i * ys + 8 * j, sums[i][j]);
+}
+
+// The last rows (fewer than R + 1) as one block of exactly that many
+template <int N, int R>
+__attribute__((always_inline)) inline void narrow_last(const float* x, int64_t xs, int64_t rows, int64_t K,
+                                                       const float* w, const float* bias, float* y, int64_t ys,
+                                                       bool acc) {
+  if constexpr (R >= 1) {
+    if (rows == R)
+      narrow_block<N, R>(x, xs, K, w, bias, y, ys, acc);
+    else
+      narrow_last<N, R - 1>(x, xs, rows, K, w, bias, y, ys, acc);
+  }
+}
+
 // y[r] = (acc ? y[r] : bias) + x[r * xs : + K] . w, for `rows` rows of N outputs (row
 // stride ys); w [K, N]. The windows of a stride-1 conv over a channels-last input overlap,
 // row r's starting at input sample r (xs = channels), and are read in place. For the
 // decoder's narrow layers (8 to 32 outputs over 8 to 96 inputs: its last two stages),
 // where MKL's sgemm ran at a fraction of its speed and its bias broadcast took a pass
-// of its own: R rows share each weight row's loads, their sums in registers.
+// of its own: blocks of R rows share each weight row's loads. Each row's sums are added
+// in the same order whatever its block.
 template <int N, int R>
 __attribute__((always_inline)) inline void narrow_rows(const float* x, int64_t xs, int64_t rows, int64_t K,
                                                        const float* w, const float* bias, float* y, int64_t ys,
                                                        bool acc) {
+  static_assert(N % 8 == 0, "whole vectors of outputs");
   int64_t r = 0;
-  for (; r + R <= rows; r += R) {
-    float sums[R][N];
-    for (int i = 0; i < R; ++i)
-#pragma omp simd
-      for (int o = 0; o < N; ++o) sums[i][o] = acc ? y[(r + i) * ys + o] : bias[o];
-    const float* xr = x + r * xs;
-    for (int64_t k = 0; k < K; ++k) {
-      const float* wk = w + k * N;
-      for (int i = 0; i < R; ++i) {
-        const float v = xr[i * xs + k];
-#pragma omp simd
-        for (int o = 0; o < N; ++o) sums[i][o] += v * wk[o];
-      }
-    }
-    for (int i = 0; i < R; ++i)
-#pragma omp simd
-      for (int o = 0; o < N; ++o) y[(r + i) * ys + o] = sums[i][o];
-  }
-  if constexpr (R > 1)
-    for (; r < rows; ++r) narrow_rows<N, 1>(x + r * xs, xs, 1, K, w, bias, y + r * ys, ys, acc);
+  for (; r + R <= rows; r += R) narrow_block<N, R>(x + r * xs, xs, K, w, bias, y + r * ys, ys, acc);
+  narrow_last<N, R - 1>(x + r * xs, xs, rows - r, K, w, bias, y + r * ys, ys, acc);
 }
 
 constexpr bool is_narrow(int64_t n) { return n == 8 || n == 16 || n == 32; }
+
+// A weight [K, N] as N / 16 slabs of 16 columns, each [K, 16] contiguous
+// (`slab_gemm_acc`'s layout)
+Tensor column_slabs(const Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(1) % 16 == 0, "column slabs of a weight [K, 16 n]");
+  return w.view({w.size(0), w.size(1) / 16, 16}).permute({1, 0, 2}).contiguous();
+}
+
+// y[r] += x[r * xs : + K] . w for `rows` rows (row stride ys), w [K, N] as `column_slabs`.
+// For the LSTM's recurrent product, a few sessions' rows against a 1 MB weight, where
+// MKL's sgemm repacked the weight on every call (as long at 9 rows as at 16): here each
+// slab is read from memory once, then from L1 by every block of 6 rows.
+LS_KERNEL void slab_gemm_acc(const float* x, int64_t xs, int64_t rows, int64_t K, const float* slabs, int64_t N,
+                             float* y, int64_t ys) {
+  for (int64_t n = 0; n < N; n += 16)
+    narrow_rows<16, 6>(x, xs, rows, K, slabs + n * K, nullptr, y + n, ys, true);
+}
 
 LS_KERNEL void narrow_gemm(const float* x, int64_t xs, int64_t rows, int64_t K, const float* w, const float* bias,
                            float* y, int64_t n, bool acc) {
@@ -130,7 +178,7 @@ struct ConvTranspose {
 };
 
 // An LSTM with the input added to its output (SLSTM): per layer W_ih^T [H, 4H],
-// W_hh^T [H, 4H], b_ih + b_hh [4H], gates in the order (i, f, o, g).
+// W_hh^T [H, 4H] as `column_slabs`, b_ih + b_hh [4H], gates in the order (i, f, o, g).
 struct Lstm {
   std::vector<Tensor> w_ih, w_hh, bias;
   int64_t hidden;
@@ -271,10 +319,9 @@ Tensor run_lstm(const Lstm& L, const Tensor& x, States& states) {
     cl.copy_(c.select(1, l));
     Tensor y = at::empty({B, T, H}, kFloat);
     for (int64_t t = 0; t < T; ++t) {
-      Tensor g = gates.select(1, t);  // [B, 4H], rows T * 4H apart
-      g.addmm_(hl, L.w_hh[l]);
-      lstm_cells(g.data_ptr<float>(), T * 4 * H, cl.data_ptr<float>(), hl.data_ptr<float>(),
-                 y.data_ptr<float>() + t * H, T * H, B, H);
+      float* g = gates.data_ptr<float>() + t * 4 * H;  // [B, 4H], rows T * 4H apart
+      slab_gemm_acc(hl.data_ptr<float>(), H, B, H, L.w_hh[l].data_ptr<float>(), 4 * H, g, T * 4 * H);
+      lstm_cells(g, T * 4 * H, cl.data_ptr<float>(), hl.data_ptr<float>(), y.data_ptr<float>() + t * H, T * H, B, H);
     }
     h.select(1, l).copy_(hl);
     c.select(1, l).copy_(cl);
@@ -332,7 +379,7 @@ class CodecDecoder {
       TORCH_CHECK(w_ih[l].size(0) == L.hidden && w_ih[l].size(1) == 4 * L.hidden && w_hh[l].sizes() == w_ih[l].sizes(),
                   "an LSTM layer's weights: [H, 4H]");
       L.w_ih.push_back(w_ih[l].contiguous());
-      L.w_hh.push_back(w_hh[l].contiguous());
+      L.w_hh.push_back(column_slabs(w_hh[l].contiguous()));
       L.bias.push_back(bias[l].contiguous());
     }
     ops_.push_back({kLstm, lstms_.size()});
