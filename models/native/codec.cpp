@@ -64,17 +64,6 @@ LS_KERNEL void dot_rows(const float* x, int64_t x_step, const float* w, int64_t 
   for (int64_t r = 0; r < rows; ++r) y[r] = dot(x + r * x_step, w, n) + bias;
 }
 
-// 8 floats in a vector register (a pair of SSE registers in the baseline build)
-typedef float v8 __attribute__((vector_size(32)));
-
-inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
-
 // One block of exactly R rows of `narrow_rows`: the R x N sums in R * N / 8 vector
 // registers (as plain arrays, GCC kept a single row's on the stack, every k a store and a
 // reload on the sums' dependency chain)
@@ -90,7 +79,7 @@ __attribute__((always_inline)) inline void narrow_block(const float* x, int64_t 
     for (int j = 0; j < V; ++j) wk[j] = load8(w + k * N + 8 * j);
     for (int i = 0; i < R; ++i) {
       const float s = x[i * xs + k];
-      const v8 v = {s, s, s, s, s, s, s, s};  // a broadcast load (0 + s would be an add as well)
+      const v8 v = {s, s, s, s, s, s, s, s};  // a broadcast (0 + s would add as well)
       for (int j = 0; j < V; ++j) sums[i][j] += v * wk[j];
     }
   }

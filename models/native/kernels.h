@@ -20,26 +20,65 @@
 
 namespace livespeech_native {
 
-// 2^x for x in [-126, 126] (a relative error ~2e-7): Cephes' polynomial on [-0.5, 0.5]
-// and the exponent's bits, rounded by the float adder (1.5 * 2^23), so that the compiler
-// vectorises it (libm's exp2f stays a scalar call).
-inline float exp2_in_range(float x) {
-  const float shifted = x + 12582912.f;
-  const float f = x - (shifted - 12582912.f);
-  int32_t n;
+// 8 floats (or int32s) in a vector register (a pair of SSE registers in the baseline
+// build), for loops the compiler would not vectorise as wanted on its own. Their helpers
+// are always inlined: a plain inline one was compiled for the baseline target first and
+// stayed SSE pairs inside the AVX2 clone (a broadcast as eight inserts).
+#define LS_INLINE __attribute__((always_inline)) inline
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+LS_INLINE v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+LS_INLINE void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+
+
+// 2^x for x in [-126, 126] (a relative error ~2e-7), for a float (I: int32_t) or a v8
+// (I: v8i) alike: Cephes' polynomial on [-0.5, 0.5] and the exponent's bits, rounded by
+// the float adder (1.5 * 2^23), so that the compiler vectorises it (libm's exp2f stays a
+// scalar call).
+template <class F, class I>
+LS_INLINE F exp2_in_range_of(F x) {
+  const F shifted = x + 12582912.f;
+  const F f = x - (shifted - 12582912.f);
+  I n;
   std::memcpy(&n, &shifted, sizeof n);
   n -= 0x4B400000;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
+  F p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
   p = p * f + 9.618437357674640e-3f;
   p = p * f + 5.550332471162809e-2f;
   p = p * f + 2.402264791363012e-1f;
   p = p * f + 6.931472028550421e-1f;
   p = p * f + 1.0f;
-  const int32_t bits = (n + 127) << 23;
-  float scale;
+  const I bits = (n + 127) << 23;
+  F scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+inline float exp2_in_range(float x) { return exp2_in_range_of<float, int32_t>(x); }
+
+#if defined(__clang__)
+#define LS_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define LS_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, v8i{__VA_ARGS__})
+#endif
+
+// r[i] = the sum of a[i]'s lanes, i < 8: pairs, then fours, then halves, each a shuffle of
+// two vectors and an add (one reduction across lanes each would cost 8 times the shuffles)
+LS_INLINE v8 lane_sums8(const v8* a) {
+  v8 h[4], q[2];
+  for (int i = 0; i < 4; ++i)
+    h[i] = LS_SHUFFLE(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           LS_SHUFFLE(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int i = 0; i < 2; ++i)
+    q[i] = LS_SHUFFLE(h[2 * i], h[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           LS_SHUFFLE(h[2 * i], h[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return LS_SHUFFLE(q[0], q[1], 0, 1, 2, 3, 8, 9, 10, 11) + LS_SHUFFLE(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 // 2^x for x <= 126; below -126 it gives 2^-126 rather than a denormal or zero; NaN stays
@@ -62,7 +101,6 @@ inline float silu(float x) { return x / (1.f + exp2_fast(-x * kLog2e)); }
 constexpr int kLanes = 16;
 
 inline float tree_sum(const float* lane) {
-  typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
   v8 a, b;
   std::memcpy(&a, lane, sizeof a);
