@@ -381,8 +381,7 @@ class NativeCodecStep(_CodecStepGraph):
             return layer.window_weight(), _bias(c), layer.kernel_size, c.dilation[0], elu
 
         with torch.no_grad():
-            tables = [vq._codebook.embed for vq in codec.quantizer.vq.layers]
-            self.decoder = module.CodecDecoder(torch.stack(tables).float())
+            self.decoder = module.CodecDecoder(codec.quantizer.codeword_tables().float())
             elu = False
             for layer in codec.decoder.model:
                 if is_unit_elu(layer) and not elu:

@@ -189,6 +189,10 @@ class ResidualVectorQuantizer(nn.Module):
             codes.append(c)
         return torch.stack(codes, 1)
 
+    def codeword_tables(self) -> Tensor:
+        """[n_codebooks, codebook_size, D]: each level's codewords, which `decode` sums."""
+        return torch.stack([layer._codebook.embed for layer in self.vq.layers])
+
     def decode(self, codes: Tensor) -> Tensor:
         """codes [B, K, T] (any K <= n_codebooks) -> latent [B, D, T]."""
         layers = self._layers(codes.shape[1])
