@@ -318,8 +318,7 @@ def build_engine(config: ServerConfig, metrics: Metrics, cpus: int) -> EngineAPI
     engine = Engine(bundle, settings, metrics)
     runner = engine.runner
     log.info("codec runtime: %s (%s)", runner.codec_runtime, config.codec_runtime)
-    log.info("model step: %s", "native" if runner.native else "frozen graph" if runner.frozen
-             else "CUDA graphs" if runner.captured is not None else "eager")
+    log.info("model step: %s", runner.model_step_runtime)
     return engine
 
 

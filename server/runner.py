@@ -363,6 +363,13 @@ class ModelRunner:
         """Whether the model step runs as a frozen graph (tracing may have fallen back)."""
         return self.model_step != self.model.step
 
+    @property
+    def model_step_runtime(self) -> str:
+        """What runs the model step (the server logs it, as `codec_runtime` for the codec)."""
+        if self.native:
+            return "native"
+        return "frozen graph" if self.frozen else "CUDA graphs" if self.captured is not None else "eager"
+
     # --- voices (called from executor threads, not the engine loop) ---------------------
     @torch.no_grad()
     def make_voice(self, voice_id: str, audio: np.ndarray, sample_rate: int) -> Voice:

@@ -194,6 +194,7 @@ def test_the_runner_steps_natively_unless_told_not_to_or_where_it_cannot_be_buil
     bundle = load_bundle(random_init=True)
     runner = ModelRunner(bundle, 2)
     assert runner.native and runner.frozen and isinstance(runner.model_step, NativeStep)
+    assert runner.model_step_runtime == "native"
     assert isinstance(ModelRunner(bundle, 2, native_step=False).model_step, FrozenStep)
     assert ModelRunner(bundle, 2, frozen_step=False).model_step == bundle.model.step
     monkeypatch.setattr(native_step, "native_module", lambda: None)

@@ -192,6 +192,7 @@ def test_runner_steps_through_the_frozen_graph_unless_told_not_to():
     frozen, eager = ModelRunner(bundle, 2, native_step=False), ModelRunner(bundle, 2, frozen_step=False)
     assert isinstance(frozen.model_step, FrozenStep) and isinstance(frozen.codec_step, FrozenCodecStep)
     assert eager.model_step == bundle.model.step and eager.codec_step == bundle.codec.decode_step
+    assert (frozen.model_step_runtime, eager.model_step_runtime) == ("frozen graph", "eager")
 
 
 @pytest.mark.skipif(not _onnx_runtime() or native_module() is None, reason="no ONNX Runtime or no native build")
