@@ -327,6 +327,9 @@ async def _serve(config: ServerConfig, engine: Optional[EngineAPI]) -> None:
     if engine is None:
         engine = make_engine(config, metrics)
     app = await build_server(config, engine, metrics=metrics)
+    from livespeech.server.engine import freeze_startup_objects
+
+    freeze_startup_objects()
     http = f", WebSocket/HTTP on {config.host}:{app.http_port}" if app.http_port else ""
     print(f"livespeech: serving on {config.host}:{app.port}{http}", flush=True)
     loop = asyncio.get_running_loop()

@@ -426,6 +426,9 @@ def _child_main(conn, build: Callable, config: ServerConfig, cpus: int, index: i
     try:
         engine = build(config, RelayedMetrics(outbox.put), cpus)
         engine.start()
+        from .engine import freeze_startup_objects
+
+        freeze_startup_objects()
     except BaseException as exc:  # noqa: BLE001 - whatever stops the start is the parent's error message
         log.exception("engine process %d failed to start", index)
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
