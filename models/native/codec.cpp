@@ -9,10 +9,11 @@
 // samples, its rows the input windows; the ELU before a convolution is applied in the
 // copy that builds those windows; a residual block's shortcut and its last 1x1 conv
 // accumulate into one output; the LSTM's gate maths is one loop after each frame's
-// sgemm. The streaming state is the torch decoder's (`SEANetDecoder.stream_init`), read
-// and returned in the same order and layout, so a packet decoded here continues one
-// decoded there, and decoding in pieces equals decoding whole. Each layer records a
-// `codec.*` scope, so torch.profiler's traces (loadtest.profile_step --trace) show them.
+// recurrent product. The streaming state is the torch decoder's
+// (`SEANetDecoder.stream_init`), read and returned in the same order and layout, so a
+// packet decoded here continues one decoded there, and decoding in pieces equals decoding
+// whole. Each layer records a `codec.*` scope, so torch.profiler's traces
+// (loadtest.profile_step --trace) show them.
 #include <torch/extension.h>
 #include <ATen/record_function.h>
 
@@ -68,8 +69,8 @@ LS_KERNEL void dot_rows(const float* x, int64_t x_step, const float* w, int64_t 
 // registers (as plain arrays, GCC kept a single row's on the stack, every k a store and a
 // reload on the sums' dependency chain)
 template <int N, int R>
-__attribute__((always_inline)) inline void narrow_block(const float* x, int64_t xs, int64_t K, const float* w,
-                                                        const float* bias, float* y, int64_t ys, bool acc) {
+LS_INLINE void narrow_block(const float* x, int64_t xs, int64_t K, const float* w, const float* bias, float* y,
+                            int64_t ys, bool acc) {
   constexpr int V = N / 8;
   v8 sums[R][V];
   for (int i = 0; i < R; ++i)
@@ -89,9 +90,8 @@ __attribute__((always_inline)) inline void narrow_block(const float* x, int64_t 
 
 // The last rows (fewer than R + 1) as one block of exactly that many
 template <int N, int R>
-__attribute__((always_inline)) inline void narrow_last(const float* x, int64_t xs, int64_t rows, int64_t K,
-                                                       const float* w, const float* bias, float* y, int64_t ys,
-                                                       bool acc) {
+LS_INLINE void narrow_last(const float* x, int64_t xs, int64_t rows, int64_t K, const float* w, const float* bias,
+                           float* y, int64_t ys, bool acc) {
   if constexpr (R >= 1) {
     if (rows == R)
       narrow_block<N, R>(x, xs, K, w, bias, y, ys, acc);
@@ -108,9 +108,8 @@ __attribute__((always_inline)) inline void narrow_last(const float* x, int64_t x
 // of its own: blocks of R rows share each weight row's loads. Each row's sums are added
 // in the same order whatever its block.
 template <int N, int R>
-__attribute__((always_inline)) inline void narrow_rows(const float* x, int64_t xs, int64_t rows, int64_t K,
-                                                       const float* w, const float* bias, float* y, int64_t ys,
-                                                       bool acc) {
+LS_INLINE void narrow_rows(const float* x, int64_t xs, int64_t rows, int64_t K, const float* w, const float* bias,
+                           float* y, int64_t ys, bool acc) {
   static_assert(N % 8 == 0, "whole vectors of outputs");
   int64_t r = 0;
   for (; r + R <= rows; r += R) narrow_block<N, R>(x + r * xs, xs, K, w, bias, y + r * ys, ys, acc);

@@ -161,7 +161,7 @@ inline void ssm_row(int64_t n, float* state, const float* a2, const float* dt, c
 // channel's two vectors of states updated, then the 8 channels' y from one transposing
 // reduction (one reduction across lanes a channel had cost more than its update).
 LS_INLINE void ssm_row16(float* state, const float* a2, const float* dt, const float* x, const float* bv,
-                      const float* cv, const float* d_skip, float* y, int64_t channels) {
+                         const float* cv, const float* d_skip, float* y, int64_t channels) {
   const v8 b0 = load8(bv), b1 = load8(bv + 8), c0 = load8(cv), c1 = load8(cv + 8);
   const v8 lowest = v8{} - 126.f, highest = v8{} + 126.f;
   for (int64_t c = 0; c < channels; c += 8) {
