@@ -535,6 +535,18 @@ def test_the_codec_lstms_flops_are_counted_as_its_written_out_loop_counts_them()
     assert counted["op+formula"] == counted["loop"] == 2 * 5 * 3 * 2 * (24 * 96 + 24 * 96)
 
 
+def test_codec_bench_times_torchs_step_and_the_native_one(capsys):
+    """`bench_codec` prints one line a case, for torch's decode step and, with --native,
+    the server's native codec step."""
+    from livespeech.loadtest import bench_codec
+    from livespeech.models.native_step import native_module
+
+    for native in ([], ["--native"]) if native_module() is not None else ([],):
+        bench_codec.main(["--presets", "small", "--repeats", "1", *native])
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == len(bench_codec.CASES) and all("real time per core" in line for line in lines)
+
+
 def test_step_profile_traces_the_ops_by_input_shape(tmp_path):
     """`--trace-shapes` adds the trace's op table grouped by input shapes (the batch of two
     in its rows); it needs `--trace`."""
