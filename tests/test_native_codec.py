@@ -4,8 +4,8 @@ Decoding in pieces equals decoding whole, for both presets and an odd layout (ot
 widths, dilation 3, identity shortcuts, no LSTM, reflect padding, whose first packets
 torch decodes) at any packet sizes; sessions joining and leaving a batch each get their
 own whole decode, and so does every session of a batch of several of the LSTM's row
-blocks; a code outside its codebook fails the call and leaves the streams'
-state as it was; a decoder of another layout is refused when the step is built.
+blocks; a code outside its codebook fails the call and leaves the streams' state as it
+was; a decoder of another layout is refused when the step is built.
 """
 from __future__ import annotations
 
