@@ -170,8 +170,8 @@ class DecodeState(DecodeStateView):
         each row, those a step reads (`visible_length`): the memory is most of a
         session's state (1.6 MB for the default model)."""
         self.write_pending_text()
-        if _contiguous(slots):
-            sel = slice(slots[0], slots[0] + len(slots))
+        sel = as_slice(slots)
+        if sel is not None:
             pick = lambda name, t: t[:, sel] if name in DecodeStateView.LAYERED else t[sel]  # noqa: E731
         else:
             idx = self.slot_index(slots)
@@ -226,7 +226,7 @@ class DecodeState(DecodeStateView):
 
     def write_back(self, view: DecodeStateView) -> None:
         """Scatter a gathered view's mutable tensors back (no-op for slices)."""
-        if _contiguous(view.slots):
+        if as_slice(view.slots) is not None:
             return
         idx = self.slot_index(view.slots)
         for name in DecodeStateView.MUTABLE:
@@ -524,9 +524,15 @@ def window_bounds(windows: Union[Sequence[tuple[int, int]], np.ndarray]) -> tupl
     return lo, hi
 
 
-def _contiguous(slots: Sequence[int]) -> bool:
-    """Whether slots are consecutive, so the batch is a slice of the state (no copy)."""
-    return list(slots) == list(range(slots[0], slots[0] + len(slots)))
+def as_slice(slots: Sequence[int]) -> Optional[slice]:
+    """`slots` as the slice of the state's rows they are where they are consecutive and in
+    order (a batch that is a view, not a copy), else None."""
+    if not len(slots):
+        return None
+    first = int(slots[0])
+    if int(slots[-1]) - first != len(slots) - 1 or any(b != a + 1 for a, b in zip(slots, slots[1:])):
+        return None
+    return slice(first, first + len(slots))
 
 
 def enrollment_kv(model: LiveSpeech2, enroll: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ from livespeech.models.guidance import (FirstCodeBias, GuidanceState, GuidingSet
                                         Temperatures, counter_uniforms, sample_step, sent_guiding_sets,
                                         stage_guiding_sets)
 from livespeech.models.guidance_batch import GuidanceBatch, ring_capacity
-from livespeech.models.inference import DecodeState, DecodeStateView, StepResult, enrollment_kv, window_bounds
+from livespeech.models.inference import (DecodeState, DecodeStateView, StepResult, as_slice, enrollment_kv,
+                                         window_bounds)
 from livespeech.models.livespeech import StepLogits, text_guided
 from livespeech.models.loading import ModelBundle
 from livespeech.models.scripted import kernel_fusion
@@ -153,16 +154,6 @@ class Voice:
     enrollment: torch.Tensor  # [N, D] speech-encoder output
     kv: torch.Tensor  # per-layer enrollment K/V, computed once per voice
     engine: int = 0  # the front end's synthesiser engine the voice sounds most like (models/front_end.py)
-
-
-def _as_run(slots: Sequence[int]) -> Optional[slice]:
-    """`slots` as a slice where they are a run of consecutive slots in order, else None."""
-    if not len(slots):
-        return None
-    first = int(slots[0])
-    if int(slots[-1]) - first != len(slots) - 1 or any(b != a + 1 for a, b in zip(slots, slots[1:])):
-        return None
-    return slice(first, first + len(slots))
 
 
 def _step_result(tokens: torch.Tensor, bad: torch.Tensor, forced: Optional[torch.Tensor],
@@ -492,7 +483,7 @@ class ModelRunner:
         idx = self.state.slot_index(slots)
         # the per-slot settings of a run of consecutive slots (a full batch's) are read as
         # a slice: views, where each gather by an index tensor took ~20 us on the CPU
-        rows = _as_run(slots) or idx
+        rows = as_slice(slots) or idx
         sets = self.sampling.guide(rows, self.guidance.guide(idx, cfg.n_graphemes) if on_device
                                    else sent_guiding_sets(sent, host_sets, cfg.n_graphemes))
         forced, eos, bias_rows = (None if at is None else sent[at] for at in (forced_at, eos_at, bias_at))
@@ -528,7 +519,7 @@ class ModelRunner:
                                  bias_rows) -> torch.Tensor:
         """`step`'s model step, sampling and commit call by call (the CPU's, and a GPU's
         with text CFG); `_sample_and_commit`'s result for the batch. idx: the slots' rows
-        of their settings (an index tensor, or a slice: `_as_run`). span: the run of
+        of their settings (an index tensor, or a slice: `as_slice`). span: the run of
         slots the model steps for the batch (`_span`), or None to step its view; sets: the
         rows' `GuidingSets`; kmax: their largest (grapheme, acoustic) k; scaled: whether
         one has a temperature other than 1; forced, eos, bias_rows: the rows' tensors on

@@ -657,13 +657,13 @@ def test_a_batch_with_gaps_steps_its_run_of_slots_as_it_steps_its_gathered_copy(
 
 def test_each_row_samples_with_its_slots_settings_in_order_or_not():
     """A batch of consecutive slots in order reads its rows' sampling settings as a slice
-    (`runner._as_run`), any other as gathered rows: each slot samples with its own top-k
-    and temperatures either way, the same tokens as the batch in another order."""
+    (`inference.as_slice`), any other as gathered rows: each slot samples with its own
+    top-k and temperatures either way, the same tokens as the batch in another order."""
     from livespeech.models.guidance import SamplingSettings, Temperatures
-    import livespeech.server.runner as runner_module
+    from livespeech.models.inference import as_slice
 
-    assert runner_module._as_run([2, 3, 4]) == slice(2, 5)
-    assert runner_module._as_run([2, 4]) is None and runner_module._as_run([3, 2]) is None
+    assert as_slice([2, 3, 4]) == slice(2, 5)
+    assert as_slice([2, 4]) is None and as_slice([3, 2]) is None and as_slice([]) is None
     torch.set_num_threads(1)
     bundle = load_bundle(random_init=True)
     orders = [list(range(6)), [5, 3, 1, 0, 2, 4]]
