@@ -83,12 +83,16 @@ LS_INLINE v8 lane_sums8(const v8* a) {
 }
 
 // 2^x for x <= 126; below -126 it gives 2^-126 rather than a denormal or zero; NaN stays
-// NaN.
-inline float exp2_fast(float x) {
-  x = x < -126.f ? -126.f : x;
-  x = x > 126.f ? 126.f : x;
-  return exp2_in_range(x);
+// NaN. For a float (I: int32_t) or a v8 (I: v8i) alike.
+template <class F, class I>
+LS_INLINE F exp2_fast_of(F x) {
+  const F lowest = F{} - 126.f, highest = F{} + 126.f;
+  x = x < lowest ? lowest : x;
+  x = x > highest ? highest : x;
+  return exp2_in_range_of<F, I>(x);
 }
+
+inline float exp2_fast(float x) { return exp2_fast_of<float, int32_t>(x); }
 
 constexpr float kLog2e = 1.4426950408889634f;
 

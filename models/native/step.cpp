@@ -136,13 +136,10 @@ LS_KERNEL void conv_rows(StateRows state, int64_t k, const float* x, int64_t x_s
   }
 }
 
-// Mamba's selective-state step for one row: for each channel c,
+// Mamba's selective-state step for one row: for each channel c, its m states
 // state[c] = state[c] * 2^(dt[c] a2[c]) + dt[c] x[c] B; y[c] = state[c] . C + D[c] x[c].
-// N: the states a channel where known when compiled (the default model's 16), 0: `n`.
-template <int N>
-inline void ssm_row(int64_t n, float* state, const float* a2, const float* dt, const float* x, const float* bv,
-                    const float* cv, const float* d_skip, float* y, int64_t channels) {
-  const int64_t m = N > 0 ? N : n;
+LS_INLINE void ssm_row(int64_t m, float* state, const float* a2, const float* dt, const float* x, const float* bv,
+                       const float* cv, const float* d_skip, float* y, int64_t channels) {
   for (int64_t c = 0; c < channels; ++c) {
     float* s = state + c * m;
     const float* a = a2 + c * m;
@@ -157,13 +154,13 @@ inline void ssm_row(int64_t n, float* state, const float* a2, const float* dt, c
   }
 }
 
-// ssm_row for 16 states a channel, 8 channels at a time (channels a multiple of 8): each
-// channel's two vectors of states updated, then the 8 channels' y from one transposing
-// reduction (one reduction across lanes a channel had cost more than its update).
+// ssm_row for 16 states a channel (the default model's), 8 channels at a time (channels a
+// multiple of 8): each channel's two vectors of states updated, then the 8 channels' y
+// from one transposing reduction (one reduction across lanes a channel had cost more
+// than its update).
 LS_INLINE void ssm_row16(float* state, const float* a2, const float* dt, const float* x, const float* bv,
                          const float* cv, const float* d_skip, float* y, int64_t channels) {
   const v8 b0 = load8(bv), b1 = load8(bv + 8), c0 = load8(cv), c1 = load8(cv + 8);
-  const v8 lowest = v8{} - 126.f, highest = v8{} + 126.f;
   for (int64_t c = 0; c < channels; c += 8) {
     v8 parts[8];
     for (int i = 0; i < 8; ++i) {
@@ -171,13 +168,8 @@ LS_INLINE void ssm_row16(float* state, const float* a2, const float* dt, const f
       const float* a = a2 + (c + i) * 16;
       const float di = dt[c + i], dxi = di * x[c + i];
       const v8 d = {di, di, di, di, di, di, di, di}, dx = {dxi, dxi, dxi, dxi, dxi, dxi, dxi, dxi};
-      v8 t[2] = {d * load8(a), d * load8(a + 8)};
-      for (v8& e : t) {  // exp2_fast's clamps (NaN stays NaN)
-        e = e < lowest ? lowest : e;
-        e = e > highest ? highest : e;
-        e = exp2_in_range_of<v8, v8i>(e);
-      }
-      const v8 s0 = load8(s) * t[0] + dx * b0, s1 = load8(s + 8) * t[1] + dx * b1;
+      const v8 s0 = load8(s) * exp2_fast_of<v8, v8i>(d * load8(a)) + dx * b0;
+      const v8 s1 = load8(s + 8) * exp2_fast_of<v8, v8i>(d * load8(a + 8)) + dx * b1;
       store8(s, s0);
       store8(s + 8, s1);
       parts[i] = s0 * c0 + s1 * c1;
@@ -211,10 +203,8 @@ LS_KERNEL void ssm_rows(StateRows state, int64_t n, const float* a2, const float
     float* yr = y + r * channels;
     if (n == 16 && channels % 8 == 0)
       ssm_row16(st, a2, dt, xr, bv, bv + n, d_skip, yr, channels);
-    else if (n == 16)
-      ssm_row<16>(n, st, a2, dt, xr, bv, bv + n, d_skip, yr, channels);
     else
-      ssm_row<0>(n, st, a2, dt, xr, bv, bv + n, d_skip, yr, channels);
+      ssm_row(n, st, a2, dt, xr, bv, bv + n, d_skip, yr, channels);
     const float* zr = z + r * z_stride;
 #pragma omp simd
     for (int64_t c = 0; c < channels; ++c) yr[c] *= silu(zr[c]);
